@@ -1,0 +1,3 @@
+from coldsnap.cli import main
+
+raise SystemExit(main())

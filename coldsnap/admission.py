@@ -1,0 +1,145 @@
+"""Admission at restore: may a destination host take a unit's captured process state?
+
+Pure. The caller gathers the host's facts (through the host probe) and, under the `capability`
+kernel policy, runs the capsule-pinned `criu check` itself; this module only decides.
+
+Public API:
+- `GpuFact(uuid, name, compute_capability)`, `HostFacts(arch, kernel, driver_version, gpus)`.
+- `check_admission(unit, facts, *, devices, snapshot_driver_min, enforce_captured_driver_floor
+  =True, kernel_policy="capability", base="compatibility.units[i]") -> Admission`.
+  `devices` are the restore unit's device selectors (slot i -> devices[i]); a selector is a GPU
+  UUID or an index into `facts.gpus`.
+- `Admission.refusals` (list of `ValidationIssue`, each naming the artifact field it fails),
+  `Admission.criu_probe_required`, `Admission.admitted`.
+- `parse_driver_version("610.43.02") -> (610, 43, 2)`; `normalize_arch(name)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coldsnap.formats.artifact import CompatibilityUnit
+from coldsnap.formats.errors import ValidationIssue
+
+# The same machine architecture has several names (uname vs Debian vs OCI); compare meanings.
+_ARCH_ALIASES = {"amd64": "x86_64", "x86-64": "x86_64", "x64": "x86_64", "arm64": "aarch64",
+                 "armv8": "aarch64"}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFact:
+    uuid: str
+    name: str
+    compute_capability: str
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    arch: str
+    kernel: str
+    driver_version: str
+    gpus: Sequence[GpuFact] = ()
+
+
+@dataclass(slots=True)
+class Admission:
+    refusals: list[ValidationIssue] = field(default_factory=list)
+    criu_probe_required: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        """No refusal found here; with `criu_probe_required`, the probe must also pass."""
+        return not self.refusals
+
+
+def normalize_arch(name: str) -> str:
+    lowered = name.strip().lower()
+    return _ARCH_ALIASES.get(lowered, lowered)
+
+
+def parse_driver_version(text: str) -> tuple[int, ...]:
+    parts = text.strip().split(".")
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not an NVIDIA driver version: {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _select_gpu(selector: str, gpus: Sequence[GpuFact]) -> GpuFact | None:
+    for gpu in gpus:
+        if gpu.uuid == selector:
+            return gpu
+    if selector.isdigit() and int(selector) < len(gpus):
+        return gpus[int(selector)]
+    return None
+
+
+def check_admission(
+    unit: CompatibilityUnit,
+    facts: HostFacts,
+    *,
+    devices: Sequence[str],
+    snapshot_driver_min: int,
+    enforce_captured_driver_floor: bool = True,
+    kernel_policy: Literal["capability", "exact"] = "capability",
+    base: str = "compatibility.units[0]",
+) -> Admission:
+    result = Admission()
+
+    def refuse(path: str, message: str) -> None:
+        result.refusals.append(ValidationIssue(f"{base}.{path}", message))
+
+    if normalize_arch(facts.arch) != normalize_arch(unit.architecture):
+        refuse("architecture", f"destination is {facts.arch}, the capture is "
+                               f"{unit.architecture}")
+
+    try:
+        version = parse_driver_version(facts.driver_version)
+    except ValueError as exc:
+        refuse("nvidia_driver_min", str(exc))
+    else:
+        minimum = max(snapshot_driver_min, unit.nvidia_driver_min)
+        if version[0] < minimum:
+            refuse("nvidia_driver_min", f"destination driver {facts.driver_version} is older "
+                                        f"than the minimum major {minimum}")
+        if enforce_captured_driver_floor:
+            try:
+                captured = parse_driver_version(unit.nvidia_driver_captured)
+            except ValueError as exc:
+                refuse("nvidia_driver_captured", str(exc))
+            else:
+                if version < captured:
+                    refuse("nvidia_driver_captured",
+                           f"destination driver {facts.driver_version} is older than the "
+                           f"captured {unit.nvidia_driver_captured} (policy.compatibility."
+                           "enforce_captured_driver_floor is true)")
+
+    if kernel_policy == "exact":
+        if facts.kernel != unit.kernel:
+            refuse("kernel", f"destination kernel {facts.kernel!r} differs from the captured "
+                             f"{unit.kernel!r} (kernel policy 'exact')")
+    else:
+        result.criu_probe_required = True
+
+    by_slot = {d.slot: (i, d) for i, d in enumerate(unit.devices)}
+    if len(devices) != len(unit.devices):
+        refuse("devices", f"destination unit has {len(devices)} device(s), the capture has "
+                          f"{len(unit.devices)}")
+    for slot, selector in enumerate(devices):
+        if slot not in by_slot:
+            continue
+        i, wanted = by_slot[slot]
+        gpu = _select_gpu(selector, facts.gpus)
+        if gpu is None:
+            refuse(f"devices[{i}]", f"device selector {selector!r} (slot {slot}) matches no GPU "
+                                    "on the destination")
+            continue
+        if gpu.name != wanted.gpu_name:
+            refuse(f"devices[{i}].gpu_name", f"slot {slot} is {gpu.name!r} ({gpu.uuid}), the "
+                                             f"capture is {wanted.gpu_name!r}")
+        if gpu.compute_capability != wanted.compute_capability:
+            refuse(f"devices[{i}].compute_capability",
+                   f"slot {slot} has compute capability {gpu.compute_capability}, the capture "
+                   f"has {wanted.compute_capability}")
+    return result

@@ -1,0 +1,68 @@
+"""The `coldsnapd` command line.
+
+Each subcommand lives in its own module under `coldsnap.commands`; a module exposes
+`register(subparsers)` which adds its parser and sets `handler` to a function
+`(argparse.Namespace) -> int` returning the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from coldsnap import __version__
+
+# Order here is the order in `coldsnapd --help`.
+COMMAND_MODULES = (
+    "coldsnap.commands.validate",
+    "coldsnap.commands.plan",
+    "coldsnap.commands.hosts",
+    "coldsnap.commands.capture",
+    "coldsnap.commands.restore",
+    "coldsnap.commands.artifacts",
+)
+
+DESCRIPTION = """\
+coldsnapd snapshots a warmed-up inference engine (vLLM, SGLang) into a ColdSnap artifact
+and restores it in seconds on the same or other GPU hosts, reached over SSH.
+
+Exit status: 0 success, 1 operation failed, 2 bad input (request, inventory, arguments).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coldsnapd",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"coldsnapd {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # Only a command whose own module is absent is skipped; a broken import inside
+            # an existing module must still fail loudly.
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    status: int = handler(args)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""`coldsnapd artifacts list|show`: the artifacts in the local store."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from coldsnap.commands.common import add_store_argument, fail, human_bytes, open_store, print_json
+from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.store import StoredArtifact, StoreError
+
+
+def _summary(stored: StoredArtifact) -> dict[str, Any]:
+    a = stored.artifact
+    return {
+        "capture_id": a.capture_id,
+        "digest": stored.digest,
+        "engine": a.launch.engine,
+        "model": a.launch.model.id,
+        "snapshot_driver": a.snapshot_driver.id,
+        "units": len(a.launch.units),
+        "workers": len(a.launch.execution.workers),
+        "bytes": sum(o.bytes for o in a.objects),
+    }
+
+
+def _list(args: argparse.Namespace) -> int:
+    try:
+        stored = open_store(args).list_artifacts()
+    except (StoreError, ArtifactInvalid, ValueError) as exc:
+        return fail(str(exc), 1)
+    rows = [_summary(s) for s in stored]
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        sys.stdout.write("no artifacts\n")
+        return 0
+    sys.stdout.write(f"{'CAPTURE ID':<32} {'DIGEST':<19} {'ENGINE':<7} {'UNITS':>5} "
+                     f"{'WORKERS':>7} {'SIZE':>10}\n")
+    for r in rows:
+        sys.stdout.write(f"{r['capture_id']:<32} {r['digest'][:19]:<19} {r['engine']:<7} "
+                         f"{r['units']:>5} {r['workers']:>7} {human_bytes(r['bytes']):>10}\n")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        stored = open_store(args).resolve_artifact(args.artifact)
+    except (StoreError, ArtifactInvalid, ValueError) as exc:
+        return fail(str(exc), 1)
+    if args.json:
+        print_json(stored.artifact.to_json())
+        return 0
+    a = stored.artifact
+    out = sys.stdout
+    out.write(f"capture id:      {a.capture_id}\n")
+    out.write(f"digest:          {stored.digest}\n")
+    out.write(f"request:         {a.request_sha256}\n")
+    out.write(f"engine / model:  {a.launch.engine} {a.launch.model.id}@{a.launch.model.revision}\n")
+    out.write(f"snapshot driver: {a.snapshot_driver.id} (driver >= "
+              f"{a.snapshot_driver.minimum_driver_major})\n")
+    for unit in a.launch.units:
+        compat = a.compatibility_unit(unit.id)
+        gpus = ", ".join(f"{d.gpu_name} ({d.compute_capability})" for d in compat.devices)
+        out.write(f"unit {unit.id}: captured on {unit.host}, {compat.architecture}, driver "
+                  f"{compat.nvidia_driver_captured}, {gpus}\n")
+    out.write(f"{'OWNER':<24} {'ROLE':<22} {'SIZE':>10}  SHA256\n")
+    for obj in a.objects:
+        out.write(f"{obj.owner:<24} {obj.role:<22} {human_bytes(obj.bytes):>10}  "
+                  f"{obj.sha256[:19]}\n")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "artifacts", help="list and inspect artifacts in the local store",
+        description="List the artifacts in the local content-addressed store, or show one by "
+                    "capture id or by an unambiguous prefix of its digest.")
+    sub = parser.add_subparsers(dest="artifacts_command", metavar="ACTION", required=True)
+    p_list = sub.add_parser("list", help="one line per artifact")
+    p_show = sub.add_parser("show", help="one artifact: units, compatibility, objects")
+    p_show.add_argument("artifact", metavar="ID", help="capture id or digest prefix")
+    for p, handler in ((p_list, _list), (p_show, _show)):
+        add_store_argument(p)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(handler=handler)

@@ -1,0 +1,80 @@
+"""`coldsnapd validate --request FILE [--json]`: check a format-4 request without touching a host.
+
+Exit 0 and print the `request_sha256` when valid. Exit 2 when the file is missing, unreadable,
+unparsable or invalid, with every problem as `PATH: message` on stderr (or, with `--json`,
+`{"valid": false, "errors": [{"path", "message"}]}` on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from coldsnap.formats.errors import RequestInvalid, ValidationIssue
+from coldsnap.formats.request import Request, load_request
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+HELP = "check a request (format 4) and print its request_sha256"
+DESCRIPTION = """\
+Check an operation request (format 4, YAML or JSON) against every rule of the format: field
+types and patterns, unknown fields, the execution graph (units, workers, groups, services),
+the adapter digest, image pinning and the cross-field policy rules. No host is contacted.
+
+Valid: exit 0, the request_sha256 (digest of the request with defaults applied) on stdout.
+Invalid: exit 2, every problem as `PATH: message` on stderr, for example
+  launch.execution.workers[1].device_slots[0]: slot 2 is out of range: ...
+"""
+
+
+def add_request_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--request", "-r", required=True, type=Path, metavar="FILE",
+                        help="the request file (.yaml, .yml or .json; at most 16 MiB)")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON document on stdout instead of text")
+
+
+def print_issues(issues: list[ValidationIssue], source: Path) -> None:
+    for issue in issues:
+        # A problem with the document as a whole has no field path; name the file instead.
+        print(f"{issue.path or source}: {issue.message}", file=sys.stderr)
+
+
+def read_request(args: argparse.Namespace) -> Request | list[ValidationIssue]:
+    """Load `args.request`; on failure return the issues instead of raising."""
+    try:
+        return load_request(args.request)
+    except RequestInvalid as exc:
+        return exc.issues
+
+
+def emit_json(document: dict[str, Any]) -> None:
+    print(json.dumps(document, indent=2, sort_keys=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    result = read_request(args)
+    if isinstance(result, list):
+        if args.json:
+            emit_json({"valid": False, "errors": [i.to_json() for i in result]})
+        else:
+            print_issues(result, args.request)
+            print(f"{args.request}: invalid ({len(result)} problem"
+                  f"{'' if len(result) == 1 else 's'})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        emit_json({"valid": True, "request_sha256": result.request_sha256})
+    else:
+        print(result.request_sha256)
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("validate", help=HELP, description=DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_request_argument(parser)
+    parser.set_defaults(handler=run)

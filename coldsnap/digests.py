@@ -1,0 +1,32 @@
+"""SHA-256 of files and streams, in the `sha256:<hex>` form every ColdSnap document uses."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+CHUNK = 1 << 20
+
+
+class BadDigest(ValueError):
+    """A string that is not `sha256:` + 64 lowercase hex characters."""
+
+
+def check_digest(value: str) -> str:
+    """Return the hex part of a digest string, refusing anything that could escape a path."""
+    if not DIGEST_RE.match(value):
+        raise BadDigest(f"not a sha256 digest: {value!r}")
+    return value.removeprefix("sha256:")
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    """Digest and size of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return "sha256:" + h.hexdigest(), size

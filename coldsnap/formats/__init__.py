@@ -1,0 +1,21 @@
+"""ColdSnap's public formats: request 4, artifact 9, receipt 2, timing 1, canonical JSON.
+
+Pure: no I/O beyond `load_request` reading the one file it is given, no asyncio. Modules:
+`canonical` (canonical JSON, `sha256:` digests), `errors` (`ValidationIssue`, `RequestInvalid`),
+`request`, `artifact`, `receipt`, `timing`.
+"""
+
+from coldsnap.formats.canonical import canonical_json, digest
+from coldsnap.formats.errors import RequestInvalid, ValidationIssue
+from coldsnap.formats.request import Request, load_request, parse_request, request_sha256
+
+__all__ = [
+    "Request",
+    "RequestInvalid",
+    "ValidationIssue",
+    "canonical_json",
+    "digest",
+    "load_request",
+    "parse_request",
+    "request_sha256",
+]

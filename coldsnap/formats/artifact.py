@@ -1,0 +1,199 @@
+"""Snapshot artifact, format 9 (`kind: coldsnap-snapshot-artifact`, `state: committed`).
+
+Public API:
+- `Artifact` with `capture_id`, `request_sha256`, `snapshot_driver` (`ArtifactSnapshotDriver`:
+  `id`, `minimum_driver_major`), `launch` (the capture request's launch), `requires` (sorted,
+  unique), `compatibility` (`Compatibility` of `CompatibilityUnit` / `CompatibilityDevice`),
+  `capsule.images` (`CapsuleImage(unit, reference, digest)`), `objects` (`ArtifactObject(role,
+  owner, path, bytes, sha256)`), `weights.recovery.replay_plan` (`ReplayPlanEntry`).
+- `Artifact.to_json()` is the document to write (absent optional fields omitted, never null);
+  `parse_artifact(data) -> Artifact` raises `ArtifactInvalid` naming every bad path.
+- `payload_path(sha256)` and `replay_plan_path(worker_id)`: the object paths this project uses.
+- `Artifact.objects_owned_by(owner)`, `Artifact.object(role, owner)`.
+
+Serialize with `to_json()` (or `model_dump(mode="json")`), not with `exclude_none=True`: that
+option would also strip nulls inside the adapter payload and break its digest.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import AfterValidator, Field, ValidationError, model_validator
+
+from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
+from coldsnap.formats.request import (
+    DRIVER_MINIMUM_MAJOR,
+    Digest,
+    Id,
+    Launch,
+    NonEmpty,
+    NonNegative,
+    RelPath,
+    StrictModel,
+    launch_issues,
+)
+
+ARTIFACT_KIND: Final = "coldsnap-snapshot-artifact"
+COMPATIBILITY_POLICY: Final = "placement-independent-v1"
+ROLE_CAPSULE = "oci-capsule"
+ROLE_WEIGHTS = "model-weight-payload"
+ROLE_REPLAY_PLAN = "replay-plan"
+
+_OWNER = re.compile(r"(unit|worker|service|group)/[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _check_owner(value: str) -> str:
+    if _OWNER.fullmatch(value) is None:
+        raise ValueError("must be a typed owner: unit/<id>, worker/<id>, service/<id> or "
+                         "group/<id>")
+    return value
+
+
+Owner = Annotated[str, AfterValidator(_check_owner)]
+
+
+def payload_path(sha256: str) -> str:
+    """Content-addressed: workers whose payload bytes are identical share one object."""
+    return f"model-payloads/sha256/{sha256.removeprefix('sha256:')}.pack"
+
+
+def replay_plan_path(worker_id: str) -> str:
+    return f"replay-plans/{worker_id}.json"
+
+
+class ArtifactSnapshotDriver(StrictModel):
+    id: Literal["n580", "n610"]
+    minimum_driver_major: int
+
+    @model_validator(mode="after")
+    def _minimum_matches(self) -> ArtifactSnapshotDriver:
+        if self.minimum_driver_major != DRIVER_MINIMUM_MAJOR[self.id]:
+            raise ValueError(f"minimum_driver_major of {self.id} is "
+                             f"{DRIVER_MINIMUM_MAJOR[self.id]}")
+        return self
+
+
+class CompatibilityDevice(StrictModel):
+    slot: NonNegative
+    gpu_name: NonEmpty
+    compute_capability: NonEmpty
+
+
+class CompatibilityUnit(StrictModel):
+    unit: Id
+    architecture: NonEmpty
+    kernel: NonEmpty
+    nvidia_driver_captured: NonEmpty
+    nvidia_driver_min: NonNegative
+    cuda_userspace: NonEmpty
+    devices: list[CompatibilityDevice]
+
+
+class Compatibility(StrictModel):
+    policy: Literal["placement-independent-v1"] = COMPATIBILITY_POLICY
+    units: list[CompatibilityUnit]
+
+
+class CapsuleImage(StrictModel):
+    unit: Id
+    reference: NonEmpty
+    digest: Digest
+
+
+class Capsule(StrictModel):
+    images: list[CapsuleImage]
+
+
+class ArtifactObject(StrictModel):
+    role: NonEmpty
+    owner: Owner
+    path: RelPath
+    bytes: NonNegative
+    sha256: Digest
+
+
+class ReplayPlanEntry(StrictModel):
+    """How one worker is re-created natively when its process snapshot is not admitted."""
+
+    worker: Id
+    plan: RelPath
+    payload: RelPath
+    loader_backend: Literal["direct", "buffered", "auto", "mmap", "torch"] | None = None
+
+
+class RecoveryRecord(StrictModel):
+    replay_plan: list[ReplayPlanEntry] = Field(default_factory=list)
+
+
+class WeightsRecord(StrictModel):
+    recovery: RecoveryRecord = Field(default_factory=RecoveryRecord)
+
+
+class Artifact(StrictModel):
+    format: Literal[9] = 9
+    kind: Literal["coldsnap-snapshot-artifact"] = ARTIFACT_KIND
+    state: Literal["committed"] = "committed"
+    capture_id: Id
+    request_sha256: Digest
+    snapshot_driver: ArtifactSnapshotDriver
+    launch: Launch
+    requires: list[NonEmpty] = Field(default_factory=list)
+    compatibility: Compatibility
+    capsule: Capsule
+    objects: list[ArtifactObject] = Field(default_factory=list)
+    weights: WeightsRecord = Field(default_factory=WeightsRecord)
+
+    def objects_owned_by(self, owner: str) -> list[ArtifactObject]:
+        return [o for o in self.objects if o.owner == owner]
+
+    def object(self, role: str, owner: str) -> ArtifactObject:
+        for obj in self.objects:
+            if obj.role == role and obj.owner == owner:
+                return obj
+        raise KeyError(f"{role} of {owner}")
+
+    def compatibility_unit(self, unit_id: str) -> CompatibilityUnit:
+        for entry in self.compatibility.units:
+            if entry.unit == unit_id:
+                return entry
+        raise KeyError(unit_id)
+
+
+def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
+    """Rules between fields: the launch graph, one capsule per unit, owners that exist."""
+    issues = list(launch_issues(artifact.launch))
+    if artifact.requires != sorted(set(artifact.requires)):
+        issues.append(ValidationIssue("requires", "must be sorted and without repeats"))
+    unit_ids = [u.id for u in artifact.launch.units]
+    owners = {f"unit/{u}" for u in unit_ids}
+    owners |= {f"worker/{w.id}" for w in artifact.launch.execution.workers}
+    owners |= {f"service/{s.id}" for s in artifact.launch.execution.services}
+    owners |= {f"group/{g.id}" for g in artifact.launch.execution.groups}
+    images = [i.unit for i in artifact.capsule.images]
+    if sorted(images) != sorted(unit_ids):
+        issues.append(ValidationIssue("capsule.images", "must hold exactly one image per unit"))
+    compat = [u.unit for u in artifact.compatibility.units]
+    if sorted(compat) != sorted(unit_ids):
+        issues.append(ValidationIssue("compatibility.units", "must hold exactly one entry per "
+                                                             "unit"))
+    for i, obj in enumerate(artifact.objects):
+        if obj.owner not in owners:
+            issues.append(ValidationIssue(f"objects[{i}].owner", f"unknown owner '{obj.owner}'"))
+    return issues
+
+
+def parse_artifact(data: Mapping[str, Any]) -> Artifact:
+    try:
+        artifact = Artifact.model_validate(data)
+    except ValidationError as exc:
+        raise ArtifactInvalid([
+            ValidationIssue(format_path([p for p in e["loc"] if p != "[key]"]), e["msg"])
+            for e in exc.errors(include_url=False)
+        ]) from None
+    issues = artifact_issues(artifact)
+    if issues:
+        raise ArtifactInvalid(issues)
+    return artifact

@@ -1,0 +1,98 @@
+"""Operation receipt, format 2 (`kind: coldsnap-operation-receipt`).
+
+Public API:
+- `Receipt` (fields as FORMATS.md: `operation_id`, `operation`, `state`, `request_sha256`,
+  `engine`, `snapshot_driver`, `replay_semantics`, `started_at`, `completed_at`,
+  `duration_seconds`, `timing`, `result`, `error`), `ReceiptResult(artifact?, output?,
+  prepared?)`, `ReceiptError(code, message)`.
+- `rfc3339_ns(unix_ns) -> str`: UTC with nanoseconds, e.g. `2026-11-29T10:15:00.000000001Z`.
+- `replay_semantics_for(operation, prepare_only=False) -> str`.
+A failed receipt carries `error`; a succeeded one does not.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Final, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from coldsnap.formats.artifact import ArtifactSnapshotDriver
+from coldsnap.formats.request import Digest, Id, NonEmpty, StrictModel
+from coldsnap.formats.timing import Seconds, Timing
+
+RECEIPT_KIND: Final = "coldsnap-operation-receipt"
+ReplaySemantics = Literal["conflict-on-existing-output", "reconcile-replace", "safe-repeat"]
+
+
+def rfc3339_ns(unix_ns: int) -> str:
+    seconds, nanos = divmod(unix_ns, 1_000_000_000)
+    stamp = dt.datetime.fromtimestamp(seconds, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{nanos:09d}Z"
+
+
+def parse_rfc3339_ns(text: str) -> int:
+    """Inverse of `rfc3339_ns`; raises ValueError on anything else."""
+    if len(text) != 30 or text[19] != "." or not text.endswith("Z"):
+        raise ValueError("must be RFC 3339 UTC with nanoseconds, e.g. 2026-11-29T10:15:00."
+                         "000000000Z")
+    base = dt.datetime.strptime(text[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=dt.UTC)
+    fraction = text[20:29]
+    if not fraction.isdigit():
+        raise ValueError("nanoseconds must be nine digits")
+    return int(base.timestamp()) * 1_000_000_000 + int(fraction)
+
+
+def _check_timestamp(value: str) -> str:
+    parse_rfc3339_ns(value)
+    return value
+
+
+Timestamp = Annotated[str, AfterValidator(_check_timestamp)]
+
+
+def replay_semantics_for(operation: str, *, prepare_only: bool = False) -> ReplaySemantics:
+    if prepare_only:
+        return "safe-repeat"
+    if operation == "capture":
+        return "conflict-on-existing-output"
+    if operation == "restore":
+        return "reconcile-replace"
+    raise ValueError(f"no replay semantics for operation {operation!r}")
+
+
+class ReceiptResult(StrictModel):
+    artifact: Id | None = None
+    output: NonEmpty | None = None
+    prepared: bool | None = None
+
+
+class ReceiptError(StrictModel):
+    code: NonEmpty
+    message: NonEmpty
+
+
+class Receipt(StrictModel):
+    format: Literal[2] = 2
+    kind: Literal["coldsnap-operation-receipt"] = RECEIPT_KIND
+    operation_id: Id
+    operation: Literal["capture", "restore"]
+    state: Literal["succeeded", "failed"]
+    request_sha256: Digest
+    engine: Literal["vllm", "sglang"]
+    snapshot_driver: ArtifactSnapshotDriver
+    replay_semantics: ReplaySemantics
+    started_at: Timestamp
+    completed_at: Timestamp
+    duration_seconds: Seconds
+    timing: Timing = Field(default_factory=Timing)
+    result: ReceiptResult | None = None
+    error: ReceiptError | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Receipt:
+        if (self.state == "failed") != (self.error is not None):
+            raise ValueError("a failed receipt carries error; a succeeded one does not")
+        if parse_rfc3339_ns(self.completed_at) < parse_rfc3339_ns(self.started_at):
+            raise ValueError("completed_at is before started_at")
+        return self

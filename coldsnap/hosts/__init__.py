@@ -1,0 +1,1 @@
+"""Transport to destination hosts (SSH or local) and the facts probed from them."""

@@ -1,0 +1,117 @@
+"""The transport contract: what every layer above uses to act on a destination host.
+
+Operations and capsule code speak only to `Host`; they never import asyncssh. `SSHHost`
+(asyncssh) and `LocalHost` (subprocess on the control node) implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+# progress(done_bytes, total_bytes)
+ProgressCallback = Callable[[int, int], None]
+
+
+class HostError(Exception):
+    """Base of every transport failure; `host` names the host it happened on."""
+
+    def __init__(self, host: str, message: str) -> None:
+        super().__init__(f"{host}: {message}")
+        self.host = host
+        self.message = message
+
+
+class HostUnreachable(HostError):
+    """Connecting or logging in failed (network, sshd down, refused auth, timeouts)."""
+
+
+class HostKeyRejected(HostUnreachable):
+    """The host's key is unknown or differs from known_hosts."""
+
+
+class CommandFailed(HostError):
+    """A command ran and exited non-zero. Never retried by the transport."""
+
+    def __init__(self, host: str, result: CommandResult) -> None:
+        tail = result.stderr.decode(errors="replace").strip()[-2000:]
+        super().__init__(host, f"{result.argv[0]} exited {result.exit_status}: {tail}")
+        self.result = result
+
+
+class CommandTimeout(HostError):
+    """A command ran past its timeout; the remote process was killed."""
+
+
+class TransferError(HostError):
+    """A file transfer failed or the far side's digest did not match."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    exit_status: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    bytes: int
+    sha256: str  # "sha256:<hex>" of the whole file
+    sent_bytes: int  # bytes that actually crossed the wire (less than `bytes` on resume)
+
+
+@runtime_checkable
+class Host(Protocol):
+    """One destination host."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        input: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        """Run argv (never a shell string). On timeout or cancellation the remote process is
+        killed. With check=True a non-zero exit raises CommandFailed."""
+        ...
+
+    async def put(
+        self,
+        local: Path,
+        remote: str,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> TransferResult:
+        """Copy a local file to `remote` atomically (temporary name, then rename), verifying
+        the sha256 on the far side; resumes a partial earlier transfer."""
+        ...
+
+    async def get(
+        self,
+        remote: str,
+        local: Path,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> TransferResult:
+        """Copy a remote file to `local` atomically, verifying the sha256 of both ends."""
+        ...
+
+    def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:
+        """Forward a unix socket of the host (e.g. its Docker socket) to a local unix socket
+        path, yielded while the context is open."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,222 @@
+"""The host inventory: which hosts exist and how to reach them (YAML, strict schema).
+
+    hosts:
+      - name: host-0                      # unique; what requests and receipts call the host
+        address: 127.0.0.2                # DNS name or IP that sshd listens on
+        port: 22                          # default 22
+        user: root                        # default root
+        identity_file: ~/.ssh/id_ed25519  # optional; else ssh-agent / ~/.ssh defaults
+        known_hosts: ~/.ssh/known_hosts   # default ~/.ssh/known_hosts
+        host_key_policy: strict           # strict (default) | accept-new
+        proxy_jump: bastion               # optional; another inventory host or [user@]host[:port]
+        data_dir: /var/lib/coldsnap       # staged objects and unit state on that host
+        docker_socket: /var/run/docker.sock   # or null when the host runs no Docker
+        simulated: false                  # true only for dev/test hosts without real GPUs
+        driver_version: "610.43.02"       # simulated hosts only
+        simulated_gpus:                   # simulated hosts only
+          - {uuid: GPU-..., name: NVIDIA GB10, compute_capability: "12.1",
+             memory_bytes: 137438953472}
+
+Relative `identity_file` / `known_hosts` paths are taken relative to the inventory file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class InventoryError(ValueError):
+    """The inventory file is missing, not YAML, or breaks the schema. The message names the
+    offending field (e.g. `hosts[1].simulated_gpus`)."""
+
+    def __init__(self, path: Path | str, problems: list[str]) -> None:
+        self.path = str(path)
+        self.problems = problems
+        super().__init__(f"{path}: " + "; ".join(problems))
+
+
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
+_CC = re.compile(r"^\d+\.\d+$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class SimulatedGpu(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    uuid: str
+    name: str = Field(min_length=1)
+    compute_capability: str
+    memory_bytes: int = Field(gt=0)
+
+    @field_validator("uuid")
+    @classmethod
+    def _uuid_shape(cls, v: str) -> str:
+        if not _GPU_UUID.match(v):
+            raise ValueError("must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
+        return v
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _cc_shape(cls, v: str) -> str:
+        if not _CC.match(v):
+            raise ValueError('must be "MAJOR.MINOR", e.g. "12.1"')
+        return v
+
+
+class HostEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str
+    address: str = Field(min_length=1)
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str = Field(default="root", min_length=1)
+    identity_file: Path | None = None
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    host_key_policy: Literal["strict", "accept-new"] = "strict"
+    proxy_jump: str | None = None
+    data_dir: str
+    docker_socket: str | None = "/var/run/docker.sock"
+    simulated: bool = False
+    driver_version: str | None = None
+    simulated_gpus: list[SimulatedGpu] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-63 characters of letters, digits, '.', '_', '-'")
+        return v
+
+    @field_validator("data_dir", "docker_socket")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path on the host")
+        return v
+
+    @model_validator(mode="after")
+    def _simulation_only_when_simulated(self) -> HostEntry:
+        # A real host must never quietly report made-up GPUs: the simulation fields are
+        # accepted only where the entry says, in so many words, that it is simulated.
+        if not self.simulated:
+            if self.simulated_gpus is not None:
+                raise ValueError(
+                    "simulated_gpus: only a host with `simulated: true` may carry simulated GPUs"
+                )
+            if self.driver_version is not None:
+                raise ValueError(
+                    "driver_version: only a host with `simulated: true` may declare a driver "
+                    "version (real hosts report theirs through NVML)"
+                )
+        elif self.simulated_gpus and self.driver_version is None:
+            raise ValueError("driver_version: required when simulated_gpus is given")
+        return self
+
+    @property
+    def ssh_target(self) -> str:
+        return f"{self.user}@{self.address}:{self.port}"
+
+
+class Inventory(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    hosts: list[HostEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_and_resolvable(self) -> Inventory:
+        seen: set[str] = set()
+        for i, h in enumerate(self.hosts):
+            if h.name in seen:
+                raise ValueError(f"hosts[{i}].name: duplicate host name {h.name!r}")
+            seen.add(h.name)
+        for i, h in enumerate(self.hosts):
+            if h.proxy_jump == h.name:
+                raise ValueError(f"hosts[{i}].proxy_jump: a host cannot jump through itself")
+        return self
+
+    def get(self, name: str) -> HostEntry:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(f"no host named {name!r} in the inventory")
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+_FIELD_PREFIX = re.compile(r"^[a-z_]+(\[\d+\])?(\.[a-z_]+)*: ")
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        where = _loc(tuple(err["loc"]))
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if _FIELD_PREFIX.match(msg):
+            # Cross-field checks name their own field; prefix the entry they belong to.
+            problems.append(f"{where}.{msg}" if where else msg)
+        else:
+            problems.append(f"{where}: {msg}" if where else msg)
+    return problems
+
+
+def _resolve_paths(entry: dict[str, Any], base: Path) -> None:
+    for key in ("identity_file", "known_hosts"):
+        value = entry.get(key)
+        if isinstance(value, str):
+            p = Path(value).expanduser()
+            entry[key] = p if p.is_absolute() else (base / p)
+
+
+def parse_inventory(data: Any, *, source: Path | str = "<inventory>") -> Inventory:
+    base = Path(source).parent if str(source) != "<inventory>" else Path.cwd()
+    if not isinstance(data, dict):
+        raise InventoryError(source, ["top level: must be a mapping with a `hosts` list"])
+    hosts = data.get("hosts")
+    if isinstance(hosts, list):
+        data = dict(data)
+        data["hosts"] = [dict(h) if isinstance(h, dict) else h for h in hosts]
+        for h in data["hosts"]:
+            if isinstance(h, dict):
+                _resolve_paths(h, base)
+    try:
+        inv = Inventory.model_validate(data)
+    except ValidationError as exc:
+        raise InventoryError(source, _format_errors(exc)) from None
+    return inv.model_copy(
+        update={
+            "hosts": [
+                h.model_copy(update={"known_hosts": h.known_hosts.expanduser()}) for h in inv.hosts
+            ]
+        }
+    )
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    """Read and validate an inventory file; raise InventoryError naming the bad field."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise InventoryError(p, [f"cannot read: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InventoryError(p, [f"not valid YAML: {exc}"]) from None
+    return parse_inventory(data, source=p)

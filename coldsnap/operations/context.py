@@ -1,0 +1,143 @@
+"""What every running operation carries: its id, timing spans, log binding, and its receipt.
+
+Spans nest through a context variable, so a span opened inside a task that was started from
+another span's body becomes that span's child without threading parents through every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from coldsnap.formats.artifact import ArtifactSnapshotDriver
+from coldsnap.formats.receipt import (
+    Receipt,
+    ReceiptError,
+    ReceiptResult,
+    replay_semantics_for,
+    rfc3339_ns,
+)
+from coldsnap.formats.request import DRIVER_MINIMUM_MAJOR
+from coldsnap.formats.timing import AttributeValue, TimingEvent, TimingRecorder
+from coldsnap.logs import get_logger
+from coldsnap.store.local import atomic_write_bytes
+
+_parent: contextvars.ContextVar[str | None] = contextvars.ContextVar("coldsnap_span",
+                                                                     default=None)
+
+
+class OperationFailed(Exception):
+    """An operation step failed; `code` is the receipt's error code, the message names the
+    host, unit and step where they are known."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def new_operation_id(operation: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{operation}-{stamp}-{secrets.token_hex(4)}"
+
+
+class EventSink:
+    """Writes timing events as NDJSON lines to a file or stdout, flushing each line."""
+
+    def __init__(self, target: str | None) -> None:
+        self._own = False
+        self._stream: IO[bytes] | None = None
+        if target == "-":
+            self._stream = sys.stdout.buffer
+        elif target:
+            self._stream = Path(target).open("wb")  # noqa: SIM115 - closed in close()
+            self._own = True
+
+    def __call__(self, event: TimingEvent) -> None:
+        if self._stream is not None:
+            self._stream.write(event.to_ndjson())
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self._own and self._stream is not None:
+            self._stream.close()
+
+
+class OperationContext:
+    def __init__(
+        self,
+        operation: Literal["capture", "restore"],
+        *,
+        operation_id: str | None = None,
+        timing_events: str | None = None,
+    ) -> None:
+        self.operation = operation
+        self.operation_id = operation_id or new_operation_id(operation)
+        self.started_ns = time.time_ns()
+        self._sink = EventSink(timing_events)
+        self.recorder = TimingRecorder(self.operation_id, operation, sink=self._sink)
+        self.log = get_logger(operation_id=self.operation_id, operation=operation)
+
+    @contextlib.contextmanager
+    def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:
+        attrs = {k: v for k, v in attributes.items() if v is not None}
+        with self.recorder.span(name, parent=_parent.get(), attributes=attrs or None) as sid:
+            token = _parent.set(sid)
+            try:
+                yield sid
+            finally:
+                _parent.reset(token)
+
+    def span_durations(self, name: str) -> list[float]:
+        return [s.duration_seconds for s in self.recorder.timing().spans if s.name == name]
+
+    def finish(
+        self,
+        *,
+        request_sha256: str,
+        engine: Literal["vllm", "sglang"],
+        snapshot_driver: str,
+        prepare_only: bool = False,
+        result: ReceiptResult | None = None,
+        error: OperationFailed | None = None,
+    ) -> Receipt:
+        state: Literal["succeeded", "failed"] = "failed" if error else "succeeded"
+        timing = self.recorder.complete(state)
+        self._sink.close()
+        completed = max(time.time_ns(), self.started_ns)
+        driver_id: Any = snapshot_driver
+        return Receipt(
+            operation_id=self.operation_id,
+            operation=self.operation,
+            state=state,
+            request_sha256=request_sha256,
+            engine=engine,
+            snapshot_driver=ArtifactSnapshotDriver(
+                id=driver_id, minimum_driver_major=DRIVER_MINIMUM_MAJOR[snapshot_driver]),
+            replay_semantics=replay_semantics_for(self.operation, prepare_only=prepare_only),
+            started_at=rfc3339_ns(self.started_ns),
+            completed_at=rfc3339_ns(completed),
+            duration_seconds=(completed - self.started_ns) / 1e9,
+            timing=timing,
+            result=result,
+            error=ReceiptError(code=error.code, message=error.message) if error else None,
+        )
+
+
+def write_receipt(receipt: Receipt, target: str | None) -> None:
+    """`-` = stdout (the only thing written there), a path = atomic file, None = nowhere."""
+    if not target:
+        return
+    data = (json.dumps(receipt.to_json(), indent=2, sort_keys=True) + "\n").encode()
+    if target == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        atomic_write_bytes(Path(target), data)

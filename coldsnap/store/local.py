@@ -1,0 +1,219 @@
+"""The local-directory store: objects by digest, artifacts by capture id."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coldsnap.digests import CHUNK, check_digest, sha256_file
+from coldsnap.formats.artifact import Artifact, parse_artifact
+from coldsnap.formats.canonical import canonical_json, digest
+
+ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+class StoreError(Exception):
+    """Base of store failures."""
+
+
+class ObjectMissing(StoreError):
+    pass
+
+
+class ObjectCorrupt(StoreError):
+    """The bytes on disk do not hash to the name they are stored under."""
+
+
+class ArtifactNotFound(StoreError):
+    pass
+
+
+class ArtifactAmbiguous(StoreError):
+    pass
+
+
+class ArtifactExists(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    capture_id: str
+    digest: str
+    path: Path
+    artifact: Artifact
+
+
+def default_store_root() -> Path:
+    """`$COLDSNAP_STORE`, else /var/lib/coldsnap/store (the service's state directory)."""
+    env = os.environ.get("COLDSNAP_STORE")
+    return Path(env) if env else Path("/var/lib/coldsnap/store")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, fsync, then rename: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.objects_dir = root / "objects" / "sha256"
+        self.artifacts_dir = root / "artifacts"
+        self.tmp_dir = root / "tmp"
+
+    def ensure(self) -> LocalStore:
+        for d in (self.objects_dir, self.artifacts_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- objects -----------------------------------------------------------------------------
+
+    def object_path(self, object_digest: str) -> Path:
+        return self.objects_dir / check_digest(object_digest)
+
+    def has(self, object_digest: str) -> bool:
+        return self.object_path(object_digest).is_file()
+
+    def verify(self, object_digest: str) -> Path:
+        """The object's path after re-hashing its bytes; every read goes through here."""
+        path = self.object_path(object_digest)
+        if not path.is_file():
+            raise ObjectMissing(f"object {object_digest} is not in the store at {self.root}")
+        actual, _ = sha256_file(path)
+        if actual != object_digest:
+            raise ObjectCorrupt(
+                f"object {object_digest} in {self.root} is corrupt: its bytes hash to {actual}"
+            )
+        return path
+
+    @contextlib.contextmanager
+    def incoming(self) -> Iterator[Path]:
+        """A temporary path to fetch an object into; removed unless `commit_incoming` took it."""
+        self.ensure()
+        fd, name = tempfile.mkstemp(dir=self.tmp_dir, prefix="incoming.")
+        os.close(fd)
+        path = Path(name)
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def commit_incoming(self, path: Path, expected: str | None = None) -> tuple[str, int]:
+        """Move a fully written temporary file into the store under its digest.
+
+        With `expected`, a mismatch raises ObjectCorrupt and nothing is stored."""
+        actual, size = sha256_file(path)
+        if expected is not None and actual != expected:
+            raise ObjectCorrupt(f"received bytes hash to {actual}, expected {expected}")
+        dest = self.object_path(actual)
+        if dest.is_file() and sha256_file(dest)[0] == actual:
+            path.unlink()  # deduplicated: identical bytes are already stored
+        else:
+            os.replace(path, dest)
+            _fsync_dir(dest.parent)
+        return actual, size
+
+    def add_file(self, src: Path) -> tuple[str, int]:
+        """Copy a file into the store (hashing while copying) and return (digest, bytes)."""
+        with self.incoming() as tmp:
+            h = hashlib.sha256()
+            with src.open("rb") as fin, tmp.open("wb") as fout:
+                while chunk := fin.read(CHUNK):
+                    h.update(chunk)
+                    fout.write(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+            return self.commit_incoming(tmp, "sha256:" + h.hexdigest())
+
+    def add_bytes(self, data: bytes) -> tuple[str, int]:
+        with self.incoming() as tmp:
+            tmp.write_bytes(data)
+            return self.commit_incoming(tmp, "sha256:" + hashlib.sha256(data).hexdigest())
+
+    def read_bytes(self, object_digest: str) -> bytes:
+        path = self.object_path(object_digest)
+        if not path.is_file():
+            raise ObjectMissing(f"object {object_digest} is not in the store at {self.root}")
+        data = path.read_bytes()
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != object_digest:
+            raise ObjectCorrupt(
+                f"object {object_digest} in {self.root} is corrupt: its bytes hash to {actual}"
+            )
+        return data
+
+    def copy_out(self, object_digest: str, dest: Path) -> None:
+        shutil.copyfile(self.verify(object_digest), dest)
+
+    # -- artifacts ---------------------------------------------------------------------------
+
+    def _artifact_file(self, capture_id: str) -> Path:
+        if not capture_id or not set(capture_id) <= ID_SAFE or capture_id[0] in ".-_":
+            raise StoreError(f"not a valid capture id: {capture_id!r}")
+        return self.artifacts_dir / f"{capture_id}.json"
+
+    def put_artifact(self, artifact: Artifact) -> StoredArtifact:
+        """Index a committed artifact; a capture id is written once and never replaced."""
+        self.ensure()
+        path = self._artifact_file(artifact.capture_id)
+        if path.exists():
+            raise ArtifactExists(f"artifact {artifact.capture_id} already exists in {self.root}")
+        doc = artifact.to_json()
+        atomic_write_bytes(path, canonical_json(doc))
+        return StoredArtifact(artifact.capture_id, digest(doc), path, artifact)
+
+    def _load(self, path: Path) -> StoredArtifact:
+        raw: Any = json.loads(path.read_bytes())
+        artifact = parse_artifact(raw)
+        return StoredArtifact(artifact.capture_id, digest(raw), path, artifact)
+
+    def list_artifacts(self) -> list[StoredArtifact]:
+        if not self.artifacts_dir.is_dir():
+            return []
+        return [self._load(p) for p in sorted(self.artifacts_dir.glob("*.json"))]
+
+    def resolve_artifact(self, ref: str) -> StoredArtifact:
+        """By capture id, or by an unambiguous prefix (6+ hex) of the artifact digest."""
+        if set(ref) <= ID_SAFE and ref and ref[0] not in ".-_":
+            path = self._artifact_file(ref)
+            if path.is_file():
+                return self._load(path)
+        prefix = ref.removeprefix("sha256:").lower()
+        if len(prefix) >= 6 and all(c in "0123456789abcdef" for c in prefix):
+            hits = [a for a in self.list_artifacts() if a.digest[7:].startswith(prefix)]
+            if len(hits) == 1:
+                return hits[0]
+            if len(hits) > 1:
+                ids = ", ".join(a.capture_id for a in hits)
+                raise ArtifactAmbiguous(f"{ref!r} matches several artifacts: {ids}")
+        raise ArtifactNotFound(f"no artifact {ref!r} in {self.root}")

@@ -11,8 +11,8 @@ Public API:
 - `payload_path(sha256)` and `replay_plan_path(worker_id)`: the object paths this project uses.
 - `Artifact.objects_owned_by(owner)`, `Artifact.object(role, owner)`.
 
-Serialize with `to_json()` (or `model_dump(mode="json")`), not with `exclude_none=True`: that
-option would also strip nulls inside the adapter payload and break its digest.
+`to_json()` is `model_dump(mode="json")`; absent optional fields are already omitted, and a
+null inside the adapter payload is kept (its digest depends on it).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ Public API:
 
 Validation runs in two passes. The first (pydantic, strict, unknown fields refused) checks every
 field's type, pattern and enum and reports all of them at once. The second checks the rules that
-relate fields to each other (references, uniqueness, ranges, cross-field policy); it needs a
-well-typed document, so it runs only when the first pass found nothing.
+relate fields to each other (references, uniqueness, ranges, cross-field policy); it needs
+well-typed input, so it runs in full only when the first pass found nothing; when only fields
+outside `launch` are mistyped, the execution-graph rules still run and are reported too.
 
 A field that is absent and has no default is omitted from the canonical form (never written as
 `null`), so a request that leaves out `workload` hashes the same as one that never knew of it.
@@ -471,20 +472,21 @@ def _decode(data: bytes, encoding: str | None) -> Any:
     except UnicodeDecodeError as exc:
         raise RequestInvalid([ValidationIssue("", f"request is not UTF-8: {exc.reason}")]) from None
     use_json = encoding == "json" or (encoding is None and text.lstrip().startswith("{"))
+    json_error: str | None = None
     if use_json:
         try:
             return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
         except (ValueError, RecursionError) as exc:
+            json_error = f"request is not valid JSON: {exc}"
             if encoding == "json":
-                raise RequestInvalid([ValidationIssue("", f"request is not valid JSON: {exc}")]) \
-                    from None
+                raise RequestInvalid([ValidationIssue("", json_error)]) from None
             # A YAML flow mapping also starts with '{'; let the YAML parser have its say.
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.YAMLError as exc:
-        message = " ".join(str(exc).split())
-        raise RequestInvalid([ValidationIssue("", f"request is not valid YAML: {message}")]) \
-            from None
+        # Text that looked like JSON is reported as JSON: that is what its author wrote.
+        message = json_error or "request is not valid YAML: " + " ".join(str(exc).split())
+        raise RequestInvalid([ValidationIssue("", message)]) from None
     except RecursionError:
         raise RequestInvalid([ValidationIssue("", "request is nested too deeply")]) from None
 
@@ -596,10 +598,20 @@ def parse_request(
         raise RequestInvalid(json_issues)
     if not isinstance(data, str | bytes) and len(canonical_json(raw)) > MAX_REQUEST_BYTES:
         raise RequestInvalid([ValidationIssue("", "request is larger than 16 MiB")])
+    defaulted = apply_defaults(raw)
     try:
-        req = Request.model_validate(apply_defaults(raw))
+        req = Request.model_validate(defaulted)
     except ValidationError as exc:
-        raise RequestInvalid(_pydantic_issues(exc)) from None
+        issues = _pydantic_issues(exc)
+        # A type error elsewhere (say in policy) should not hide graph errors in a launch that
+        # is itself well-typed: check the launch on its own and report both.
+        try:
+            launch = Launch.model_validate(defaulted.get("launch"))
+        except ValidationError:
+            pass
+        else:
+            issues.extend(launch_issues(launch))
+        raise RequestInvalid(issues) from None
     issues = request_issues(req, expected_operation=expected_operation)
     if issues:
         raise RequestInvalid(issues)
@@ -845,7 +857,10 @@ def request_issues(req: Request, *, expected_operation: str | None = None) -> li
             and (req.operation != "restore" or req.snapshot_driver.id != "n610")):
         issues.add("lifecycle.activation_state", "'warm' is only for a restore with driver n610")
 
-    issues.extend(launch_issues(req.launch))
+    graph_issues = launch_issues(req.launch)
+    issues.extend(graph_issues)
+    if not graph_issues:
+        _rank_issues(issues, req.launch)
 
     process = req.policy.process
     if process.async_graphs:
@@ -882,6 +897,31 @@ def request_issues(req: Request, *, expected_operation: str | None = None) -> li
 
     _cache_issues(issues, req)
     return list(issues)
+
+
+def _rank_issues(issues: _Issues, launch: Launch) -> None:
+    """A `RANK` given in a unit's environment must be the world rank of the unit's worker.
+
+    One environment is shared by every process of the unit, so it can agree with the graph
+    only when the unit runs a single worker. `LOCAL_RANK` is a process slot, never checked
+    against global identity.
+    """
+    rank_of: dict[str, int] = {}
+    for group in launch.execution.groups:
+        if group.is_world:
+            rank_of.update({member: i for i, member in enumerate(group.members)})
+    for i, unit in enumerate(launch.units):
+        value = unit.environment.get("RANK")
+        if value is None:
+            continue
+        path = f"launch.units[{i}].environment.RANK"
+        workers = [w.id for w in launch.execution.workers if w.unit == unit.id]
+        if len(workers) != 1:
+            issues.add(path, f"unit '{unit.id}' runs {len(workers)} workers; one RANK cannot "
+                             "agree with all their world ranks (leave RANK to the engine)")
+        elif value != str(rank_of[workers[0]]):
+            issues.add(path, f"is {value!r} but worker '{workers[0]}' has world rank "
+                             f"{rank_of[workers[0]]}")
 
 
 def _cache_issues(issues: _Issues, req: Request) -> None:

@@ -198,9 +198,6 @@ class TimingRecorder:
         if self._sink is not None:
             self._sink(event)
 
-    def _now(self) -> float:
-        return (self._monotonic_ns() - self._base_ns) / 1e9
-
     def add_clock(self, clock: Clock) -> None:
         self._clocks.append(clock)
         self._emit(event="clock", clock=clock)
@@ -213,9 +210,11 @@ class TimingRecorder:
               attributes: dict[str, AttributeValue] | None = None) -> str:
         self._counter += 1
         span_id = f"s{self._counter}"
+        now = self._monotonic_ns()
         started = SpanStarted(id=span_id, parent=parent, name=name, clock=self.clock_id,
-                              start_offset_seconds=self._now(), attributes=attributes)
-        self._open[span_id] = (started, self._monotonic_ns())
+                              start_offset_seconds=(now - self._base_ns) / 1e9,
+                              attributes=attributes)
+        self._open[span_id] = (started, now)
         self._emit(event="span_start", started=started)
         return span_id
 

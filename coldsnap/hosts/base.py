@@ -33,6 +33,10 @@ class HostKeyRejected(HostUnreachable):
     """The host's key is unknown or differs from known_hosts."""
 
 
+class HostAuthFailed(HostUnreachable):
+    """The host refused our credentials (wrong or missing client key). Never retried."""
+
+
 class CommandFailed(HostError):
     """A command ran and exited non-zero. Never retried by the transport."""
 
@@ -80,7 +84,7 @@ class Host(Protocol):
         self,
         argv: Sequence[str],
         *,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
         input: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:

@@ -12,7 +12,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -26,6 +26,7 @@ from coldsnap.formats.receipt import (
 )
 from coldsnap.formats.request import DRIVER_MINIMUM_MAJOR
 from coldsnap.formats.timing import AttributeValue, TimingEvent, TimingRecorder
+from coldsnap.hosts.base import ProgressCallback
 from coldsnap.logs import get_logger
 from coldsnap.store.local import atomic_write_bytes
 
@@ -84,6 +85,8 @@ class OperationContext:
         self._sink = EventSink(timing_events)
         self.recorder = TimingRecorder(self.operation_id, operation, sink=self._sink)
         self.log = get_logger(operation_id=self.operation_id, operation=operation)
+        # label -> per-transfer progress callback; the CLI sets it when a terminal is attached
+        self.progress: Callable[[str], ProgressCallback | None] | None = None
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:

@@ -192,6 +192,14 @@ class LocalStore:
         atomic_write_bytes(path, canonical_json(doc))
         return StoredArtifact(artifact.capture_id, digest(doc), path, artifact)
 
+    def has_artifact(self, capture_id: str) -> bool:
+        return self._artifact_file(capture_id).exists()
+
+    def remove_artifact(self, capture_id: str) -> None:
+        """Undo `put_artifact` of an operation that failed after indexing."""
+        with contextlib.suppress(FileNotFoundError):
+            self._artifact_file(capture_id).unlink()
+
     def _load(self, path: Path) -> StoredArtifact:
         raw: Any = json.loads(path.read_bytes())
         artifact = parse_artifact(raw)

@@ -75,7 +75,9 @@ def read_state(pid: int) -> dict[str, Any]:
         with open(state_path(pid), encoding="utf-8") as f:
             data: dict[str, Any] = json.load(f)
     except FileNotFoundError:
-        raise SimError(f"process {pid} is not a CUDA process (CUDA_ERROR_NOT_INITIALIZED)") from None
+        raise SimError(
+            f"process {pid} is not a CUDA process (CUDA_ERROR_NOT_INITIALIZED)"
+        ) from None
     return data
 
 

@@ -1,0 +1,463 @@
+"""Capture steps for one unit on one host, each a separate coroutine so that the operations
+layer can put barriers between them (all units quiesced before any dump, ...)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import posixpath
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import docker.errors
+import structlog
+
+from coldsnap.capsule.errors import (
+    CapsuleError,
+    CommitFailed,
+    DumpFailed,
+    EngineNotReady,
+    GpuCheckpointFailed,
+    ImageDigestMismatch,
+    QuiesceFailed,
+)
+from coldsnap.capsule.runtime import (
+    UnitHandle,
+    create_container,
+    criu_errors,
+    cuda_sequence,
+    discover_workers,
+    fail,
+    gpu_return_to_running,
+    pids_alive,
+    remove_container,
+)
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import (
+    CRIU_IMAGES_DIR,
+    ENGINE_LOG,
+    ENGINE_PID_FLOOR,
+    ENGINE_STDIN,
+    Mount,
+    UnitSpec,
+    docker_name,
+)
+
+log = structlog.get_logger("coldsnap.capsule")
+
+# Started with `docker exec`, then detached: its own session (setsid), stdio on regular files
+# in the rootfs (CRIU cannot resolve stdio inherited from docker exec), stdout/stderr opened
+# O_APPEND so CRIU does not pin their size, PIDs above ENGINE_PID_FLOOR. Prints the engine PID.
+_LAUNCH = f"""set -e
+mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
+: > {ENGINE_STDIN}
+echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
+setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
+echo $!
+"""
+
+REPLAY_PLAN_FORMAT = "coldsnap-replay-plan/1"
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    unit_id: str
+    images_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CapsuleImage:
+    """A committed capsule: an OCI image (rootfs diff + CRIU images) saved as a tar on the
+    capture host. `image_id` is the config digest, identical wherever the tar is loaded."""
+
+    unit_id: str
+    host: str
+    image_id: str
+    reference: str  # local tag on the capture host, e.g. coldsnap/capsule/u0:cap-1
+    tar_path: str  # on the capture host, under its data_dir
+    tar_sha256: str  # "sha256:<hex>"
+    tar_bytes: int
+    criu_images_bytes: int
+    engine_pid: int
+    worker_pids: Mapping[str, int]
+    captured_devices: tuple[str, ...]
+    base_image: str
+    base_image_digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["worker_pids"] = dict(self.worker_pids)
+        d["captured_devices"] = list(self.captured_devices)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CapsuleImage:
+        return cls(**{**d, "worker_pids": dict(d["worker_pids"]),
+                      "captured_devices": tuple(d["captured_devices"])})
+
+
+@dataclass(frozen=True)
+class HostFile:
+    host: str
+    path: str
+    sha256: str  # "sha256:<hex>"
+    bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerObjects:
+    worker_id: str
+    payload: HostFile  # the worker's weight shard, where it already lies on the host
+    replay_plan: HostFile  # JSON written next to the capsule tar
+    replay_plan_json: bytes  # the same bytes, for a store that takes them directly
+
+
+def split_reference(ref: str) -> tuple[str, str | None, str | None]:
+    """`repo[:tag][@sha256:...]` -> (repo, tag, digest); a registry port is not a tag."""
+    name, _, digest = ref.partition("@")
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    tag = None
+    if colon > slash:
+        name, tag = name[:colon], name[colon + 1:]
+    return name, tag, digest or None
+
+
+async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
+    """Pull the unit's image and prove it is `image_digest`; returns the local image id."""
+    step = "pull"
+    repo, tag, ref_digest = split_reference(spec.image)
+    if ref_digest is not None and ref_digest != spec.image_digest:
+        raise fail(s, spec.unit_id, step,
+                   f"image {spec.image} pins {ref_digest}, but the unit's image_digest is "
+                   f"{spec.image_digest}", ImageDigestMismatch)
+    want = ref_digest or tag or "latest"
+    try:
+        try:
+            image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
+        except docker.errors.NotFound:
+            image = await s.call(s.client.images.pull, repo, tag=want)
+    except docker.errors.DockerException as exc:
+        raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
+                   ImageDigestMismatch if ref_digest else CapsuleError) from exc
+    digests = {d.partition("@")[2] for d in image.attrs.get("RepoDigests") or []}
+    if spec.image_digest not in digests:
+        raise fail(s, spec.unit_id, step,
+                   f"pulled {spec.image} has digest {', '.join(sorted(digests)) or 'none'}, "
+                   f"not the unit's image_digest {spec.image_digest}", ImageDigestMismatch)
+    return str(image.id)
+
+
+async def start_unit(s: CapsuleSession, spec: UnitSpec) -> UnitHandle:
+    """Pull and verify the image, start a quiet container and launch the engine in it.
+
+    Returns at once; `wait_ready` waits for the engine's health endpoint."""
+    step = "start"
+    image_id = await ensure_image(s, spec)
+    handle = await create_container(s, spec, image_id, devices=spec.devices, role="capture",
+                                    step=step, error=CapsuleError)
+    container = await s.container(handle.container_id, spec.unit_id, step)
+    out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])
+    try:
+        handle.engine_pid = int(out.stdout.split()[-1])
+    except (ValueError, IndexError):
+        await remove_container(s, handle.container_id)
+        raise fail(s, spec.unit_id, step, f"engine launch failed: {out.tail()}") from None
+    log.info("capsule.started", host=s.host, unit=spec.unit_id, step=step,
+             container=handle.container_name, engine_pid=handle.engine_pid)
+    return handle
+
+
+async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) -> str:
+    out = await s.exec(container, ["tail", "-n", str(lines), ENGINE_LOG])
+    return out.stdout.strip()
+
+
+async def wait_ready(
+    s: CapsuleSession, handle: UnitHandle, *, timeout_s: float = 600.0, interval: float = 0.2
+) -> dict[str, int]:
+    """Wait until the engine answers its health path, then map its workers to PIDs."""
+    step = "wait-ready"
+    spec = handle.spec
+    container = await s.container(handle.container_id, handle.unit, step)
+    deadline = time.monotonic() + timeout_s
+    assert handle.engine_pid is not None
+    while True:
+        ans = await s.http(container, spec.api, "GET", spec.api.health_path, timeout_s=10)
+        if ans.status == 200:
+            break
+        if not await pids_alive(s, container, [handle.engine_pid]):
+            raise fail(s, handle.unit, step, "engine exited before it was healthy:\n"
+                       + await engine_log_tail(s, container), EngineNotReady)
+        if time.monotonic() > deadline:
+            raise fail(s, handle.unit, step,
+                       f"not healthy after {timeout_s:.0f}s (last: {ans.status} {ans.error})",
+                       EngineNotReady)
+        await asyncio.sleep(interval)
+    handle.worker_pids = await discover_workers(s, handle, step)
+    return dict(handle.worker_pids)
+
+
+async def quiesce(s: CapsuleSession, handle: UnitHandle, *, timeout_s: float = 60.0) -> None:
+    """Stop request intake and wait for in-flight requests to finish (no-op without a
+    quiesce endpoint)."""
+    api = handle.spec.api
+    if not api.quiesce_path:
+        return
+    container = await s.container(handle.container_id, handle.unit, "quiesce")
+    ans = await s.http(container, api, "POST", api.quiesce_path, {"timeout": timeout_s},
+                       timeout_s=timeout_s + 5)
+    if ans.status != 200:
+        raise fail(s, handle.unit, "quiesce",
+                   f"engine answered {ans.status} {ans.body or ans.error}", QuiesceFailed)
+
+
+async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:
+    """Reopen request intake (after a failed capture, or to release a restored unit)."""
+    api = handle.spec.api
+    if not api.resume_path:
+        return
+    container = await s.container(handle.container_id, handle.unit, step)
+    ans = await s.http(container, api, "POST", api.resume_path, {})
+    if ans.status != 200:
+        raise fail(s, handle.unit, step, f"engine answered {ans.status} {ans.body or ans.error}")
+
+
+async def checkpoint_gpus(
+    s: CapsuleSession, handle: UnitHandle, *, lock_timeout_ms: int = 30_000
+) -> None:
+    """cuda-checkpoint lock then checkpoint every worker. On failure every worker this call
+    touched is returned to running before GpuCheckpointFailed is raised."""
+    step = "gpu-checkpoint"
+    container = await s.container(handle.container_id, handle.unit, step)
+
+    async def one(wid: str, pid: int) -> None:
+        out = await cuda_sequence(s, container, [
+            ["--action", "lock", "--pid", str(pid), "--timeout", str(lock_timeout_ms)],
+            ["--action", "checkpoint", "--pid", str(pid)]])
+        if not out.ok:
+            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}",
+                       GpuCheckpointFailed)
+
+    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
+                                   return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        problems = await gpu_return_to_running(s, container, handle.worker_pids)
+        detail = "; ".join(e.detail if isinstance(e, CapsuleError) else repr(e) for e in errors)
+        if problems:
+            detail += " (rollback: " + "; ".join(problems) + ")"
+        raise fail(s, handle.unit, step, detail, GpuCheckpointFailed)
+
+
+async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Roll a unit of a failed capture back: GPUs restored and unlocked, intake reopened.
+    Safe at any point after `start_unit`, also after a successful `dump`."""
+    step = "rollback"
+    container = await s.container(handle.container_id, handle.unit, step)
+    problems = await gpu_return_to_running(s, container, handle.worker_pids)
+    if problems:
+        raise fail(s, handle.unit, step, "; ".join(problems))
+    await resume(s, handle, step=step)
+
+
+async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
+    """CRIU dump of the engine tree into the container's rootfs, leaving the tree running
+    (quiesced, GPUs checkpointed) so that a later failure elsewhere can still roll it back.
+
+    On failure the partial images are deleted, the unit is returned to serving and
+    DumpFailed carries CRIU's own error lines."""
+    step = "dump"
+    container = await s.container(handle.container_id, handle.unit, step)
+    assert handle.engine_pid is not None
+    await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_IMAGES_DIR])
+    t0 = time.monotonic()
+    out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
+                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"])
+    seconds = time.monotonic() - t0
+    if not out.ok:
+        why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/dump.log")
+        await s.exec(container, ["rm", "-rf", CRIU_IMAGES_DIR])
+        detail = f"criu dump exited {out.exit_code}:\n{why}"
+        try:
+            await return_to_serving(s, handle)
+        except CapsuleError as exc:
+            detail += f"\n(rollback failed: {exc.detail})"
+        raise fail(s, handle.unit, step, detail, DumpFailed)
+    du = await s.exec(container, ["du", "-sb", CRIU_IMAGES_DIR])
+    size = int(du.stdout.split()[0]) if du.ok else 0
+    log.info("capsule.dumped", host=s.host, unit=handle.unit, step=step, bytes=size,
+             seconds=round(seconds, 3))
+    return DumpResult(handle.unit, size, seconds)
+
+
+def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
+    return posixpath.join(data_dir, "capsules", docker_name(capture_id), docker_name(unit_id))
+
+
+async def host_sha256(s: CapsuleSession, path: str) -> tuple[str, int]:
+    h = s.target.host
+    digest = (await h.run(["sha256sum", path])).stdout.split()[0].decode()
+    size = int((await h.run(["stat", "-c", "%s", path])).stdout.strip())
+    return f"sha256:{digest}", size
+
+
+async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
+                 dumped: DumpResult) -> CapsuleImage:
+    """`docker commit` the dumped container (rootfs diff + CRIU images) and `docker save` it
+    to <data_dir>/capsules/<capture>/<unit>/capsule.tar on this host. All or nothing."""
+    step = "commit"
+    spec = handle.spec
+    container = await s.container(handle.container_id, handle.unit, step)
+    repo = f"coldsnap/capsule/{docker_name(spec.unit_id)}"
+    tag = docker_name(capture_id)
+    out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
+    final = f"{out_dir}/capsule.tar"
+    tmp = f"{final}.partial"
+    image_id: str | None = None
+    try:
+        image = await s.call(container.commit, repository=repo, tag=tag,
+                             message=f"coldsnap capsule of unit {spec.unit_id}")
+        image_id = str(image.id)
+        await s.target.host.run(["mkdir", "-p", out_dir])
+        await s.host_docker("save", "-o", tmp, f"{repo}:{tag}", timeout_s=3600)
+        sha, size = await host_sha256(s, tmp)
+        await s.target.host.run(["mv", "-f", tmp, final])
+    except Exception as exc:
+        await s.target.host.run(["rm", "-f", tmp, final], check=False)
+        if image_id is not None:
+            with contextlib.suppress(docker.errors.DockerException):
+                await s.call(s.client.images.remove, image_id, force=True)
+        raise fail(s, handle.unit, step, f"{type(exc).__name__}: {exc}", CommitFailed) from exc
+    assert handle.engine_pid is not None
+    log.info("capsule.committed", host=s.host, unit=handle.unit, step=step, image=image_id,
+             tar=final, bytes=size)
+    return CapsuleImage(
+        unit_id=spec.unit_id, host=s.host, image_id=image_id, reference=f"{repo}:{tag}",
+        tar_path=final, tar_sha256=sha, tar_bytes=size, criu_images_bytes=dumped.images_bytes,
+        engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
+        captured_devices=handle.devices, base_image=spec.image,
+        base_image_digest=spec.image_digest)
+
+
+def host_path_for(mounts: Sequence[Mount], container_path: str) -> str | None:
+    """Map a path inside the capsule back to the host through the unit's bind mounts."""
+    best: Mount | None = None
+    for m in mounts:
+        t = m.target.rstrip("/") or "/"
+        if (container_path == t or container_path.startswith(t + "/")) and (
+            best is None or len(t) > len(best.target)
+        ):
+            best = m
+    if best is None:
+        return None
+    rel = posixpath.relpath(container_path, best.target)
+    return posixpath.normpath(posixpath.join(best.source, rel))
+
+
+async def collect_worker_objects(
+    s: CapsuleSession, handle: UnitHandle, capture_id: str
+) -> list[WorkerObjects]:
+    """Per worker: its weight payload (content-addressed where it lies on the host) and a
+    replay plan (how to re-create the worker natively), written next to the capsule tar."""
+    step = "collect"
+    spec = handle.spec
+    reported: dict[str, str] = {}
+    if spec.api.status_path and any(w.payload_path is None for w in spec.workers):
+        container = await s.container(handle.container_id, handle.unit, step)
+        ans = await s.http(container, spec.api, "GET", spec.api.status_path)
+        if ans.status == 200:
+            reported = {str(w["id"]): str(w.get("weights_path", ""))
+                        for w in ans.json().get("workers", [])}
+    out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
+    await s.target.host.run(["mkdir", "-p", out_dir])
+
+    async def one(w: Any) -> WorkerObjects:
+        path = w.payload_path or host_path_for(spec.mounts, reported.get(w.id, ""))
+        if not path:
+            raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload path known")
+        sha, size = await host_sha256(s, path)
+        plan = {
+            "format": REPLAY_PLAN_FORMAT,
+            "unit_id": spec.unit_id,
+            "worker": {"id": w.id, "global_rank": w.global_rank, "world_size": w.world_size,
+                       "process_slot": w.process_slot, "device_slots": list(w.device_slots)},
+            "image": spec.image,
+            "image_digest": spec.image_digest,
+            "command": list(spec.command),
+            "environment": dict(spec.environment),
+            "mounts": [asdict(m) for m in spec.mounts],
+            "payload": {"sha256": sha, "bytes": size,
+                        "container_path": reported.get(w.id) or None},
+            "validation": asdict(spec.validation),
+        }
+        data = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
+        plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"
+        await s.target.host.run(["dd", f"of={plan_path}", "status=none"], input=data)
+        plan_sha, plan_size = await host_sha256(s, plan_path)
+        return WorkerObjects(w.id, HostFile(s.host, path, sha, size),
+                             HostFile(s.host, plan_path, plan_sha, plan_size), data)
+
+    return list(await asyncio.gather(*(one(w) for w in spec.workers)))
+
+
+async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
+    """Remove the unit's container and everything running in it."""
+    removed = await remove_container(s, handle.container_id)
+    log.info("capsule.removed", host=s.host, unit=handle.unit, container=handle.container_name,
+             removed=removed)
+    return removed
+
+
+async def discard_capsule(s: CapsuleSession, capsule: CapsuleImage) -> None:
+    """Delete a committed capsule from its capture host (image and tar), e.g. on rollback."""
+    await s.target.host.run(["rm", "-f", capsule.tar_path], check=False)
+    with contextlib.suppress(docker.errors.DockerException):
+        await s.call(s.client.images.remove, capsule.image_id, force=True)
+
+
+async def capture_unit(
+    s: CapsuleSession, spec: UnitSpec, capture_id: str, *, remove: bool = True
+) -> tuple[CapsuleImage, list[WorkerObjects]]:
+    """All capture steps for a lone unit, in order (tests, benchmarks; the operations layer
+    calls the steps itself to put barriers between units)."""
+    handle = await start_unit(s, spec)
+    try:
+        await wait_ready(s, handle)
+        await quiesce(s, handle)
+        await checkpoint_gpus(s, handle)
+        dumped = await dump(s, handle)
+        capsule = await commit(s, handle, capture_id, dumped)
+        objects = await collect_worker_objects(s, handle, capture_id)
+    except BaseException:
+        await remove_unit(s, handle)
+        raise
+    if remove:
+        await remove_unit(s, handle)
+    return capsule, objects
+
+
+__all__ = [
+    "CapsuleImage",
+    "DumpResult",
+    "HostFile",
+    "WorkerObjects",
+    "capture_unit",
+    "checkpoint_gpus",
+    "collect_worker_objects",
+    "commit",
+    "discard_capsule",
+    "dump",
+    "ensure_image",
+    "quiesce",
+    "remove_unit",
+    "resume",
+    "return_to_serving",
+    "split_reference",
+    "start_unit",
+    "wait_ready",
+]

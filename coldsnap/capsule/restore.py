@@ -1,0 +1,277 @@
+"""Restore steps for one unit on one host, plus the CRIU capability probe.
+
+Order for one unit: probe_criu -> load_capsule -> start_restore_container -> criu_restore
+(restored, GPUs still checkpointed, intake still closed) -> restore_gpus -> release -> validate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import docker.errors
+import structlog
+
+from coldsnap.capsule.capture import CapsuleImage, resume
+from coldsnap.capsule.errors import (
+    CriuProbeFailed,
+    ImageDigestMismatch,
+    RestoreFailed,
+    ValidationFailed,
+)
+from coldsnap.capsule.runtime import (
+    LABEL_ROLE,
+    UnitHandle,
+    create_container,
+    criu_errors,
+    cuda_sequence,
+    fail,
+    start_container,
+)
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import (
+    CRIU_CAPABILITIES,
+    CRIU_IMAGES_DIR,
+    CRIU_SECURITY_OPT,
+    UNMASKED_PATHS,
+    UnitSpec,
+)
+
+log = structlog.get_logger("coldsnap.capsule")
+
+
+@dataclass(frozen=True)
+class CriuProbe:
+    host: str
+    image: str
+    output: str
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    unit_id: str
+    seconds: float  # the in-container `criu restore` alone
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    unit_id: str
+    text: str
+    seconds: float
+
+
+def device_map(captured: Sequence[str], destination: Sequence[str]) -> dict[str, str]:
+    """Captured GPU UUID -> destination GPU UUID, slot by slot."""
+    if len(captured) != len(destination):
+        raise ValueError(f"the unit captured {len(captured)} devices, the destination gives "
+                         f"{len(destination)}")
+    return dict(zip(captured, destination, strict=True))
+
+
+async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
+                     timeout_s: float = 120.0) -> CriuProbe:
+    """Run `criu check` from `image` (the capsule or its base image, which pins the same
+    CRIU) on this host, with the capsule's capabilities: the kernel-capability admission."""
+    step = "criu-probe"
+    try:
+        try:
+            await s.call(s.client.images.get, image)
+        except docker.errors.NotFound:
+            await s.call(s.client.images.pull, image)
+        api = s.client.api
+        host_config = api.create_host_config(
+            network_mode="none", cap_add=list(CRIU_CAPABILITIES),
+            security_opt=list(CRIU_SECURITY_OPT))
+        host_config.update(UNMASKED_PATHS)
+        created = await s.call(api.create_container, image, command=["criu", "check"],
+                               host_config=host_config, labels={LABEL_ROLE: "probe"})
+        container = await s.call(s.client.containers.get, created["Id"])
+        await s.call(container.start)
+    except docker.errors.DockerException as exc:
+        raise fail(s, unit, step, f"cannot run criu check from {image}: {exc}",
+                   CriuProbeFailed) from exc
+    try:
+        status = await asyncio.wait_for(s.call(container.wait), timeout_s)
+        output = (await s.call(container.logs, stdout=True, stderr=True)).decode(
+            errors="replace").strip()
+    finally:
+        await s.call(container.remove, force=True)
+    code = int(status.get("StatusCode", -1))
+    if code != 0 or "Looks good" not in output:
+        raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
+                   CriuProbeFailed)
+    return CriuProbe(s.host, image, output)
+
+
+async def load_capsule(s: CapsuleSession, capsule: CapsuleImage, staged_tar: str) -> str:
+    """Load the capsule tar staged on this host into its dockerd (skipped when the image is
+    already there) and prove it is the captured image; returns the image id."""
+    step = "load"
+    try:
+        await s.call(s.client.images.get, capsule.image_id)
+        return capsule.image_id
+    except docker.errors.NotFound:
+        pass
+    try:
+        await s.host_docker("load", "-q", "-i", staged_tar, timeout_s=3600)
+    except Exception as exc:
+        raise fail(s, capsule.unit_id, step, f"docker load {staged_tar}: {exc}",
+                   RestoreFailed) from exc
+    try:
+        await s.call(s.client.images.get, capsule.image_id)
+    except docker.errors.NotFound:
+        raise fail(s, capsule.unit_id, step, f"{staged_tar} does not hold image "
+                   f"{capsule.image_id}", ImageDigestMismatch) from None
+    return capsule.image_id
+
+
+async def create_restore_container(
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage
+) -> UnitHandle:
+    """Create (not start) a quiet container from the capsule with the destination's devices
+    and mounts: preparation that may run ahead, e.g. right after `load_capsule`."""
+    step = "create-restore"
+    if spec.unit_id != capsule.unit_id:
+        raise fail(s, spec.unit_id, step, f"capsule belongs to unit {capsule.unit_id}",
+                   RestoreFailed)
+    if len(spec.devices) != len(capsule.captured_devices):
+        raise fail(s, spec.unit_id, step,
+                   f"{len(spec.devices)} devices given, the unit was captured with "
+                   f"{len(capsule.captured_devices)}", RestoreFailed)
+    handle = await create_container(s, spec, capsule.image_id, devices=spec.devices,
+                                    role="restore", step=step, error=RestoreFailed, start=False)
+    handle.engine_pid = capsule.engine_pid
+    handle.worker_pids = dict(capsule.worker_pids)
+    return handle
+
+
+async def start_created_container(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Start a container made by `create_restore_container` (its PID 1 only)."""
+    await start_container(s, handle, step="start-restore", error=RestoreFailed)
+
+
+async def start_restore_container(
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage
+) -> UnitHandle:
+    """A fresh quiet container from the capsule, with the destination's devices and mounts:
+    `create_restore_container` + `start_created_container`."""
+    handle = await create_restore_container(s, spec, capsule)
+    await start_created_container(s, handle)
+    return handle
+
+
+async def criu_restore(s: CapsuleSession, handle: UnitHandle) -> RestoreResult:
+    """CRIU restore of the engine tree inside the fresh container. Afterwards the tree runs
+    with its original PIDs but its GPUs are still checkpointed and its intake closed."""
+    step = "criu-restore"
+    container = await s.container(handle.container_id, handle.unit, step)
+    want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
+    t0 = time.monotonic()
+    # Restore and the PID check in one exec: each exec costs tens of milliseconds.
+    out = await s.exec(container, [
+        "sh", "-c", 'criu restore -D "$1" -d -o restore.log || exit $?; shift; '
+        'for p; do test -d "/proc/$p" || echo "missing $p"; done', "sh", CRIU_IMAGES_DIR,
+        *[str(p) for p in want]])
+    seconds = time.monotonic() - t0
+    if not out.ok:
+        why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/restore.log")
+        raise fail(s, handle.unit, step, f"criu restore exited {out.exit_code}:\n{why}",
+                   RestoreFailed)
+    missing = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("missing ")]
+    if missing:
+        raise fail(s, handle.unit, step, f"restored, but processes {missing} are not running",
+                   RestoreFailed)
+    log.info("capsule.restored", host=s.host, unit=handle.unit, step=step,
+             seconds=round(seconds, 3))
+    return RestoreResult(handle.unit, seconds)
+
+
+async def restore_gpus(s: CapsuleSession, handle: UnitHandle,
+                       devices: Mapping[str, str]) -> None:
+    """cuda-checkpoint restore (with --device-map captured=destination) then unlock, for
+    every worker of the unit."""
+    step = "gpu-restore"
+    container = await s.container(handle.container_id, handle.unit, step)
+    # An all-identity map is left out: the real tool needs none when nothing moved.
+    map_args = (["--device-map", ",".join(f"{o}={n}" for o, n in devices.items())]
+                if any(o != n for o, n in devices.items()) else [])
+
+    async def one(wid: str, pid: int) -> None:
+        out = await cuda_sequence(s, container, [
+            ["--action", "restore", "--pid", str(pid), *map_args],
+            ["--action", "unlock", "--pid", str(pid)]])
+        if not out.ok:
+            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}",
+                       RestoreFailed)
+
+    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
+                                   return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+async def release(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Reopen the restored engine's request intake."""
+    await resume(s, handle, step="release")
+
+
+async def validate(s: CapsuleSession, handle: UnitHandle, *,
+                   timeout_s: float = 120.0) -> ValidationResult:
+    """Health path answers 200, then the validation prompt gets the expected text."""
+    step = "validate"
+    spec = handle.spec
+    container = await s.container(handle.container_id, handle.unit, step)
+    t0 = time.monotonic()
+    # One exec: the in-capsule client waits for health 200, then sends the prompt.
+    ans = await s.http(container, spec.api, "POST", spec.api.completion_path,
+                       {"prompt": spec.validation.prompt, "max_tokens": 32, "temperature": 0},
+                       timeout_s=timeout_s, wait_ok=spec.api.health_path)
+    if ans.status is None:
+        raise fail(s, handle.unit, step, f"not healthy: {ans.error}", ValidationFailed)
+    text = completion_text(ans.body) if ans.status == 200 else None
+    if text is None or text.strip() != spec.validation.expected.strip():
+        raise fail(s, handle.unit, step,
+                   f"validation prompt got {ans.status} {text if text is not None else ans.body}"
+                   f"; expected {spec.validation.expected!r}", ValidationFailed)
+    return ValidationResult(handle.unit, text, time.monotonic() - t0)
+
+
+def completion_text(body: str) -> str | None:
+    try:
+        data: Any = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(data, dict):
+        if isinstance(data.get("text"), str):
+            return str(data["text"])
+        choices = data.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            t = choices[0].get("text")
+            return t if isinstance(t, str) else None
+    return None
+
+
+async def restore_unit(
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage, staged_tar: str
+) -> tuple[UnitHandle, ValidationResult]:
+    """All restore steps for a lone unit, in order (tests, benchmarks). On failure the
+    container it started is removed."""
+    from coldsnap.capsule.capture import remove_unit
+
+    await probe_criu(s, capsule.base_image, unit=spec.unit_id)
+    await load_capsule(s, capsule, staged_tar)
+    handle = await start_restore_container(s, spec, capsule)
+    try:
+        await criu_restore(s, handle)
+        await restore_gpus(s, handle, device_map(capsule.captured_devices, spec.devices))
+        await release(s, handle)
+        result = await validate(s, handle)
+    except BaseException:
+        await remove_unit(s, handle)
+        raise
+    return handle, result

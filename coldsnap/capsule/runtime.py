@@ -1,0 +1,238 @@
+"""Container, process-tree and cuda-checkpoint helpers shared by capture and restore."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import docker.errors
+import docker.types
+
+from coldsnap.capsule.errors import CapsuleError, EngineNotReady
+from coldsnap.capsule.session import CapsuleSession, ExecOutput
+from coldsnap.capsule.spec import (
+    CRIU_CAPABILITIES,
+    CRIU_SECURITY_OPT,
+    UNMASKED_PATHS,
+    UnitSpec,
+    docker_name,
+)
+
+CUDA_CHECKPOINT = "cuda-checkpoint"
+LABEL_UNIT = "org.coldsnap.unit"
+LABEL_ROLE = "org.coldsnap.role"
+
+# CRIU prints these on every run in a --network none container without CAP_SYS_RESOURCE;
+# they never decide success, so they are left out of error messages.
+_HARMLESS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE", "Can't keep kdat cache")
+
+
+@dataclass
+class UnitHandle:
+    """A unit's container on one host, as the steps hand it to each other."""
+
+    spec: UnitSpec
+    host: str
+    container_id: str
+    container_name: str
+    role: Literal["capture", "restore"]
+    devices: tuple[str, ...]  # GPU UUIDs this container was given, by device slot
+    engine_pid: int | None = None  # PID of the engine tree's root inside the container
+    worker_pids: dict[str, int] = field(default_factory=dict)  # worker id -> PID inside
+
+    @property
+    def unit(self) -> str:
+        return self.spec.unit_id
+
+
+def fail(s: CapsuleSession, unit: str, step: str, detail: str,
+         kind: type[CapsuleError] = CapsuleError) -> CapsuleError:
+    return kind(s.host, unit, step, detail)
+
+
+async def create_container(
+    s: CapsuleSession,
+    spec: UnitSpec,
+    image: str,
+    *,
+    devices: Sequence[str],
+    role: Literal["capture", "restore"],
+    step: str,
+    error: type[CapsuleError],
+    start: bool = True,
+) -> UnitHandle:
+    name = f"coldsnap-{docker_name(spec.unit_id)}-{role}-{secrets.token_hex(4)}"
+    api = s.client.api
+    host_config: dict[str, Any] = api.create_host_config(
+        # The engine's API is reached by exec'ing a client inside the container, so the unit
+        # needs no network; none also means nothing in a snapshot depends on host addresses.
+        network_mode="none",
+        cap_add=list(CRIU_CAPABILITIES),
+        security_opt=list(CRIU_SECURITY_OPT),
+        mounts=[
+            docker.types.Mount(target=m.target, source=m.source, type="bind",
+                               read_only=m.read_only)
+            for m in spec.mounts
+        ],
+        device_requests=(
+            [docker.types.DeviceRequest(device_ids=list(devices), capabilities=[["gpu"]])]
+            if spec.gpu_mode == "nvidia" else None
+        ),
+    )
+    host_config.update(UNMASKED_PATHS)
+    try:
+        created = await s.call(
+            api.create_container, image, command=list(spec.init_command), name=name,
+            environment=spec.container_environment(devices), host_config=host_config,
+            labels={LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}, detach=True)
+    except docker.errors.DockerException as exc:
+        raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
+    handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices))
+    if start:
+        await start_container(s, handle, step=step, error=error)
+    return handle
+
+
+async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
+                          error: type[CapsuleError]) -> None:
+    try:
+        await s.call(s.client.api.start, handle.container_id)
+    except docker.errors.DockerException as exc:
+        await remove_container(s, handle.container_id)
+        raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
+
+
+async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> list[int]:
+    """The subset of `pids` that exist in the container's PID namespace."""
+    if not pids:
+        return []
+    out = await s.exec(
+        container,
+        ["sh", "-c", 'for p in "$@"; do test -d "/proc/$p" && echo "$p"; done; true', "sh",
+         *[str(p) for p in pids]],
+    )
+    return [int(x) for x in out.stdout.split()]
+
+
+async def process_tree(s: CapsuleSession, container: Any, root: int) -> list[int]:
+    """PIDs of `root` and all its descendants (threads excluded), read from /proc."""
+    out = await s.exec(
+        container,
+        ["sh", "-c", 'for f in /proc/[0-9]*/stat; do read -r l < "$f" 2>/dev/null && '
+         'echo "$l"; done; true'],
+    )
+    children: dict[int, list[int]] = {}
+    for line in out.stdout.splitlines():
+        head, sep, rest = line.rpartition(")")
+        if not sep:
+            continue
+        fields = rest.split()
+        try:
+            pid, ppid = int(head.split(" (", 1)[0]), int(fields[1])
+        except (ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return sorted(tree)
+
+
+async def cuda(
+    s: CapsuleSession, container: Any, args: Sequence[str]
+) -> ExecOutput:
+    return await s.exec(container, [CUDA_CHECKPOINT, *args], timeout_s=600)
+
+
+async def cuda_sequence(
+    s: CapsuleSession, container: Any, calls: Sequence[Sequence[str]]
+) -> ExecOutput:
+    """Several cuda-checkpoint calls on one process in one exec, stopping at the first
+    failure (its stderr names the action)."""
+    script = " && ".join(
+        " ".join(["\"$0\"", *(f"'{a}'" for a in call)]) for call in calls)
+    for call in calls:
+        for a in call:
+            if "'" in a:
+                raise ValueError(f"unsafe cuda-checkpoint argument {a!r}")
+    return await s.exec(container, ["sh", "-c", script, CUDA_CHECKPOINT], timeout_s=600)
+
+
+async def cuda_state(s: CapsuleSession, container: Any, pid: int) -> str | None:
+    out = await cuda(s, container, ["--get-state", "--pid", str(pid)])
+    return out.stdout.strip() if out.ok else None
+
+
+async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:
+    """Map every worker of the unit to its PID inside the container.
+
+    Engines with a status endpoint report it; otherwise the CUDA processes of the engine tree
+    (those cuda-checkpoint knows) are taken in PID order as process slots 0, 1, ...
+    """
+    spec = handle.spec
+    container = await s.container(handle.container_id, handle.unit, step)
+    want = {w.id for w in spec.workers}
+    if spec.api.status_path:
+        ans = await s.http(container, spec.api, "GET", spec.api.status_path)
+        if ans.status == 200:
+            reported = {str(w["id"]): int(w["pid"]) for w in ans.json().get("workers", [])}
+            if set(reported) != want:
+                raise fail(s, handle.unit, step,
+                           f"engine reports workers {sorted(reported)}, the unit declares "
+                           f"{sorted(want)}", EngineNotReady)
+            return reported
+    assert handle.engine_pid is not None
+    tree = await process_tree(s, container, handle.engine_pid)
+    states = await asyncio.gather(*(cuda_state(s, container, p) for p in tree))
+    gpu_pids = [p for p, st in zip(tree, states, strict=True) if st is not None]
+    if len(gpu_pids) != len(spec.workers):
+        raise fail(s, handle.unit, step,
+                   f"{len(gpu_pids)} CUDA processes in the engine tree, the unit declares "
+                   f"{len(spec.workers)} workers", EngineNotReady)
+    slots = sorted(spec.workers, key=lambda w: w.process_slot)
+    return {w.id: p for w, p in zip(slots, gpu_pids, strict=True)}
+
+
+async def gpu_return_to_running(
+    s: CapsuleSession, container: Any, pids: Mapping[str, int]
+) -> list[str]:
+    """Undo lock/checkpoint on every worker that is not running; returns the problems."""
+
+    async def one(wid: str, pid: int) -> str | None:
+        state = await cuda_state(s, container, pid)
+        if state == "checkpointed":
+            out = await cuda(s, container, ["--action", "restore", "--pid", str(pid)])
+            if not out.ok:
+                return f"worker {wid} (pid {pid}): restore: {out.tail(300)}"
+            state = "locked"
+        if state == "locked":
+            out = await cuda(s, container, ["--action", "unlock", "--pid", str(pid)])
+            if not out.ok:
+                return f"worker {wid} (pid {pid}): unlock: {out.tail(300)}"
+        return None
+
+    results = await asyncio.gather(*(one(w, p) for w, p in pids.items()))
+    return [r for r in results if r]
+
+
+async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
+    out = await s.exec(container, ["tail", "-n", "200", log_path])
+    lines = [ln for ln in out.stdout.splitlines()
+             if "Error" in ln and not any(h in ln for h in _HARMLESS)]
+    return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
+
+
+async def remove_container(s: CapsuleSession, container_id: str) -> bool:
+    """Remove a container (killing what runs in it); False when it was already gone."""
+    s.forget(container_id)
+    try:
+        container = await s.call(s.client.containers.get, container_id)
+        await s.call(container.remove, force=True)
+    except docker.errors.NotFound:
+        return False
+    return True

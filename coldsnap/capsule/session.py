@@ -1,0 +1,141 @@
+"""A host's Docker engine, reached with the docker SDK over the host's forwarded socket.
+
+The docker SDK is synchronous; every call goes through `asyncio.to_thread` so that many units
+and hosts proceed concurrently on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import structlog
+
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.spec import CapsuleHost, EngineApi
+
+T = TypeVar("T")
+
+log = structlog.get_logger("coldsnap.capsule")
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def tail(self, limit: int = 1500) -> str:
+        text = (self.stderr.strip() + "\n" + self.stdout.strip()).strip()
+        return text[-limit:]
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    status: int | None  # None: no HTTP answer at all (engine not listening)
+    body: str
+    error: str = ""
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class CapsuleSession:
+    """One host's Docker engine plus its transport; shared by every unit on that host."""
+
+    def __init__(self, target: CapsuleHost, client: Any) -> None:
+        self.target = target
+        self.client = client
+        # Container objects are plain id wrappers; caching them saves an API round trip per
+        # step (a removed container still fails its next exec).
+        self._containers: dict[str, Any] = {}
+
+    @property
+    def host(self) -> str:
+        return self.target.name
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def container(self, container_id: str, unit: str, step: str) -> Any:
+        if container_id in self._containers:
+            return self._containers[container_id]
+        try:
+            c = await self.call(self.client.containers.get, container_id)
+        except docker.errors.NotFound:
+            raise CapsuleError(self.host, unit, step, f"container {container_id} is gone") from None
+        self._containers[container_id] = c
+        return c
+
+    def forget(self, container_id: str) -> None:
+        self._containers.pop(container_id, None)
+
+    async def exec(
+        self, container: Any, argv: Sequence[str], *, timeout_s: float | None = None
+    ) -> ExecOutput:
+        def run() -> ExecOutput:
+            code, (out, err) = container.exec_run(list(argv), demux=True)
+            return ExecOutput(
+                int(code if code is not None else -1),
+                (out or b"").decode(errors="replace"),
+                (err or b"").decode(errors="replace"),
+            )
+
+        return await asyncio.wait_for(self.call(run), timeout_s)
+
+    async def http(
+        self,
+        container: Any,
+        api: EngineApi,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout_s: float = 30.0,
+        wait_ok: str | None = None,
+    ) -> HttpAnswer:
+        """One HTTP request to the engine from inside the capsule. With `wait_ok`, the client
+        first polls that path until it answers 200 (bounded by `timeout_s`)."""
+        first = ["--wait-ok", wait_ok] if wait_ok else []
+        argv = [*api.client, *first, api.endpoint, method, path,
+                json.dumps(body) if body is not None else "", str(timeout_s)]
+        out = await self.exec(container, argv, timeout_s=timeout_s + 15)
+        try:
+            parsed = json.loads(out.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return HttpAnswer(None, "", f"client failed ({out.exit_code}): {out.tail()}")
+        if "status" not in parsed:
+            return HttpAnswer(None, "", str(parsed.get("error", "no answer")))
+        return HttpAnswer(int(parsed["status"]), str(parsed.get("body", "")))
+
+    async def host_docker(self, *args: str, timeout_s: float | None = None) -> bytes:
+        """The docker CLI on the host itself, for what must stay on the host (save/load)."""
+        res = await self.target.host.run(
+            ["docker", "-H", f"unix://{self.target.docker_socket}", *args], timeout=timeout_s
+        )
+        return res.stdout
+
+
+@asynccontextmanager
+async def open_session(target: CapsuleHost) -> AsyncIterator[CapsuleSession]:
+    """Forward the host's Docker socket and yield a session bound to it."""
+    async with target.host.forward_unix_socket(target.docker_socket) as local:
+        # The client asks the daemon for its API version while it is built; the forwarded
+        # socket is served by this very event loop, so that must happen off the loop.
+        client = await asyncio.to_thread(
+            docker.DockerClient, base_url=f"unix://{local}", timeout=600
+        )
+        try:
+            yield CapsuleSession(target, client)
+        finally:
+            await asyncio.to_thread(client.close)

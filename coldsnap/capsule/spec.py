@@ -1,0 +1,147 @@
+"""What the capsule layer needs to know about one launch unit, independent of the formats."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from coldsnap.hosts.base import Host
+
+# Exactly what in-capsule CRIU needs, and no more (no --privileged):
+#   SYS_ADMIN, SYS_PTRACE: dump/restore of the process tree; SYS_TIME: restore writes the
+#   time-namespace offsets; NET_ADMIN: socket and netns state; DAC_READ_SEARCH: open files by
+#   handle and read /proc of other tasks.
+CRIU_CAPABILITIES: tuple[str, ...] = (
+    "SYS_ADMIN",
+    "SYS_PTRACE",
+    "SYS_TIME",
+    "NET_ADMIN",
+    "DAC_READ_SEARCH",
+)
+CRIU_SECURITY_OPT: tuple[str, ...] = (
+    "seccomp=unconfined",
+    "apparmor=unconfined",
+)
+# What `docker run --security-opt systempaths=unconfined` means (the CLI, not dockerd, turns
+# it into these HostConfig fields): /proc/sys writable and unmasked, needed for ns_last_pid.
+UNMASKED_PATHS: dict[str, list[str]] = {"MaskedPaths": [], "ReadonlyPaths": []}
+
+# Paths inside the capsule. They live in the container's rootfs, so a commit carries them.
+CAPSULE_STATE_DIR = "/var/lib/coldsnap"
+CRIU_IMAGES_DIR = f"{CAPSULE_STATE_DIR}/images"
+ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
+ENGINE_LOG = "/var/log/coldsnap/engine.log"
+# The engine tree is started above this PID so that the helpers a fresh container runs at
+# restore (criu itself, docker exec'd tools) never hold a PID the tree needs.
+ENGINE_PID_FLOOR = 9999
+
+MANIFEST_ENV = "COLDSNAP_UNIT"
+SIMULATED_GPUS_ENV = "COLDSNAP_SIMULATED_GPUS"
+
+_NAME_BAD = re.compile(r"[^a-z0-9_.-]+")
+
+
+def docker_name(text: str) -> str:
+    """A string usable in container names, repositories and tags."""
+    cleaned = _NAME_BAD.sub("-", text.lower()).strip("-.")
+    return cleaned[:100] or "x"
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str  # path on the host that runs the unit
+    target: str  # path inside the capsule
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    id: str
+    global_rank: int
+    world_size: int
+    process_slot: int
+    device_slots: tuple[int, ...]
+    # Host path of the worker's weight payload. None: ask the engine's status endpoint for the
+    # path it loaded and map it back through the unit's mounts.
+    payload_path: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineApi:
+    """How the controller talks to the engine: through `client` exec'd inside the capsule."""
+
+    endpoint: str = "unix:@coldsnap-engine"
+    client: tuple[str, ...] = ("capsule-http",)
+    health_path: str = "/health"
+    completion_path: str = "/v1/completions"
+    # Optional: engines without them are snapshotted without draining / identity checks.
+    status_path: str | None = "/status"
+    quiesce_path: str | None = "/admin/quiesce"
+    resume_path: str | None = "/admin/resume"
+
+
+@dataclass(frozen=True)
+class Validation:
+    prompt: str
+    expected: str
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One launch unit as placed on one host. `devices` are that host's GPU UUIDs, by slot."""
+
+    unit_id: str
+    image: str
+    image_digest: str
+    command: tuple[str, ...]
+    devices: tuple[str, ...]
+    workers: tuple[WorkerSpec, ...]
+    validation: Validation
+    environment: Mapping[str, str] = field(default_factory=dict)
+    mounts: tuple[Mount, ...] = ()
+    api: EngineApi = EngineApi()
+    # "simulated": devices go only into the environment (test capsule, cuda-checkpoint
+    # simulator); "nvidia": a Docker device request for exactly these UUIDs.
+    gpu_mode: Literal["simulated", "nvidia"] = "simulated"
+    init_command: tuple[str, ...] = ("/usr/local/bin/capsule-init",)
+
+    def manifest(self, devices: Sequence[str] | None = None) -> dict[str, Any]:
+        return {
+            "unit_id": self.unit_id,
+            "devices": list(self.devices if devices is None else devices),
+            "workers": [
+                {
+                    "id": w.id,
+                    "global_rank": w.global_rank,
+                    "world_size": w.world_size,
+                    "process_slot": w.process_slot,
+                    "device_slots": list(w.device_slots),
+                }
+                for w in sorted(self.workers, key=lambda w: w.process_slot)
+            ],
+        }
+
+    def container_environment(self, devices: Sequence[str] | None = None) -> dict[str, str]:
+        devs = list(self.devices if devices is None else devices)
+        env = dict(self.environment)
+        env[MANIFEST_ENV] = json.dumps(self.manifest(devs), sort_keys=True)
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(devs)
+        if self.gpu_mode == "simulated":
+            env[SIMULATED_GPUS_ENV] = ",".join(devs)
+        return env
+
+
+@dataclass(frozen=True)
+class CapsuleHost:
+    """A host as the capsule layer uses it: transport, its Docker socket and its data dir."""
+
+    host: Host
+    docker_socket: str  # path of dockerd's unix socket on that host
+    data_dir: str  # coldsnap's directory on that host
+
+    @property
+    def name(self) -> str:
+        return self.host.name

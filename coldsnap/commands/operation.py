@@ -1,0 +1,121 @@
+"""What `capture` and `restore` share on the command line: inventory, store, receipts,
+timing events, progress and the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from coldsnap import logs
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.commands.common import add_store_argument, fail
+from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.hosts.base import HostError, ProgressCallback
+from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
+from coldsnap.hosts.pool import HostPool
+from coldsnap.operations.context import OperationContext, OperationFailed, write_receipt
+from coldsnap.operations.hostset import HostSet
+from coldsnap.progress import TransferProgress
+from coldsnap.store import StoreError
+
+T = TypeVar("T")
+
+DEFAULT_INVENTORY = "/etc/coldsnap/inventory.yaml"
+
+
+def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--inventory", type=Path, default=None, metavar="FILE",
+        help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")
+    add_store_argument(parser)
+    parser.add_argument(
+        "--receipt-json", metavar="PATH|-", default=None,
+        help="write the operation receipt (format 2) to PATH, or to stdout with '-' (then it "
+             "is the only thing on stdout)")
+    parser.add_argument(
+        "--timing-events", metavar="PATH|-", default=None,
+        help="stream timing events (NDJSON, format 1) to PATH or stdout while running")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+
+
+def check_outputs(args: argparse.Namespace) -> str | None:
+    if args.receipt_json == "-" and args.timing_events == "-":
+        return "--receipt-json and --timing-events cannot both be '-' (stdout)"
+    return None
+
+
+def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
+    path = args.inventory or Path(os.environ.get("COLDSNAP_INVENTORY", DEFAULT_INVENTORY))
+    return load_inventory(path)
+
+
+def _progress_factory() -> Callable[[str], ProgressCallback | None] | None:
+    if not sys.stderr.isatty():
+        return None
+    return lambda label: TransferProgress(label)
+
+
+def run_operation(
+    args: argparse.Namespace,
+    operation: Literal["capture", "restore"],
+    body: Callable[[HostSet, OperationContext], Awaitable[ReceiptResult]],
+    *,
+    request_sha256: str,
+    engine: Literal["vllm", "sglang"],
+    snapshot_driver: str,
+    inventory: Inventory,
+    prepare_only: bool = False,
+) -> int:
+    """Run one operation to exactly one receipt; 0 on success, 1 on failure."""
+    logs.configure(verbose=args.verbose)
+    ctx = OperationContext(operation, timing_events=args.timing_events)
+    ctx.progress = _progress_factory()
+    error: OperationFailed | None = None
+    result: ReceiptResult | None = None
+
+    async def main() -> ReceiptResult:
+        async with HostPool(inventory) as pool:
+            with ctx.span(operation):
+                return await body(HostSet(inventory, pool), ctx)
+
+    try:
+        result = asyncio.run(main())
+    except OperationFailed as exc:
+        error = exc
+    except (CapsuleError, HostError) as exc:
+        error = OperationFailed(type(exc).__name__, str(exc))
+    except (StoreError, OSError) as exc:
+        error = OperationFailed("local", f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        error = OperationFailed("interrupted", "interrupted; units were rolled back")
+    except Exception as exc:  # a bug still ends in exactly one receipt and exit status 1
+        if args.verbose:
+            traceback.print_exc()
+        error = OperationFailed("internal", f"{type(exc).__name__}: {exc}")
+    receipt = ctx.finish(request_sha256=request_sha256, engine=engine,
+                         snapshot_driver=snapshot_driver, prepare_only=prepare_only,
+                         result=result, error=error)
+    try:
+        write_receipt(receipt, args.receipt_json)
+    except OSError as exc:
+        fail(f"cannot write the receipt to {args.receipt_json}: {exc}")
+        return 1
+    if error is not None:
+        sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): {error.message}\n")
+        return 1
+    return 0
+
+
+__all__ = [
+    "InventoryError",
+    "add_operation_arguments",
+    "check_outputs",
+    "load_hosts_inventory",
+    "run_operation",
+]

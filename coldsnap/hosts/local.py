@@ -1,0 +1,120 @@
+"""`LocalHost`: the `Host` protocol on the control node itself (no SSH)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from coldsnap.hosts.base import (
+    CommandFailed,
+    CommandResult,
+    CommandTimeout,
+    ProgressCallback,
+    TransferError,
+    TransferResult,
+)
+
+_CHUNK = 4 * 1024 * 1024
+PART_SUFFIX = ".coldsnap-part"
+
+
+def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) -> TransferResult:
+    total = src.stat().st_size
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    part = dst.with_name(dst.name + PART_SUFFIX)
+    h = hashlib.sha256()
+    done = 0
+    with open(src, "rb") as fin, open(part, "wb") as fout:
+        if progress:
+            progress(0, total)
+        while data := fin.read(_CHUNK):
+            h.update(data)
+            fout.write(data)
+            done += len(data)
+            if progress:
+                progress(done, total)
+    # Read back what landed: the same end-to-end check the SSH path makes on the far side.
+    check = hashlib.sha256()
+    with open(part, "rb") as f:
+        while data := f.read(_CHUNK):
+            check.update(data)
+    if check.hexdigest() != h.hexdigest() or done != total:
+        part.unlink(missing_ok=True)
+        raise TransferError(name, f"copy of {src} to {dst} does not match its source")
+    os.replace(part, dst)
+    return TransferResult(bytes=total, sha256=f"sha256:{h.hexdigest()}", sent_bytes=total)
+
+
+class LocalHost:
+    def __init__(self, name: str = "local") -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
+        input: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        args = tuple(argv)
+        if not args:
+            raise ValueError("empty argv")
+        # Its own session, so a timeout can kill the whole process group it spawns.
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                out, err = await proc.communicate(input)
+        except TimeoutError:
+            await self._kill(proc)
+            raise CommandTimeout(self.name, f"{args[0]} ran past {timeout}s; killed") from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill(proc))
+            raise
+        status = proc.returncode if proc.returncode is not None else 255
+        if status < 0:
+            status = 128 - status
+        result = CommandResult(args, status, out, err)
+        if check and not result.ok:
+            raise CommandFailed(self.name, result)
+        return result
+
+    @staticmethod
+    async def _kill(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    async def put(
+        self, local: Path, remote: str, *, progress: ProgressCallback | None = None
+    ) -> TransferResult:
+        return await asyncio.to_thread(_copy, Path(local), Path(remote), progress, self.name)
+
+    async def get(
+        self, remote: str, local: Path, *, progress: ProgressCallback | None = None
+    ) -> TransferResult:
+        return await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name)
+
+    @asynccontextmanager
+    async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
+        # The socket is already local; nothing to carry.
+        yield remote_path
+
+    async def close(self) -> None:
+        return None

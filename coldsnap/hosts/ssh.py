@@ -1,0 +1,536 @@
+"""`SSHHost`: the `Host` protocol over one long-lived asyncssh connection.
+
+Nothing is installed on the host. Commands run as argv lists: the only shell involved is the
+login shell sshd itself uses, and every word it sees is quoted with `shlex`. A small wrapper
+prints the command's PID first so that a timeout or cancellation can kill the whole remote
+process group through a second channel (closing a channel does not kill anything on the far
+side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import shlex
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import asyncssh
+import structlog
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from coldsnap.hosts.base import (
+    CommandFailed,
+    CommandResult,
+    CommandTimeout,
+    HostAuthFailed,
+    HostError,
+    HostKeyRejected,
+    HostUnreachable,
+    ProgressCallback,
+    TransferResult,
+)
+from coldsnap.hosts.inventory import HostEntry
+
+log = structlog.get_logger("coldsnap.hosts")
+
+# The wrapper reports its PID (which `exec` hands on to the command) before anything else;
+# sshd makes every session its own process group, so killing "-PID" takes children too.
+_PID_WRAPPER = 'echo "$$" && exec "$@"'
+_KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0'
+
+# OpenSSH's per-connection default MaxSessions; the pool keeps below it.
+OPENSSH_DEFAULT_MAX_SESSIONS = 10
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    """Transport knobs shared by every host of a pool."""
+
+    connect_timeout: float = 10.0  # TCP connect + key exchange
+    login_timeout: float = 15.0  # authentication, on top of connect_timeout
+    keepalive_interval: float = 10.0
+    keepalive_count_max: int = 3
+    # Sessions (exec/sftp channels) open at once per host. Must stay below the host sshd's
+    # MaxSessions (OpenSSH default 10); one slot is kept free for the kill channel.
+    max_channels: int = OPENSSH_DEFAULT_MAX_SESSIONS - 2
+    connect_attempts: int = 4
+    retry_initial: float = 0.2
+    retry_max: float = 3.0
+    # aes128-gcm is the fastest here (AES-NI on both ends, AEAD: no separate MAC pass);
+    # the others stay acceptable so a host that disables it still works.
+    encryption_algs: tuple[str, ...] = (
+        "aes128-gcm@openssh.com",
+        "aes256-gcm@openssh.com",
+        "chacha20-poly1305@openssh.com",
+        "aes128-ctr",
+        "aes256-ctr",
+    )
+    # A bigger receive window than asyncssh's 2 MiB keeps get() streaming.
+    recv_window: int = 16 * 1024 * 1024
+    # How put() moves bulk bytes: "auto" (the OpenSSH client when usable, else asyncssh),
+    # "openssh" or "asyncssh". See coldsnap.hosts.transfer.put_file.
+    bulk_transport: Literal["auto", "openssh", "asyncssh"] = "auto"
+
+
+def _transient(exc: BaseException) -> bool:
+    """Connection-level failures worth another try; auth and host-key refusals are final."""
+    if isinstance(exc, asyncssh.HostKeyNotVerifiable | asyncssh.PermissionDenied):
+        return False
+    if isinstance(exc, HostKeyRejected | HostAuthFailed):
+        return False
+    if isinstance(exc, asyncssh.KeyExchangeFailed | asyncssh.ProtocolNotSupported):
+        return False
+    return isinstance(exc, OSError | TimeoutError | asyncssh.DisconnectError)
+
+
+def known_hosts_pattern(address: str, port: int) -> str:
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+class _Client(asyncssh.SSHClient):
+    """Tracks connection loss and implements the explicit `accept-new` host key policy."""
+
+    def __init__(self, host: SSHHost) -> None:
+        self._host = host
+        self.lost = False
+        self.key_problem: str | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+    def validate_host_public_key(
+        self, host: str, addr: str, port: int, key: asyncssh.SSHKey
+    ) -> bool:
+        # asyncssh calls this only for a key that known_hosts does not already trust.
+        entry = self._host.entry
+        path = entry.known_hosts
+        try:
+            with open(path, "a+") as fh:
+                # The lock serialises concurrent first contacts (several coldsnapd processes
+                # or hosts sharing one file); the file is only ever appended to.
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                fh.seek(0)
+                current = asyncssh.import_known_hosts(fh.read())
+                trusted = asyncssh.match_known_hosts(current, entry.address, addr, port)[0]
+                if trusted:
+                    if key in trusted:
+                        return True  # another process accepted it a moment ago
+                    self.key_problem = "changed"
+                    return False
+                if entry.host_key_policy != "accept-new":
+                    self.key_problem = "unknown"
+                    return False
+                algo, b64 = key.export_public_key("openssh").decode().split()[:2]
+                fh.seek(0, os.SEEK_END)
+                fh.write(f"{known_hosts_pattern(entry.address, entry.port)} {algo} {b64}\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                log.warning(
+                    "host key accepted on first contact",
+                    host=entry.name,
+                    key_type=algo,
+                    fingerprint=key.get_fingerprint(),
+                    known_hosts=str(path),
+                )
+                return True
+        except OSError as exc:
+            self.key_problem = f"cannot read/append {path}: {exc.strerror or exc}"
+            return False
+
+
+@dataclass
+class RemoteStream:
+    """An open exec channel: raw byte streams plus the channel for its exit status."""
+
+    stdin: asyncssh.SSHWriter[bytes]
+    stdout: asyncssh.SSHReader[bytes]
+    stderr: asyncssh.SSHReader[bytes]
+
+    @property
+    def channel(self) -> Any:
+        return self.stdin.channel
+
+    async def finish(self) -> tuple[int, bytes]:
+        """Wait for the remote command to end; return (exit status, stderr)."""
+        err = await self.stderr.read()
+        await self.channel.wait_closed()
+        status = _exit_status(self.channel)
+        return (255 if status is None else status), err
+
+
+def _exit_status(channel: Any) -> int | None:
+    """The remote exit status; 128+N for a signal; None when the channel closed without
+    one (the connection went away)."""
+    status = channel.get_exit_status()
+    if status is not None and status >= 0:
+        return int(status)
+    sig = channel.get_exit_signal()
+    if sig:
+        try:
+            return 128 + int(signal.Signals["SIG" + sig[0]])
+        except KeyError:
+            return 255
+    return None
+
+
+class SSHHost:
+    """One destination host reached over SSH. Connects lazily, reconnects on demand."""
+
+    def __init__(
+        self,
+        entry: HostEntry,
+        settings: SSHSettings | None = None,
+        *,
+        handshakes: asyncio.Semaphore | None = None,
+        jump_host: Callable[[str], SSHHost | None] | None = None,
+    ) -> None:
+        self.entry = entry
+        self.settings = settings or SSHSettings()
+        self._handshakes = handshakes or asyncio.Semaphore(16)
+        self._channels = asyncio.Semaphore(self.settings.max_channels)
+        self._jump_host = jump_host
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._client: _Client | None = None
+        self._conn_lock = asyncio.Lock()
+        self.connects = 0  # how many connections were made (tests and metrics)
+
+    def __repr__(self) -> str:
+        return f"SSHHost({self.entry.name!r}, {self.entry.ssh_target})"
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    # ----------------------------------------------------------------- connection
+
+    def _connected(self) -> bool:
+        return self._conn is not None and self._client is not None and not self._client.lost
+
+    async def connect(self) -> None:
+        """Open the connection now (it is otherwise opened on first use)."""
+        await self.connection()
+
+    async def connection(self) -> asyncssh.SSHClientConnection:
+        if self._connected():
+            assert self._conn is not None
+            return self._conn
+        async with self._conn_lock:
+            if self._connected():
+                assert self._conn is not None
+                return self._conn
+            self._drop()
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(self.settings.connect_attempts),
+                wait=wait_random_exponential(
+                    multiplier=self.settings.retry_initial, max=self.settings.retry_max
+                ),
+                retry=retry_if_exception(_transient),
+                before_sleep=self._log_retry,
+                reraise=True,
+            )
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        self._conn, self._client = await self._connect_once()
+            except HostError:
+                raise
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise self._key_error(exc) from None
+            except asyncssh.PermissionDenied as exc:
+                raise HostAuthFailed(
+                    self.name,
+                    f"{self.entry.ssh_target} refused our key "
+                    f"({self.entry.identity_file or 'default keys'}): {exc.reason}",
+                ) from None
+            except (OSError, TimeoutError, asyncssh.Error) as exc:
+                raise HostUnreachable(
+                    self.name,
+                    f"cannot connect to {self.entry.ssh_target} after "
+                    f"{self.settings.connect_attempts} attempts: {_describe(exc)}",
+                ) from None
+            self.connects += 1
+            log.debug("connected", host=self.name, target=self.entry.ssh_target)
+            assert self._conn is not None
+            return self._conn
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.info(
+            "connect retry",
+            host=self.name,
+            attempt=state.attempt_number,
+            error=_describe(exc) if exc else None,
+        )
+
+    def _key_error(self, exc: asyncssh.HostKeyNotVerifiable) -> HostKeyRejected:
+        problem = self._client.key_problem if self._client else None
+        kh = self.entry.known_hosts
+        target = known_hosts_pattern(self.entry.address, self.entry.port)
+        if problem == "changed":
+            msg = (
+                f"host key of {target} DIFFERS from the one recorded in {kh}: refusing to "
+                "connect (possible man-in-the-middle, or the host was reinstalled; remove the "
+                "old entry by hand if the change is expected)"
+            )
+        elif problem == "unknown" or problem is None:
+            msg = (
+                f"host key of {target} is unknown to {kh}: refusing to connect (add the key "
+                "to known_hosts, or set `host_key_policy: accept-new` for a first contact)"
+            )
+        else:
+            msg = f"host key of {target} could not be checked: {problem}"
+        return HostKeyRejected(self.name, msg)
+
+    def _load_known_hosts(self) -> asyncssh.SSHKnownHosts:
+        path = self.entry.known_hosts
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            if self.entry.host_key_policy != "accept-new":
+                raise HostKeyRejected(
+                    self.name,
+                    f"known_hosts file {path} does not exist; with strict host keys nothing "
+                    "can be trusted (create it, or use `host_key_policy: accept-new`)",
+                ) from None
+            text = ""
+        except OSError as exc:
+            raise HostKeyRejected(self.name, f"cannot read {path}: {exc}") from None
+        return asyncssh.import_known_hosts(text)
+
+    async def _tunnel(self) -> Any:
+        jump = self.entry.proxy_jump
+        if not jump:
+            return ()
+        via = self._jump_host(jump) if self._jump_host else None
+        if via is not None:
+            return await via.connection()
+        # Not an inventory host: asyncssh parses [user@]host[:port] and applies ~/.ssh/config.
+        return jump
+
+    async def _connect_once(self) -> tuple[asyncssh.SSHClientConnection, _Client]:
+        e, s = self.entry, self.settings
+        known_hosts = self._load_known_hosts()
+        client = _Client(self)
+        self._client = client
+        keys: Any = [str(e.identity_file)] if e.identity_file else ()
+        tunnel = await self._tunnel()
+        async with self._handshakes:
+            async with asyncio.timeout(s.connect_timeout + s.login_timeout):
+                conn = await asyncssh.connect(
+                    e.address,
+                    e.port,
+                    tunnel=tunnel,
+                    username=e.user,
+                    known_hosts=known_hosts,
+                    client_factory=lambda: client,
+                    client_keys=keys,
+                    # With an explicit key, agent keys would only add failed attempts.
+                    agent_path=None if e.identity_file else (),
+                    encryption_algs=list(s.encryption_algs),
+                    compression_algs=None,
+                    connect_timeout=s.connect_timeout,
+                    keepalive_interval=s.keepalive_interval,
+                    keepalive_count_max=s.keepalive_count_max,
+                )
+        return conn, client
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.abort()
+        self._conn = None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            try:
+                async with asyncio.timeout(5):
+                    await conn.wait_closed()
+            except (TimeoutError, OSError, asyncssh.Error):
+                conn.abort()
+
+    # ----------------------------------------------------------------- channels
+
+    async def _open(self, command: str) -> RemoteStream:
+        """Open an exec channel. A dead connection found here is replaced once: the command
+        has not started, so trying again cannot run it twice."""
+        for attempt in (1, 2):
+            conn = await self.connection()
+            try:
+                stdin, stdout, stderr = await conn.open_session(
+                    command, encoding=None, window=self.settings.recv_window
+                )
+                return RemoteStream(stdin, stdout, stderr)
+            except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
+                still_up = self._connected() and not isinstance(exc, asyncssh.DisconnectError)
+                if still_up and isinstance(exc, asyncssh.ChannelOpenError):
+                    raise HostError(self.name, f"host refused a channel: {exc.reason}") from None
+                self._drop()
+                if attempt == 2:
+                    raise HostUnreachable(
+                        self.name, f"connection lost opening a channel: {_describe(exc)}"
+                    ) from None
+        raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def open_stream(self, argv: Sequence[str]) -> AsyncIterator[RemoteStream]:
+        """Run argv with raw stdin/stdout streams (the transfer layer's building block).
+        Holds one of the host's channel slots while open."""
+        async with self._channels:
+            stream = await self._open("exec " + shlex.join(argv))
+            try:
+                yield stream
+            finally:
+                stream.channel.close()
+
+    # ----------------------------------------------------------------- Host protocol
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
+        input: bytes | None = None,
+        check: bool = True,
+    ) -> CommandResult:
+        args = tuple(argv)
+        if not args:
+            raise ValueError("empty argv")
+        command = "exec " + shlex.join(["sh", "-c", _PID_WRAPPER, "coldsnap-run", *args])
+        async with self._channels:
+            stream = await self._open(command)
+            pid: int | None = None
+            try:
+                async with asyncio.timeout(timeout):
+                    first = await stream.stdout.readline()
+                    if first.strip().isdigit():
+                        pid = int(first)
+
+                    async def feed() -> None:
+                        if input:
+                            stream.stdin.write(input)
+                            await stream.stdin.drain()
+                        stream.stdin.write_eof()
+
+                    out, err, _ = await asyncio.gather(
+                        stream.stdout.read(), stream.stderr.read(), feed()
+                    )
+                    await stream.channel.wait_closed()
+            except TimeoutError:
+                await asyncio.shield(self._kill(pid, stream))
+                raise CommandTimeout(
+                    self.name, f"{args[0]} ran past {timeout}s; killed (pid {pid})"
+                ) from None
+            except asyncio.CancelledError:
+                await asyncio.shield(self._kill(pid, stream))
+                raise
+            except (asyncssh.DisconnectError, ConnectionError) as exc:
+                self._drop()
+                raise HostUnreachable(
+                    self.name,
+                    f"connection lost while {args[0]} ran (it may or may not have finished): "
+                    f"{_describe(exc)}",
+                ) from None
+            finally:
+                stream.channel.close()
+        status = _exit_status(stream.channel)
+        if status is None:
+            self._drop()
+            raise HostUnreachable(
+                self.name,
+                f"connection closed before {args[0]} reported an exit status "
+                "(it may or may not have finished)",
+            )
+        result = CommandResult(args, status, out, err)
+        if check and not result.ok:
+            raise CommandFailed(self.name, result)
+        return result
+
+    async def _kill(self, pid: int | None, stream: RemoteStream) -> None:
+        if pid is None:
+            # Interrupted before the PID line arrived; the command may well be running
+            # already, and its PID is on its way.
+            try:
+                async with asyncio.timeout(2):
+                    first = await stream.stdout.readline()
+                pid = int(first) if first.strip().isdigit() else None
+            except (TimeoutError, OSError, asyncssh.Error):
+                pass
+        stream.channel.close()
+        if pid is None:
+            return
+        # Not through the channel semaphore: every slot may be held by commands waiting to
+        # be killed, and the sshd limit keeps one session spare for this.
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout):
+                conn = await self.connection()
+                await conn.run(
+                    shlex.join(["sh", "-c", _KILL_GROUP, "coldsnap-kill", str(pid)]),
+                    check=False,
+                )
+        except (TimeoutError, OSError, asyncssh.Error, HostError) as exc:
+            log.warning("could not kill remote command", host=self.name, pid=pid,
+                        error=_describe(exc))
+
+    async def put(
+        self, local: Path, remote: str, *, progress: ProgressCallback | None = None
+    ) -> TransferResult:
+        from coldsnap.hosts.transfer import put_file
+
+        return await put_file(self, local, remote, progress=progress)
+
+    async def get(
+        self, remote: str, local: Path, *, progress: ProgressCallback | None = None
+    ) -> TransferResult:
+        from coldsnap.hosts.transfer import get_file
+
+        return await get_file(self, remote, local, progress=progress)
+
+    @asynccontextmanager
+    async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
+        """Listen on a fresh local unix socket (in a 0700 temp dir) and carry each connection
+        to `remote_path` on the host as a direct-streamlocal channel of this connection.
+
+        The forward is served by the running event loop, so a synchronous client of the
+        socket (the docker SDK) must be used from a thread (`asyncio.to_thread`)::
+
+            async with host.forward_unix_socket(entry.docker_socket) as path:
+                client = await asyncio.to_thread(docker.DockerClient, base_url=f"unix://{path}")
+        """
+        conn = await self.connection()
+        tmp = tempfile.mkdtemp(prefix="coldsnap-fwd-")
+        local = os.path.join(tmp, "sock")
+        try:
+            listener = await conn.forward_local_path(local, remote_path)
+        except (OSError, asyncssh.Error) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise HostError(self.name, f"cannot forward {remote_path}: {_describe(exc)}") from None
+        try:
+            yield local
+        finally:
+            listener.close()
+            await listener.wait_closed()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
+        return f"{type(exc).__name__}: {exc.reason}"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text

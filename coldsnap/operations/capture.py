@@ -1,0 +1,337 @@
+"""`coldsnapd capture`: every unit started, warmed, quiesced, checkpointed, dumped and
+committed across its hosts, and every unit's and worker's objects pulled into the store.
+
+Coordinated in phases with a barrier between them: no unit is dumped before every unit is
+quiesced and its GPUs checkpointed. A failure anywhere rolls every unit back (returned to
+serving, or stopped, as `lifecycle.activation_state` says), discards committed capsules, and
+writes nothing to `output` or the store's artifact index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from coldsnap.admission import HostFacts
+from coldsnap.capsule.capture import (
+    CapsuleImage,
+    WorkerObjects,
+    capsule_dir,
+    checkpoint_gpus,
+    collect_worker_objects,
+    commit,
+    discard_capsule,
+    dump,
+    quiesce,
+    remove_unit,
+    return_to_serving,
+    start_unit,
+    wait_ready,
+)
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.runtime import UnitHandle
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.formats.artifact import (
+    ROLE_CAPSULE,
+    ROLE_REPLAY_PLAN,
+    ROLE_WEIGHTS,
+    Artifact,
+    ArtifactObject,
+    ArtifactSnapshotDriver,
+    Capsule,
+    Compatibility,
+    CompatibilityDevice,
+    CompatibilityUnit,
+    RecoveryRecord,
+    ReplayPlanEntry,
+    WeightsRecord,
+    payload_path,
+    replay_plan_path,
+)
+from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
+from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.request import Request
+from coldsnap.hosts.base import Host, HostError
+from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
+from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.topology import resolve
+
+T = TypeVar("T")
+R = TypeVar("R", bound="UnitRun")
+
+ROLE_CAPSULE_MANIFEST = "capsule-manifest"
+
+
+@dataclass
+class UnitRun:
+    placed: PlacedUnit
+    session: CapsuleSession
+    handle: UnitHandle | None = None
+    capsule: CapsuleImage | None = None
+    workers: list[WorkerObjects] | None = None
+
+
+def _explain(exc: BaseException) -> str:
+    if isinstance(exc, CapsuleError | HostError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def phase(
+    ctx: OperationContext,
+    name: str,
+    runs: Sequence[R],
+    fn: Callable[[R], Awaitable[T]],
+) -> list[T]:
+    """Run one step on every unit concurrently and wait for all of them (the barrier).
+
+    Every unit's outcome is gathered before deciding, so a failure never leaves a sibling
+    half-way through a step that rollback does not know about."""
+
+    async def one(run: R) -> T:
+        with ctx.span(f"{ctx.operation}.{name}", host=run.placed.host, unit=run.placed.unit_id):
+            return await fn(run)
+
+    results = await asyncio.gather(*(one(r) for r in runs), return_exceptions=True)
+    errors = [(r, res) for r, res in zip(runs, results, strict=True)
+              if isinstance(res, BaseException)]
+    for _, err in errors:
+        if not isinstance(err, Exception):
+            raise err  # cancellation and interrupts are not step failures
+    if errors:
+        run, err = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        detail = _explain(err)
+        if not isinstance(err, CapsuleError):
+            detail = f"host {run.placed.host}, unit {run.placed.unit_id}, step {name}: {detail}"
+        raise OperationFailed(f"{name}-failed", detail + more)
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
+def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
+                        cuda_userspace: str) -> CompatibilityUnit:
+    return CompatibilityUnit(
+        unit=placed.unit_id,
+        architecture=facts.arch,
+        kernel=facts.kernel,
+        nvidia_driver_captured=facts.driver_version,
+        nvidia_driver_min=driver_min,
+        cuda_userspace=cuda_userspace,
+        devices=[CompatibilityDevice(slot=i, gpu_name=g.name,
+                                     compute_capability=g.compute_capability)
+                 for i, g in enumerate(placed.gpus)],
+    )
+
+
+async def _fetch(host: Host, remote: str, store: LocalStore, expected: str) -> tuple[str, int]:
+    """Pull one object from a host into the store, verified against the digest the host
+    reported when the object was made."""
+    with store.incoming() as tmp:
+        await host.get(remote, tmp)
+        return store.commit_incoming(tmp, expected)
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """Write `output` without ever replacing an existing file (capture is
+    conflict-on-existing-output), and never leave a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # fails if `path` appeared meanwhile: no clobbering
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+async def capture(
+    request: Request,
+    hosts: HostSet,
+    store: LocalStore,
+    ctx: OperationContext,
+) -> StoredArtifact:
+    """Run a capture request to a committed artifact, or raise OperationFailed."""
+    output = Path(request.output) if request.output else None
+    if output is not None and output.exists():
+        raise OperationFailed("output-exists", f"output {output} already exists; capture never "
+                                               "replaces an artifact")
+    if store.has_artifact(request.id):
+        raise OperationFailed("artifact-exists", f"artifact {request.id} already exists in the "
+                                                 f"store {store.root}; a capture needs a fresh id")
+    launch = request.launch
+    topology = resolve(request)
+    keep_serving = request.lifecycle is not None and request.lifecycle.activation_state == "running"
+
+    with ctx.span("capture.facts"):
+        facts = await hosts.facts(topology.hosts)
+    try:
+        placed = place_units(launch, topology, facts, hosts.entries, request.validation)
+    except PlacementError as exc:
+        raise OperationFailed("placement", str(exc)) from None
+
+    async with hosts.sessions(topology.hosts) as sessions:
+        runs = [UnitRun(p, sessions[p.host]) for p in placed]
+        try:
+            return await _capture_units(request, runs, facts, hosts, store, ctx, output,
+                                        keep_serving)
+        except BaseException:
+            await _rollback(ctx, hosts, runs, keep_serving)
+            raise
+
+
+async def _capture_units(
+    request: Request,
+    runs: list[UnitRun],
+    facts: dict[str, HostFacts],
+    hosts: HostSet,
+    store: LocalStore,
+    ctx: OperationContext,
+    output: Path | None,
+    keep_serving: bool,
+) -> StoredArtifact:
+    async def start(r: UnitRun) -> None:
+        r.handle = await start_unit(r.session, r.placed.spec)
+
+    def handle(r: UnitRun) -> UnitHandle:
+        assert r.handle is not None
+        return r.handle
+
+    await phase(ctx, "start", runs, start)
+    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, handle(r)))
+    await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, handle(r)))
+    await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, handle(r)))
+    dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, handle(r)))
+
+    async def do_commit(r: UnitRun) -> None:
+        r.capsule = await commit(r.session, handle(r), request.id, dumps[runs.index(r)])
+
+    await phase(ctx, "commit", runs, do_commit)
+
+    async def collect(r: UnitRun) -> None:
+        r.workers = await collect_worker_objects(r.session, handle(r), request.id)
+
+    await phase(ctx, "collect", runs, collect)
+
+    objects: list[ArtifactObject] = []
+    replay: list[ReplayPlanEntry] = []
+
+    async def fetch(r: UnitRun) -> None:
+        assert r.capsule is not None and r.workers is not None
+        host = hosts.host(r.placed.host)
+        unit_owner = f"unit/{r.placed.unit_id}"
+        digest, size = await _fetch(host, r.capsule.tar_path, store, r.capsule.tar_sha256)
+        objects.append(ArtifactObject(role=ROLE_CAPSULE, owner=unit_owner,
+                                      path=f"capsules/{r.placed.unit_id}.tar", bytes=size,
+                                      sha256=digest))
+        manifest = canonical_json(r.capsule.to_json())
+        m_digest, m_size = store.add_bytes(manifest)
+        objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,
+                                      path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
+                                      sha256=m_digest))
+        for w in r.workers:
+            owner = f"worker/{w.worker_id}"
+            p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256)
+            objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
+                                          path=payload_path(p_digest), bytes=p_size,
+                                          sha256=p_digest))
+            r_digest, r_size = store.add_bytes(w.replay_plan_json)
+            objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
+                                          path=replay_plan_path(w.worker_id), bytes=r_size,
+                                          sha256=r_digest))
+            replay.append(ReplayPlanEntry(worker=w.worker_id, plan=replay_plan_path(w.worker_id),
+                                          payload=payload_path(p_digest)))
+        # The tar and plans now live in the store; the capture host keeps only its image.
+        await host.run(["rm", "-rf", "--", capsule_dir(hosts.entries[r.placed.host].data_dir,
+                                                        request.id, r.placed.unit_id)],
+                       check=False)
+
+    await phase(ctx, "fetch", runs, fetch)
+
+    driver = request.snapshot_driver
+    compat = []
+    images = []
+    for r in runs:
+        assert r.capsule is not None
+        compat.append(compatibility_entry(r.placed, facts[r.placed.host],
+                                          driver.minimum_driver_major,
+                                          cuda_userspace=r.placed.spec.image_digest))
+        images.append(ArtifactCapsuleImage(unit=r.placed.unit_id, reference=r.capsule.reference,
+                                           digest=r.capsule.image_id))
+    order = {u.id: i for i, u in enumerate(request.launch.units)}
+    objects.sort(key=lambda o: (o.owner.split("/")[0] != "unit", o.owner, o.role))
+    replay.sort(key=lambda e: e.worker)
+    artifact = Artifact(
+        capture_id=request.id,
+        request_sha256=request.request_sha256,
+        snapshot_driver=ArtifactSnapshotDriver(id=driver.id,
+                                               minimum_driver_major=driver.minimum_driver_major),
+        launch=request.launch,
+        requires=sorted({"cuda-checkpoint", "criu", f"snapshot-driver:{driver.id}"}),
+        compatibility=Compatibility(units=sorted(compat, key=lambda c: order[c.unit])),
+        capsule=Capsule(images=sorted(images, key=lambda c: order[c.unit])),
+        objects=objects,
+        weights=WeightsRecord(recovery=RecoveryRecord(replay_plan=replay)),
+    )
+    # The units reach their final state before anything is written, so that a failure here
+    # still rolls everything back and leaves no artifact behind.
+    await _finish_units(ctx, runs, keep_serving)
+    with ctx.span("capture.write"):
+        stored = store.put_artifact(artifact)
+        if output is not None:
+            try:
+                write_output(output, json.dumps(artifact.to_json(), indent=2,
+                                                sort_keys=True).encode() + b"\n")
+            except OSError as exc:
+                store.remove_artifact(artifact.capture_id)
+                raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
+    return stored
+
+
+async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
+                    keep_serving: bool) -> None:
+    """Best effort on every unit; a rollback failure is logged, never hides the cause."""
+
+    async def one(r: UnitRun) -> None:
+        capsule, handle = r.capsule, r.handle
+
+        async def undo(s: CapsuleSession) -> None:
+            if capsule is not None:
+                await discard_capsule(s, capsule)
+            if handle is None:
+                return
+            if keep_serving:
+                await return_to_serving(s, handle)
+            else:
+                await remove_unit(s, handle)
+
+        try:
+            await hosts.on_session(r.placed.host, r.session, undo)
+        except Exception as exc:
+            ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
+                          error=_explain(exc))
+
+    with ctx.span("capture.rollback"):
+        await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))
+
+
+async def _finish_units(ctx: OperationContext, runs: Sequence[UnitRun], keep_serving: bool) -> None:
+    async def one(r: UnitRun) -> None:
+        assert r.handle is not None
+        if keep_serving:
+            await return_to_serving(r.session, r.handle)
+        else:
+            await remove_unit(r.session, r.handle)
+
+    await phase(ctx, "release" if keep_serving else "stop", runs, one)

@@ -1,0 +1,92 @@
+"""The hosts one operation acts on: transport, inventory entries, facts and Docker sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from coldsnap.admission import GpuFact, HostFacts
+from coldsnap.capsule.session import CapsuleSession, open_session
+from coldsnap.capsule.spec import CapsuleHost
+from coldsnap.hosts.base import Host
+from coldsnap.hosts.inventory import HostEntry, Inventory
+from coldsnap.hosts.pool import HostPool
+from coldsnap.hosts.probe import probe_pool
+from coldsnap.operations.context import OperationFailed
+
+
+class HostSet:
+    def __init__(self, inventory: Inventory, pool: HostPool) -> None:
+        self.inventory = inventory
+        self.pool = pool
+        self.entries: Mapping[str, HostEntry] = {h.name: h for h in inventory.hosts}
+
+    def check_known(self, names: Iterable[str], what: str) -> None:
+        unknown = sorted(set(names) - set(self.entries))
+        if unknown:
+            raise OperationFailed("unknown-host", f"{what} names host(s) {', '.join(unknown)} "
+                                                  "that the inventory does not list")
+
+    def host(self, name: str) -> Host:
+        return self.pool.host(name)
+
+    async def facts(self, names: Iterable[str]) -> dict[str, HostFacts]:
+        """Facts of every named host, probed concurrently; an unreachable host or one whose
+        probe failed is an operation failure naming the host."""
+        wanted = list(dict.fromkeys(names))
+        self.check_known(wanted, "the launch")
+        probed = await probe_pool(self.pool, wanted)
+        bad = [f for f in probed if not f.reachable or f.error]
+        if bad:
+            detail = "; ".join(f"host {f.host}: {f.error or 'unreachable'}" for f in bad)
+            raise OperationFailed("host-unreachable" if any(not f.reachable for f in bad)
+                                  else "host-probe", detail)
+        out: dict[str, HostFacts] = {}
+        for f in probed:
+            if f.nvidia_driver is None:
+                raise OperationFailed("no-nvidia-driver", f"host {f.host}: no NVIDIA driver")
+            out[f.host] = HostFacts(
+                arch=f.arch or "", kernel=f.kernel or "", driver_version=f.nvidia_driver,
+                gpus=tuple(GpuFact(g.uuid, g.name, g.compute_capability) for g in f.gpus))
+        return out
+
+    async def on_session(
+        self,
+        name: str,
+        session: CapsuleSession,
+        fn: Callable[[CapsuleSession], Awaitable[None]],
+        *,
+        reconnects: int = 8,
+    ) -> None:
+        """Run a clean-up step on a host's session; when that session died with its
+        connection (a lost host), retry on fresh sessions with backoff (about 30 s), so a
+        host that comes back in the meantime is still cleaned. Raises the last error."""
+        try:
+            await fn(session)
+            return
+        except Exception as exc:
+            last = exc
+        for attempt in range(reconnects):
+            await asyncio.sleep(min(2.0 * (attempt + 1), 5.0))
+            try:
+                async with self.sessions([name]) as fresh:
+                    await fn(fresh[name])
+                return
+            except Exception as exc:
+                last = exc
+        raise last
+
+    @asynccontextmanager
+    async def sessions(self, names: Iterable[str]) -> AsyncIterator[dict[str, CapsuleSession]]:
+        """A Docker session per host, over that host's forwarded Docker socket."""
+        async with AsyncExitStack() as stack:
+            out: dict[str, CapsuleSession] = {}
+            for name in dict.fromkeys(names):
+                entry = self.entries[name]
+                if entry.docker_socket is None:
+                    raise OperationFailed("no-docker", f"host {name}: the inventory gives no "
+                                                       "docker_socket")
+                target = CapsuleHost(self.pool.host(name), entry.docker_socket, entry.data_dir)
+                out[name] = await stack.enter_async_context(open_session(target))
+            yield out

@@ -1,0 +1,316 @@
+"""`coldsnapd restore`: an artifact brought back on its captured hosts or on others.
+
+Order: identity check (restore request vs captured launch) -> every needed object verified in
+the store -> destination facts and admission per unit -> owner-scoped staging -> capsule load
+and CRIU probe per unit -> (prepare-only stops here) -> every unit restored with its GPUs still
+checkpointed -> barrier -> every worker's GPUs restored with the UUID map and unlocked ->
+every unit released -> the validation prompt per service. Any failure after the first
+container started removes every container this restore started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from coldsnap.admission import HostFacts, check_admission
+from coldsnap.capsule.capture import CapsuleImage, start_unit, wait_ready
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.restore import (
+    criu_restore,
+    device_map,
+    load_capsule,
+    probe_criu,
+    release,
+    restore_gpus,
+    start_restore_container,
+    validate,
+)
+from coldsnap.capsule.runtime import LABEL_ROLE, LABEL_UNIT, UnitHandle, remove_container
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import Mount
+from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact
+from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.request import Launch, Policy, Request, Validation
+from coldsnap.identity import compare_restore_identity
+from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase
+from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.staging import (
+    HostStaging,
+    objects_by_host,
+    remote_object_path,
+    stage_host,
+)
+from coldsnap.operations.units import PlacementError, place_units
+from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.topology import Topology, resolve
+
+Fallback = Literal["none", "replay"]
+
+
+@dataclass
+class RestoreRun(UnitRun):
+    capsule_meta: CapsuleImage | None = None
+    replay_reason: str | None = None  # set when the unit is re-created natively instead
+
+
+@dataclass
+class RestoreOutcome:
+    stored: StoredArtifact
+    prepared_only: bool
+    staging: list[HostStaging] = field(default_factory=list)
+    replayed_units: list[str] = field(default_factory=list)
+    validated: list[str] = field(default_factory=list)  # services whose prompt was answered
+
+
+def _issues_text(issues: Sequence[ValidationIssue]) -> str:
+    return "; ".join(f"{i.path}: {i.message}" for i in issues)
+
+
+def restore_placement(artifact: Artifact, request: Request | None) -> tuple[Launch, Policy,
+                                                                          Validation]:
+    """The launch to place (the captured one, or the restore request's after the identity
+    check), the policy and the validation to use."""
+    if request is None:
+        return artifact.launch, Policy(), Validation()
+    if request.snapshot_driver.id != artifact.snapshot_driver.id:
+        raise OperationFailed("identity", f"snapshot_driver.id: the restore asks for "
+                                          f"{request.snapshot_driver.id}, the artifact was "
+                                          f"captured with {artifact.snapshot_driver.id}")
+    issues = compare_restore_identity(artifact.launch, request.launch)
+    if issues:
+        raise OperationFailed("identity", "the restore request changes the capture identity: "
+                              + _issues_text(issues))
+    return request.launch, request.policy, request.validation
+
+
+def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -> None:
+    needed = [o for objs in objects_by_host(artifact, topology).values() for o in objs]
+    needed += [o for o in artifact.objects if o.role == ROLE_CAPSULE_MANIFEST]
+    for obj in needed:
+        try:
+            store.verify(obj.sha256)
+        except StoreError as exc:
+            raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
+
+
+def _capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
+    data: Any = json.loads(store.read_bytes(obj.sha256))
+    return CapsuleImage.from_json(data)
+
+
+async def restore(
+    stored: StoredArtifact,
+    request: Request | None,
+    hosts: HostSet,
+    store: LocalStore,
+    ctx: OperationContext,
+    *,
+    prepare_only: bool = False,
+    fallback: Fallback = "none",
+) -> RestoreOutcome:
+    artifact = stored.artifact
+    launch, policy, validation = restore_placement(artifact, request)
+    topology = resolve(launch)
+    hosts.check_known(topology.hosts, "the restore placement")
+    outcome = RestoreOutcome(stored, prepared_only=prepare_only)
+
+    with ctx.span("restore.verify-objects"):
+        _verify_objects(store, artifact, topology)
+
+    with ctx.span("restore.facts"):
+        facts = await hosts.facts(topology.hosts)
+    try:
+        placed = place_units(launch, topology, facts, hosts.entries, validation)
+    except PlacementError as exc:
+        raise OperationFailed("placement", str(exc)) from None
+
+    refusals = _admission(artifact, launch, policy, facts)
+    replay_units = set(refusals)
+    if refusals and fallback != "replay":
+        raise OperationFailed("admission", _issues_text(
+            [i for unit_issues in refusals.values() for i in unit_issues]))
+
+    per_host = objects_by_host(artifact, topology)
+    with ctx.span("restore.stage"):
+        outcome.staging = await _stage(hosts, store, per_host, ctx)
+
+    async with hosts.sessions(topology.hosts) as sessions:
+        runs = [RestoreRun(p, sessions[p.host]) for p in placed]
+        for r in runs:
+            r.capsule_meta = _capsule_meta(store, artifact, r.placed.unit_id)
+            if r.placed.unit_id in replay_units:
+                r.replay_reason = _issues_text(refusals[r.placed.unit_id])
+
+        await _load_and_probe(ctx, hosts, runs, kernel_policy=policy.compatibility.kernel,
+                              fallback=fallback)
+        outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
+        for r in runs:
+            if r.replay_reason:
+                with ctx.span("restore.fallback-replay", unit=r.placed.unit_id,
+                              host=r.placed.host, reason=r.replay_reason[:500]):
+                    ctx.log.warning("restore.fallback-replay", unit=r.placed.unit_id,
+                                    reason=r.replay_reason)
+        if prepare_only:
+            return outcome
+        try:
+            outcome.validated = await _restore_units(ctx, hosts, store, artifact, topology, runs)
+        except BaseException:
+            await _rollback(ctx, hosts, runs)
+            raise
+    return outcome
+
+
+def _admission(artifact: Artifact, launch: Launch, policy: Policy,
+               facts: dict[str, HostFacts]) -> dict[str, list[ValidationIssue]]:
+    refusals: dict[str, list[ValidationIssue]] = {}
+    for i, unit in enumerate(launch.units):
+        compat = artifact.compatibility_unit(unit.id)
+        index = [c.unit for c in artifact.compatibility.units].index(unit.id)
+        result = check_admission(
+            compat, facts[unit.host], devices=unit.devices,
+            snapshot_driver_min=artifact.snapshot_driver.minimum_driver_major,
+            enforce_captured_driver_floor=policy.compatibility.enforce_captured_driver_floor,
+            kernel_policy=policy.compatibility.kernel,
+            base=f"compatibility.units[{index}]")
+        if result.refusals:
+            refusals[unit.id] = [ValidationIssue(f"{x.path} (unit {unit.id} on {unit.host}, "
+                                                 f"launch.units[{i}])", x.message)
+                                 for x in result.refusals]
+    return refusals
+
+
+async def _stage(hosts: HostSet, store: LocalStore, per_host: dict[str, list[Any]],
+                 ctx: OperationContext) -> list[HostStaging]:
+    async def one(name: str) -> HostStaging:
+        with ctx.span("restore.stage-host", host=name):
+            return await stage_host(hosts.host(name), hosts.entries[name].data_dir,
+                                    per_host[name], store, progress=ctx.progress)
+
+    results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
+    for name, res in zip(per_host, results, strict=True):
+        if isinstance(res, BaseException):
+            if not isinstance(res, Exception):
+                raise res
+            raise OperationFailed("staging", f"host {name}: step stage: {res}") from res
+    return [r for r in results if isinstance(r, HostStaging)]
+
+
+async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[RestoreRun], *,
+                          kernel_policy: str, fallback: Fallback) -> None:
+    """Load each capsule on its destination and run its pinned CRIU's probe there. A failing
+    probe makes the unit's snapshot inadmissible: refused, or replayed with --fallback."""
+
+    async def one(r: RestoreRun) -> None:
+        assert r.capsule_meta is not None
+        if r.replay_reason:
+            return
+        data_dir = hosts.entries[r.placed.host].data_dir
+        tar = remote_object_path(data_dir, r.capsule_meta.tar_sha256)
+        await load_capsule(r.session, r.capsule_meta, tar)
+        if kernel_policy == "capability":
+            try:
+                await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id)
+            except CapsuleError as exc:
+                if fallback != "replay":
+                    raise
+                r.replay_reason = f"CRIU probe failed: {exc.detail}"
+
+    await phase(ctx, "admit", runs, one)
+
+
+def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
+                        artifact: Artifact) -> tuple[Mount, ...]:
+    """Each worker's staged payload mounted where the engine loaded its weights at capture."""
+    data_dir = hosts.entries[r.placed.host].data_dir
+    extra: list[Mount] = []
+    for w in r.placed.spec.workers:
+        plan_obj = artifact.object(ROLE_REPLAY_PLAN, f"worker/{w.id}")
+        plan: Any = json.loads(store.read_bytes(plan_obj.sha256))
+        target = plan.get("payload", {}).get("container_path")
+        payload = artifact.object(ROLE_WEIGHTS, f"worker/{w.id}")
+        if isinstance(target, str) and target.startswith("/"):
+            extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
+    return (*r.placed.spec.mounts, *extra)
+
+
+async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                         artifact: Artifact, topology: Topology,
+                         runs: list[RestoreRun]) -> list[str]:
+    snap = [r for r in runs if not r.replay_reason]
+    native = [r for r in runs if r.replay_reason]
+
+    async def replace_previous(r: RestoreRun) -> None:
+        # reconcile-replace: a unit restored earlier on this host is replaced, not doubled.
+        s = r.session
+        old = await s.call(s.client.containers.list, all=True, filters={
+            "label": [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}=restore"]})
+        for c in old:
+            await remove_container(s, c.id)
+
+    await phase(ctx, "replace", runs, replace_previous)
+
+    async def start(r: RestoreRun) -> None:
+        assert r.capsule_meta is not None
+        r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta)
+
+    async def start_native(r: RestoreRun) -> None:
+        spec = replace(r.placed.spec, mounts=_replay_spec_mounts(r, hosts, store, artifact))
+        r.handle = await start_unit(r.session, spec)
+        await wait_ready(r.session, r.handle)
+
+    def handle(r: RestoreRun) -> UnitHandle:
+        assert r.handle is not None
+        return r.handle
+
+    await phase(ctx, "start-restore", snap, start)
+    await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, handle(r)))
+
+    async def gpus(r: RestoreRun) -> None:
+        assert r.capsule_meta is not None
+        await restore_gpus(r.session, handle(r),
+                           device_map(r.capsule_meta.captured_devices, r.placed.spec.devices))
+
+    await phase(ctx, "gpu-restore", snap, gpus)
+    await phase(ctx, "release", snap, lambda r: release(r.session, handle(r)))
+    if native:
+        await phase(ctx, "replay", native, start_native)
+
+    # One validation per service, on the unit that holds the service's first world rank.
+    by_unit = {r.placed.unit_id: r for r in runs}
+    heads: dict[str, RestoreRun] = {}
+    for service in topology.services:
+        ranked = sorted((topology.worker(w) for w in service.workers),
+                        key=lambda w: w.global_rank)
+        heads[service.id] = by_unit[ranked[0].unit]
+    targets = list({r.placed.unit_id: r for r in heads.values()}.values())
+    await phase(ctx, "validate", targets, lambda r: validate(r.session, handle(r)))
+    return sorted(heads)
+
+
+async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:
+    """Remove every container this restore started. A host whose connection was lost gets a
+    fresh connection (the pool reconnects with backoff), so a host that comes back while the
+    rollback runs is still cleaned."""
+
+    async def one(r: RestoreRun) -> None:
+        handle = r.handle
+        if handle is None:
+            return
+
+        async def remove(s: CapsuleSession) -> None:
+            await remove_container(s, handle.container_id)
+
+        try:
+            await hosts.on_session(r.placed.host, r.session, remove)
+        except Exception as exc:
+            ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
+                          container=handle.container_name, error=str(exc))
+
+    with ctx.span("restore.rollback"):
+        await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))

@@ -1,0 +1,75 @@
+"""Transfer progress for the CLI: a redrawn bar on a terminal, a few plain lines otherwise
+(logs and CI output should not fill up with carriage returns)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+_MIB = 1024 * 1024
+
+
+def _size(n: float) -> str:
+    if n >= 1024 * _MIB:
+        return f"{n / (1024 * _MIB):.2f} GiB"
+    return f"{n / _MIB:.1f} MiB"
+
+
+class TransferProgress:
+    """A `ProgressCallback`: call it with (done_bytes, total_bytes)."""
+
+    def __init__(
+        self,
+        label: str,
+        stream: TextIO | None = None,
+        *,
+        tty: bool | None = None,
+        width: int = 30,
+    ) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.width = width
+        self._now = time.monotonic
+        self._start = self._now()
+        self._last_draw = 0.0
+        self._last_decile = -1
+        self._first_done: int | None = None
+        self._finished = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._first_done is None:
+            self._first_done = done  # resumed bytes do not count towards the rate
+        now = self._now()
+        if self.tty:
+            if done < total and now - self._last_draw < 0.1:
+                return
+            self._last_draw = now
+            self.stream.write("\r" + self._line(done, total, now) + "\x1b[K")
+            if done >= total:
+                self.stream.write("\n")
+                self._finished = True
+            self.stream.flush()
+        else:
+            decile = 10 if total == 0 else min(10, done * 10 // total)
+            if decile // 5 > self._last_decile // 5 or (decile == 10 and self._last_decile < 10):
+                # Start, halfway and done: enough to show life without flooding a log.
+                self._last_decile = decile
+                self.stream.write(self._line(done, total, now) + "\n")
+                self.stream.flush()
+                self._finished = decile == 10
+
+    def _line(self, done: int, total: int, now: float) -> str:
+        frac = 1.0 if total == 0 else done / total
+        elapsed = max(now - self._start, 1e-6)
+        rate = (done - (self._first_done or 0)) / elapsed
+        text = f"{self.label} {frac * 100:5.1f}% {_size(done)}/{_size(total)} {_size(rate)}/s"
+        if self.tty:
+            filled = int(frac * self.width)
+            text = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}]" + text[
+                len(self.label) :
+            ]
+            if rate > 0 and done < total:
+                text += f" ETA {int((total - done) / rate)}s"
+        return text

@@ -1,0 +1,289 @@
+"""Benchmark: cold start vs coldsnap capsule restore of a unit holding 1 GiB of warm state.
+
+    scripts/bench capsule [--gib 1.0] [--rounds 3] [--src host-0] [--dst host-1]
+
+Per round, on the dev cluster (scripts/dev-cluster up, scripts/build-test-capsule):
+  cold start  on SRC: container start -> engine warm-up -> validation prompt answered
+  capture     on SRC: quiesce, cuda-checkpoint (simulated), CRIU dump, commit + save
+  staging     SRC -> controller -> DST over SSH, docker load on DST (reported, not targeted)
+  restore     on DST: container start -> CRIU restore -> GPU restore + unlock -> release ->
+              validation prompt answered (coldsnap's own steps)
+  raw         on DST: the same images restored by a hand-typed `docker exec C criu restore`
+              in a fresh container of the same capsule
+Prints one JSON line of medians (and per-round figures), appended to bench-results/capsule.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import os
+import posixpath
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_common import REPO, emit, log
+
+from coldsnap.capsule import (
+    CapsuleHost,
+    CapsuleImage,
+    CapsuleSession,
+    Mount,
+    UnitSpec,
+    Validation,
+    WorkerSpec,
+    checkpoint_gpus,
+    commit,
+    create_restore_container,
+    criu_restore,
+    device_map,
+    dump,
+    load_capsule,
+    open_session,
+    quiesce,
+    release,
+    remove_unit,
+    restore_gpus,
+    start_created_container,
+    start_restore_container,
+    start_unit,
+    validate,
+    wait_ready,
+)
+from coldsnap.capsule.capture import capsule_dir
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.hosts.inventory import HostEntry, load_inventory
+from coldsnap.hosts.ssh import SSHHost
+from coldsnap.logs import configure as configure_logs
+
+PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
+EXPECTED = "coldsnap-cuda-snapshot-ok"
+
+
+def engine_module() -> Any:
+    path = REPO / "deploy" / "test-capsule" / "engine.py"
+    spec = importlib.util.spec_from_file_location("coldsnap_test_engine", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gpus(entry: HostEntry) -> tuple[str, ...]:
+    return tuple(g.uuid for g in entry.simulated_gpus or [])
+
+
+async def put_model(target: CapsuleHost, payload: int, tmp: Path) -> str:
+    # Beside data_dir, not in it: data_dir holds only what coldsnap owns. Kept between runs.
+    remote = f"{posixpath.dirname(target.data_dir.rstrip('/'))}/bench-models/capsule-{payload}"
+    await target.host.run(["mkdir", "-p", remote])
+    for p in engine_module().make_shards(str(tmp), 1, payload, PROMPT, EXPECTED):
+        name = Path(p).name
+        done = await target.host.run(["test", "-f", f"{remote}/{name}"], check=False)
+        if not done.ok:
+            await target.host.put(Path(p), f"{remote}/{name}")
+    return remote
+
+
+def spec_for(ref: str, unit_id: str, entry: HostEntry, model_dir: str,
+             warmup_rounds: int | None) -> UnitSpec:
+    extra = ("--warmup-rounds", str(warmup_rounds)) if warmup_rounds else ()
+    return UnitSpec(
+        unit_id=unit_id, image=ref, image_digest=ref.split("@", 1)[1],
+        command=("python3", "/opt/coldsnap-test/engine.py", "serve", "--model-dir", "/models",
+                 *extra),
+        devices=gpus(entry)[:1],
+        workers=(WorkerSpec(f"{unit_id}-w0", 0, 1, 0, (0,)),),
+        validation=Validation(PROMPT, EXPECTED),
+        mounts=(Mount(model_dir, "/models", read_only=True),))
+
+
+async def stage(src: CapsuleSession, dst: CapsuleSession, capsule: CapsuleImage,
+                tmp: Path) -> str:
+    local = tmp / "capsule.tar"
+    await src.target.host.get(capsule.tar_path, local)
+    remote = f"{dst.target.data_dir}/objects/sha256/{capsule.tar_sha256.split(':', 1)[1]}"
+    await dst.target.host.run(["mkdir", "-p", f"{dst.target.data_dir}/objects/sha256"])
+    await dst.target.host.put(local, remote)
+    await asyncio.to_thread(local.unlink)
+    return remote
+
+
+async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entry: HostEntry,
+                    dst_entry: HostEntry, models: tuple[str, str], tmp: Path,
+                    warmup_rounds: int | None) -> dict[str, Any]:
+    unit_id = f"bench-{secrets.token_hex(3)}"
+    capture_id = f"bench-{secrets.token_hex(3)}"
+    spec0 = spec_for(ref, unit_id, src_entry, models[0], warmup_rounds)
+    spec1 = spec_for(ref, unit_id, dst_entry, models[1], warmup_rounds)
+    r: dict[str, Any] = {}
+    capsule: CapsuleImage | None = None
+    staged = None
+    try:
+        t0 = time.monotonic()
+        h = await start_unit(src, spec0)
+        await wait_ready(src, h)
+        await validate(src, h)
+        r["cold_start_seconds"] = time.monotonic() - t0
+        await quiesce(src, h)
+        await checkpoint_gpus(src, h)
+        t0 = time.monotonic()
+        dumped = await dump(src, h)
+        r["dump_seconds"] = time.monotonic() - t0
+        r["image_bytes"] = dumped.images_bytes
+        t0 = time.monotonic()
+        capsule = await commit(src, h, capture_id, dumped)
+        r["commit_seconds"] = time.monotonic() - t0
+        r["capsule_tar_bytes"] = capsule.tar_bytes
+        await remove_unit(src, h)
+
+        t0 = time.monotonic()
+        staged = await stage(src, dst, capsule, tmp)
+        r["stage_seconds"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        await load_capsule(dst, capsule, staged)
+        r["load_seconds"] = time.monotonic() - t0
+
+        # Creating the container is preparation (like loading the image): restore_seconds
+        # starts when the container is started.
+        t0 = time.monotonic()
+        rh = await create_restore_container(dst, spec1, capsule)
+        r["container_create_seconds"] = time.monotonic() - t0
+        marks = [time.monotonic()]
+        await start_created_container(dst, rh)
+        marks.append(time.monotonic())
+        restored = await criu_restore(dst, rh)
+        marks.append(time.monotonic())
+        await restore_gpus(dst, rh, device_map(capsule.captured_devices, spec1.devices))
+        marks.append(time.monotonic())
+        await release(dst, rh)
+        marks.append(time.monotonic())
+        await validate(dst, rh)
+        marks.append(time.monotonic())
+        r["restore_seconds"] = marks[-1] - marks[0]
+        r["criu_restore_step_seconds"] = restored.seconds
+        r["restore_steps"] = {
+            name: round(b - a, 3) for name, a, b in zip(
+                ("container_start", "criu_restore", "gpu_restore", "release", "validate"),
+                marks, marks[1:], strict=False)}
+        await remove_unit(dst, rh)
+
+        # The same images by hand: a fresh container of the same capsule, then one command.
+        rh = await start_restore_container(dst, spec1, capsule)
+        sock = f"unix://{dst.target.docker_socket}"
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            "docker", "-H", sock, "exec", rh.container_name, "criu", "restore",
+            "-D", CRIU_IMAGES_DIR, "-d", "-o", "raw-restore.log")
+        if await proc.wait() != 0:
+            raise RuntimeError("hand-typed criu restore failed")
+        r["raw_criu_restore_seconds"] = time.monotonic() - t0
+        await remove_unit(dst, rh)
+    finally:
+        # Best effort on every piece: a failure above may have been the host itself.
+        for s in (src, dst):
+            with contextlib.suppress(Exception):
+                for c in await s.call(s.client.containers.list, all=True,
+                                      filters={"label": f"org.coldsnap.unit={unit_id}"}):
+                    await s.call(c.remove, force=True)
+            with contextlib.suppress(Exception):
+                if capsule is not None:
+                    await s.call(s.client.images.remove, capsule.image_id, force=True)
+        with contextlib.suppress(Exception):
+            out_dir = capsule_dir(src.target.data_dir, capture_id, unit_id)
+            await src.target.host.run(["rm", "-rf", posixpath.dirname(out_dir)], check=False)
+        with contextlib.suppress(Exception):
+            if staged:
+                await dst.target.host.run(["rm", "-f", staged], check=False)
+    return r
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    inv_path = REPO / ".dev-cluster" / "inventory.yaml"
+    ref_path = REPO / ".dev-cluster" / "test-capsule.ref"
+    needs = ((inv_path, "scripts/dev-cluster up 2"), (ref_path, "scripts/build-test-capsule"))
+    for p, fix in needs:
+        if not p.exists():
+            log(f"bench capsule: {p} missing; run {fix}")
+            return 2
+    ref = ref_path.read_text().strip()
+    inv = load_inventory(inv_path)
+    e0, e1 = inv.get(args.src), inv.get(args.dst)
+    payload = int(args.gib * (1 << 30))
+    h0, h1 = SSHHost(e0), SSHHost(e1)
+    assert e0.docker_socket and e1.docker_socket
+    rounds: list[dict[str, Any]] = []
+    try:
+        async with (
+            open_session(CapsuleHost(h0, e0.docker_socket, e0.data_dir)) as src,
+            open_session(CapsuleHost(h1, e1.docker_socket, e1.data_dir)) as dst,
+        ):
+            with tempfile.TemporaryDirectory() as tmp:
+                log(f"bench capsule: writing the {args.gib} GiB model to {args.src}, {args.dst}")
+                models = (await put_model(src.target, payload, Path(tmp)),
+                          await put_model(dst.target, payload, Path(tmp)))
+                await asyncio.to_thread(shutil.rmtree, tmp)
+                await asyncio.to_thread(os.mkdir, tmp)
+                for i in range(args.rounds):
+                    r = await one_round(src, dst, ref, e0, e1, models, Path(tmp),
+                                        args.warmup_rounds)
+                    log(f"bench capsule: round {i + 1}/{args.rounds}: "
+                        + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in r.items()))
+                    rounds.append(r)
+    finally:
+        await h0.close()
+        await h1.close()
+
+    def med(key: str) -> float:
+        return round(statistics.median(r[key] for r in rounds), 3)
+
+    doc: dict[str, Any] = {
+        "warm_state_bytes": payload,
+        "workers": 1,
+        "engine_warmup_rounds": args.warmup_rounds or 4,
+        "rounds": len(rounds),
+        "cold_start_seconds": med("cold_start_seconds"),
+        "dump_seconds": med("dump_seconds"),
+        "image_bytes": int(statistics.median(r["image_bytes"] for r in rounds)),
+        "restore_seconds": med("restore_seconds"),
+        "raw_criu_restore_seconds": med("raw_criu_restore_seconds"),
+        "commit_seconds": med("commit_seconds"),
+        "capsule_tar_bytes": int(statistics.median(r["capsule_tar_bytes"] for r in rounds)),
+        "stage_seconds": med("stage_seconds"),
+        "load_seconds": med("load_seconds"),
+        "criu_restore_step_seconds": med("criu_restore_step_seconds"),
+        "container_create_seconds": med("container_create_seconds"),
+    }
+    doc["restore_over_raw"] = round(doc["restore_seconds"] / doc["raw_criu_restore_seconds"], 2)
+    doc["cold_over_restore"] = round(doc["cold_start_seconds"] / doc["restore_seconds"], 2)
+    doc["per_round"] = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                        for r in rounds]
+    emit("capsule", doc)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="scripts/bench capsule")
+    p.add_argument("--gib", type=float, default=1.0, help="warm state (weight shard) in GiB")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--src", default="host-0")
+    p.add_argument("--dst", default="host-1")
+    p.add_argument("--warmup-rounds", type=int, default=None,
+                   help="the test engine's warm-up cost (digest rounds per chunk; engine "
+                        "default 4)")
+    args = p.parse_args()
+    configure_logs()  # structured logs on stderr: stdout carries only the result line
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Integration fixtures: the dev cluster of real sshd (+ dockerd) hosts on loopback.
+
+The cluster is started by `scripts/test` (or by hand: `scripts/dev-cluster up 4`). When it is
+not up these fixtures FAIL with that instruction; they never skip, so a missing cluster can
+not pass for a green run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from coldsnap.hosts.inventory import HostEntry, Inventory, load_inventory
+from coldsnap.hosts.pool import HostPool
+
+REPO = Path(__file__).resolve().parents[2]
+DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
+HOW_TO_START = "run `scripts/test`, or start the cluster with `scripts/dev-cluster up 4`"
+
+
+def _inventory_path() -> Path:
+    env = os.environ.get("COLDSNAP_DEV_INVENTORY")
+    return Path(env) if env else REPO / ".dev-cluster" / "inventory.yaml"
+
+
+def _answers(entry: HostEntry) -> bool:
+    try:
+        with socket.create_connection((entry.address, entry.port), timeout=2) as s:
+            return s.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def dev_inventory() -> Path:
+    """Path of the dev cluster's inventory; fails (never skips) when the cluster is down."""
+    path = _inventory_path()
+    if not path.exists():
+        pytest.fail(f"dev cluster inventory {path} not found: {HOW_TO_START}", pytrace=False)
+    inventory = load_inventory(path)
+    down = [h.name for h in inventory.hosts if not _answers(h)]
+    if down:
+        pytest.fail(f"dev cluster hosts not answering SSH: {', '.join(down)}: {HOW_TO_START}",
+                    pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def dev_hosts(dev_inventory: Path) -> Inventory:
+    inventory = load_inventory(dev_inventory)
+    if len(inventory.hosts) < 3:
+        pytest.fail(f"the integration tests need at least 3 hosts: {HOW_TO_START}",
+                    pytrace=False)
+    return inventory
+
+
+@pytest_asyncio.fixture(scope="session")
+async def pool(dev_hosts: Inventory) -> AsyncIterator[HostPool]:
+    async with HostPool(dev_hosts) as p:
+        yield p
+
+
+class ClusterControl:
+    """Stops and starts one simulated host's sshd through scripts/dev-cluster."""
+
+    def __init__(self, inventory_path: Path) -> None:
+        self.env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(inventory_path.parent))
+        self.stopped: set[str] = set()
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([str(DEV_CLUSTER), *args], check=True, env=self.env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+
+    def stop_host(self, name: str) -> None:
+        self.stopped.add(name)
+        self._run("stop-host", name)
+
+    def start_host(self, name: str) -> None:
+        self._run("start-host", name)
+        self.stopped.discard(name)
+
+    @contextmanager
+    def host_stopped(self, name: str) -> Iterator[None]:
+        """The host's sshd is down inside the block and always back up after it."""
+        self.stop_host(name)
+        try:
+            yield
+        finally:
+            self.start_host(name)
+
+
+@pytest.fixture(scope="session")
+def cluster(dev_inventory: Path) -> Iterator[ClusterControl]:
+    control = ClusterControl(dev_inventory)
+    try:
+        yield control
+    finally:
+        # Other engineers share the cluster: never leave a host down behind us.
+        for name in sorted(control.stopped):
+            control.start_host(name)

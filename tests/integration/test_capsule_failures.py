@@ -1,0 +1,160 @@
+"""Capsule failure paths on the dev cluster: each is refused with an error naming host, unit
+and step, and leaves nothing half-done behind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import docker.errors
+import pytest
+
+from coldsnap.capsule import (
+    CapsuleImage,
+    CriuProbeFailed,
+    DumpFailed,
+    ImageDigestMismatch,
+    checkpoint_gpus,
+    dump,
+    quiesce,
+    restore_unit,
+    start_unit,
+    validate,
+    wait_ready,
+)
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from tests.integration.capsule_fixtures import *  # noqa: F403
+from tests.integration.capsule_fixtures import (
+    EXPECTED,
+    ClusterHost,
+    cleanup_paths,
+    cleanup_unit,
+    for_host,
+    put_shards,
+    sha256_text,
+    unique,
+    unit_containers,
+    unit_spec,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def test_dump_refused_by_criu_leaves_original_serving(
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str
+) -> None:
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("refused")
+    capture_id = unique("cap")
+    models = None
+    try:
+        models = await put_shards(h0, 2, 1024 * 1024)
+        spec = unit_spec(capsule_ref, h0, unit_id, 2, models)
+        h = await start_unit(s, spec)
+        await wait_ready(s, h)
+        c = await s.container(h.container_id, unit_id, "test")
+        # The engine opens a perf event fd: a kernel object CRIU has no dumper for.
+        held = await s.http(c, spec.api, "POST", "/admin/hold-undumpable", {})
+        assert held.status == 200, held
+        await quiesce(s, h)
+        await checkpoint_gpus(s, h)
+        with pytest.raises(DumpFailed) as err:
+            await dump(s, h)
+        e = err.value
+        assert (e.host, e.unit, e.step) == ("host-0", unit_id, "dump")
+        assert "host-0" in str(e) and unit_id in str(e)
+        assert "perf_event" in e.detail, e.detail  # CRIU's own reason is passed on
+
+        # the original keeps serving: GPUs running again, intake open, right answer
+        status = (await s.http(c, spec.api, "GET", "/status")).json()
+        assert {w["gpu_state"] for w in status["workers"]} == {"running"}
+        assert status["draining"] is False
+        v = await validate(s, h)
+        assert v.text == EXPECTED
+        # no half-written capsule: no CRIU images in the container, no capsule image or tar
+        gone = await s.exec(c, ["test", "-e", CRIU_IMAGES_DIR])
+        assert gone.exit_code == 1
+        with pytest.raises(docker.errors.ImageNotFound):
+            await s.call(s.client.images.get, f"coldsnap/capsule/{unit_id}:{capture_id}")
+        ls = await h0.target.host.run(["ls", f"{h0.entry.data_dir}/capsules/{capture_id}"],
+                                      check=False)
+        assert ls.exit_status != 0
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_paths(h0, models)
+
+
+async def _broken_criu_image(host: ClusterHost, capsule_ref: str) -> str:
+    """An image whose pinned CRIU fails `criu check` the way Debian 12's CRIU fails on this
+    kernel: stands in for a destination whose kernel the capsule's CRIU cannot restore on."""
+    s = host.session
+    tag = f"coldsnap-test/broken-criu:{unique('t')}"
+    script = ("printf '#!/bin/sh\\necho \"Error (criu/vdso.c:1): vdso: Unexpected rt vDSO "
+              "area bounds\" >&2\\nexit 1\\n' > /usr/sbin/criu")
+    c = await s.call(s.client.containers.create, capsule_ref, ["sh", "-c", script],
+                     network_mode="none")
+    try:
+        await s.call(c.start)
+        assert (await s.call(c.wait))["StatusCode"] == 0
+        repo, t = tag.split(":")
+        await s.call(c.commit, repository=repo, tag=t)
+    finally:
+        await s.call(c.remove, force=True)
+    return tag
+
+
+async def test_destination_failing_criu_probe_is_refused_before_any_container(
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str
+) -> None:
+    h1 = capsule_cluster["host-1"]
+    s = h1.session
+    unit_id = unique("probe")
+    broken = await _broken_criu_image(h1, capsule_ref)
+    try:
+        spec = for_host(unit_spec(capsule_ref, h1, unit_id, 1, "/nonexistent"), h1,
+                        "/nonexistent")
+        capsule = CapsuleImage(
+            unit_id=unit_id, host="host-0", image_id=sha256_text("never loaded"),
+            reference="coldsnap/capsule/x:y", tar_path="/nonexistent/capsule.tar",
+            tar_sha256=sha256_text("x"), tar_bytes=1, criu_images_bytes=1, engine_pid=10000,
+            worker_pids={f"{unit_id}-w0": 10001}, captured_devices=("GPU-captured",),
+            base_image=broken, base_image_digest=spec.image_digest)
+        with pytest.raises(CriuProbeFailed) as err:
+            await restore_unit(s, spec, capsule, "/nonexistent/staged.tar")
+        e = err.value
+        assert (e.host, e.unit, e.step) == ("host-1", unit_id, "criu-probe")
+        assert "vDSO" in e.detail
+        assert await unit_containers(h1, unit_id) == []
+        probes = await s.call(s.client.containers.list, all=True,
+                              filters={"label": "org.coldsnap.role=probe"})
+        assert probes == []
+    finally:
+        await s.call(s.client.images.remove, broken, force=True)
+
+
+async def test_image_digest_mismatch_is_refused(
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str
+) -> None:
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("digest")
+    repo, real = capsule_ref.split("@", 1)
+    other = sha256_text("some other image")
+    good = unit_spec(capsule_ref, h0, unit_id, 1, "/nonexistent")
+
+    # 1. the reference pins one digest, the unit's image_digest says another
+    with pytest.raises(ImageDigestMismatch) as err:
+        await start_unit(s, dataclasses.replace(good, image_digest=other))
+    assert (err.value.host, err.value.unit, err.value.step) == ("host-0", unit_id, "pull")
+
+    # 2. a tag that resolves, at pull time, to an image that is not image_digest
+    tag = f"{repo}:{unique('mismatch')}"
+    await s.call(s.client.api.tag, capsule_ref, tag.rsplit(":", 1)[0], tag.rsplit(":", 1)[1])
+    await s.call(s.client.images.push, tag.rsplit(":", 1)[0], tag=tag.rsplit(":", 1)[1])
+    try:
+        with pytest.raises(ImageDigestMismatch) as err:
+            await start_unit(s, dataclasses.replace(good, image=tag, image_digest=other))
+        assert real in err.value.detail and other in err.value.detail
+    finally:
+        await s.call(s.client.images.remove, tag)
+    assert await unit_containers(h0, unit_id) == []

@@ -1,0 +1,156 @@
+"""Capture a unit on host-0 with real CRIU inside its capsule, remove the original, restore it
+on host-1 and prove the warm state came back (not a second warm-up)."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+import pytest
+
+from coldsnap.capsule import (
+    checkpoint_gpus,
+    collect_worker_objects,
+    commit,
+    criu_restore,
+    device_map,
+    dump,
+    load_capsule,
+    probe_criu,
+    quiesce,
+    release,
+    remove_unit,
+    restore_gpus,
+    start_restore_container,
+    start_unit,
+    validate,
+    wait_ready,
+)
+from coldsnap.capsule.capture import capsule_dir
+from tests.integration.capsule_fixtures import *  # noqa: F403
+from tests.integration.capsule_fixtures import (
+    EXPECTED,
+    ClusterHost,
+    cleanup_capsule,
+    cleanup_paths,
+    cleanup_unit,
+    for_host,
+    put_shards,
+    stage,
+    unique,
+    unit_containers,
+    unit_spec,
+)
+
+pytestmark = pytest.mark.integration
+
+SHARD_BYTES = 3 * 1024 * 1024 + 12345
+
+
+async def status(host: ClusterHost, handle) -> dict:  # type: ignore[no-untyped-def]
+    s = host.session
+    c = await s.container(handle.container_id, handle.unit, "test")
+    ans = await s.http(c, handle.spec.api, "GET", "/status")
+    assert ans.status == 200, ans
+    return ans.json()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_capture_on_host0_restore_on_host1(
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, workers: int
+) -> None:
+    h0, h1 = capsule_cluster["host-0"], capsule_cluster["host-1"]
+    s0, s1 = h0.session, h1.session
+    unit_id = unique(f"rt{workers}")
+    capture_id = unique("cap")
+    capsule = None
+    models0 = models1 = staged = None
+    try:
+        models0 = await put_shards(h0, workers, SHARD_BYTES)
+        models1 = await put_shards(h1, workers, SHARD_BYTES)
+        spec0 = unit_spec(capsule_ref, h0, unit_id, workers, models0)
+
+        # --- capture on host-0, step by step as the operations layer drives it
+        h = await start_unit(s0, spec0)
+        pids = await wait_ready(s0, h)
+        assert sorted(pids) == sorted(w.id for w in spec0.workers)
+        before = await status(h0, h)
+        assert [w["warmups_total"] for w in before["workers"]] == [1] * workers
+        assert {w["id"]: w["devices"] for w in before["workers"]} == {
+            f"{unit_id}-w{i}": [h0.gpus[i]] for i in range(workers)}
+        assert before["pid"] > 9999, "engine tree must live above the PID floor"
+        await quiesce(s0, h)
+        await checkpoint_gpus(s0, h)
+        st = await status(h0, h)
+        assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
+        dumped = await dump(s0, h)
+        assert dumped.images_bytes > workers * SHARD_BYTES
+        capsule = await commit(s0, h, capture_id, dumped)
+        objects = await collect_worker_objects(s0, h, capture_id)
+        assert capsule.image_id.startswith("sha256:")
+        assert capsule.tar_path.startswith(h0.entry.data_dir + "/capsules/")
+        assert capsule.captured_devices == h0.gpus[:workers]
+        assert capsule.engine_pid == before["pid"]
+        assert len(objects) == workers
+        for obj, w in zip(sorted(objects, key=lambda o: o.worker_id), before["workers"],
+                          strict=True):
+            assert obj.payload.path.startswith(models0)
+            assert obj.payload.bytes > SHARD_BYTES
+            plan = json.loads(obj.replay_plan_json)
+            assert plan["worker"]["id"] == w["id"]
+            assert plan["payload"]["sha256"] == obj.payload.sha256
+
+        # --- the original is gone before the restore starts
+        await remove_unit(s0, h)
+        assert await unit_containers(h0, unit_id) == []
+
+        # --- restore on host-1 from the staged capsule
+        staged = await stage(h0, h1, capsule)
+        spec1 = for_host(spec0, h1, models1)
+        probe = await probe_criu(s1, capsule.base_image, unit=unit_id)
+        assert "Looks good" in probe.output
+        assert await load_capsule(s1, capsule, staged) == capsule.image_id
+        r = await start_restore_container(s1, spec1, capsule)
+        await criu_restore(s1, r)
+        # restored-stopped: processes back, GPUs still checkpointed, requests refused
+        st = await status(h1, r)
+        assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
+        c1 = await s1.container(r.container_id, unit_id, "test")
+        refused = await s1.http(c1, spec1.api, "POST", "/v1/completions",
+                                {"prompt": spec1.validation.prompt})
+        assert refused.status == 503
+        dmap = device_map(capsule.captured_devices, spec1.devices)
+        await restore_gpus(s1, r, dmap)
+        await release(s1, r)
+        v = await validate(s1, r)
+        assert v.text == EXPECTED
+
+        after = await status(h1, r)
+        # PIDs inside the container are the captured ones
+        assert after["pid"] == before["pid"]
+        assert {w["id"]: w["pid"] for w in after["workers"]} == {
+            w["id"]: w["pid"] for w in before["workers"]}
+        # warm-up did not run again: the counter file travelled in the capsule and still says 1,
+        # and the in-memory digests are the ones taken at warm-up
+        assert [w["warmups_total"] for w in after["workers"]] == [1] * workers
+        assert [w["warmups_in_process"] for w in after["workers"]] == [1] * workers
+        assert [w["weights_root"] for w in after["workers"]] == [
+            w["weights_root"] for w in before["workers"]]
+        # simulated GPU UUIDs were remapped to host-1's
+        for w in after["workers"]:
+            slot = w["device_slots"][0]
+            assert w["devices"] == [h1.gpus[slot]]
+            assert w["devices"] != [h0.gpus[slot]]
+            assert w["gpu_state"] == "running"
+        # a full check of every weight chunk, not just the sampled one of validate()
+        full = await s1.http(c1, spec1.api, "POST", "/v1/completions",
+                             {"prompt": spec1.validation.prompt, "full_check": True})
+        assert full.status == 200 and full.json()["text"] == EXPECTED
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_unit(h1, unit_id)
+        await cleanup_capsule(h0, capsule)
+        await cleanup_capsule(h1, capsule)
+        await cleanup_paths(
+            h0, models0, posixpath.dirname(capsule_dir(h0.entry.data_dir, capture_id, unit_id)))
+        await cleanup_paths(h1, models1, staged)

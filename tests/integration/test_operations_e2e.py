@@ -1,0 +1,269 @@
+"""End to end through the `coldsnapd` CLI on the dev cluster (real sshd, dockerd, CRIU):
+multi-host capture, owner-scoped staging, restore on the same and on other hosts, and every
+refusal leaving nothing running and the store intact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.integration.conftest import DEV_CLUSTER
+from tests.integration.ops_fixtures import Ops, dev_requests, edited_inventory, ops
+
+pytestmark = pytest.mark.integration
+__all__ = ["dev_requests", "ops"]  # fixtures used by name below
+
+
+def _artifact(ops: Ops, capture_id: str) -> dict[str, Any]:
+    path = ops.store / "artifacts" / f"{capture_id}.json"
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def _owned_by_host(artifact: dict[str, Any], placement: dict[str, str]) -> dict[str, set[str]]:
+    """What each host must hold: its units' capsules and its workers' payloads and plans."""
+    launch = artifact["launch"]
+    unit_of = {w["id"]: w["unit"] for w in launch["execution"]["workers"]}
+    want: dict[str, set[str]] = {h: set() for h in placement.values()}
+    for obj in artifact["objects"]:
+        kind, owner = obj["owner"].split("/", 1)
+        if obj["role"] == "capsule-manifest":
+            continue  # control-node only
+        unit = owner if kind == "unit" else unit_of[owner]
+        want[placement[unit]].add(obj["sha256"])
+    return want
+
+
+@pytest.fixture(scope="module")
+def tp2(ops: Ops) -> dict[str, Any]:
+    run = ops.coldsnapd("capture", "--request", str(ops.request("tp2-two-hosts", suffix="e2e")))
+    run.ok()
+    assert run.receipt is not None and run.receipt["state"] == "succeeded"
+    return _artifact(ops, run.receipt["result"]["artifact"])
+
+
+@pytest.fixture(scope="module")
+def tp4(ops: Ops) -> dict[str, Any]:
+    run = ops.coldsnapd("capture", "--request", str(ops.request("tp4-two-hosts", suffix="e2e")))
+    run.ok()
+    assert run.receipt is not None
+    return _artifact(ops, run.receipt["result"]["artifact"])
+
+
+def test_tp2_capture_artifact(ops: Ops, tp2: dict[str, Any]) -> None:
+    roles = sorted((o["owner"], o["role"]) for o in tp2["objects"])
+    assert roles == sorted([
+        ("unit/unit-0", "oci-capsule"), ("unit/unit-0", "capsule-manifest"),
+        ("unit/unit-1", "oci-capsule"), ("unit/unit-1", "capsule-manifest"),
+        ("worker/worker-0", "model-weight-payload"), ("worker/worker-0", "replay-plan"),
+        ("worker/worker-1", "model-weight-payload"), ("worker/worker-1", "replay-plan"),
+    ])
+    assert [i["unit"] for i in tp2["capsule"]["images"]] == ["unit-0", "unit-1"]
+    compat = tp2["compatibility"]["units"]
+    assert [c["nvidia_driver_captured"] for c in compat] == ["610.43.02", "610.43.02"]
+    assert compat[0]["devices"] == [{"slot": 0, "gpu_name": "NVIDIA GB10",
+                                     "compute_capability": "12.1"}]
+    # Every object is in the store under its digest, and the output file is the same artifact.
+    for obj in tp2["objects"]:
+        assert (ops.store / "objects" / "sha256" / obj["sha256"][7:]).stat().st_size == \
+            obj["bytes"]
+    output = ops.work / f"{tp2['capture_id']}.json"
+    assert json.loads(output.read_text()) == tp2
+    # `artifacts show` finds it by an unambiguous digest prefix too.
+    listed = json.loads(subprocess.run(
+        [sys.executable, "-m", "coldsnap", "artifacts", "list", "--json", "--store",
+         str(ops.store)], check=True, capture_output=True, text=True).stdout)
+    digest = next(a["digest"] for a in listed if a["capture_id"] == tp2["capture_id"])
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "coldsnap", "artifacts", "show", digest[7:19], "--json",
+         "--store", str(ops.store)], check=True, capture_output=True, text=True).stdout)
+    assert shown == tp2
+    # The capture started its own units and, without lifecycle running, stopped them again.
+    assert ops.running_units() == {}
+
+
+def test_tp2_restore_same_hosts_then_warm_cache(ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+    first = ops.coldsnapd("restore", "--artifact", tp2["capture_id"]).ok()
+    assert "answered the validation prompt" in first.stderr
+    want = _owned_by_host(tp2, {"unit-0": "host-0", "unit-1": "host-1"})
+    assert ops.staged("host-0") == want["host-0"]
+    assert ops.staged("host-1") == want["host-1"]
+    assert not want["host-0"] & want["host-1"] - {o["sha256"] for o in tp2["objects"]
+                                                  if o["role"] == "oci-capsule"}
+    assert ops.staged("host-2") == set() and ops.staged("host-3") == set()
+
+    # Restored, not re-warmed: the engines carry their capture-time warm-up and PIDs.
+    for host in ("host-0", "host-1"):
+        (container,) = ops.unit_containers(host)
+        status = ops.engine_status(host, container)
+        for worker in status["workers"]:
+            assert worker["warmups_in_process"] == 1
+            assert worker["gpu_state"] == "running"
+
+    # Same placement again: reconcile-replace, and nothing is sent twice.
+    second = ops.coldsnapd("restore", "--artifact", tp2["capture_id"]).ok()
+    sent = [line for line in second.stderr.splitlines() if " owned, " in line]
+    assert len(sent) == 2 and all("sent 0 B, 3 already present" in line for line in sent), sent
+    assert sum(len(ops.unit_containers(h)) for h in ops.hosts) == 2
+    ops.remove_units()
+
+
+def test_tp4_restore_moved_to_other_hosts(ops: Ops, tp4: dict[str, Any]) -> None:
+    ops.clear_staged()
+    request = ops.request("tp4-two-hosts-restore-moved", suffix="e2e",
+                          artifact=tp4["capture_id"])
+    ops.coldsnapd("restore", "--request", str(request)).ok()
+    want = _owned_by_host(tp4, {"unit-0": "host-2", "unit-1": "host-3"})
+    assert ops.staged("host-2") == want["host-2"] and len(want["host-2"]) == 5
+    assert ops.staged("host-3") == want["host-3"]
+    assert ops.staged("host-0") == set() and ops.staged("host-1") == set()
+    gpus = {h: [g["uuid"] for g in ops.hosts[h]["simulated_gpus"]] for h in ops.hosts}
+    for host in ("host-2", "host-3"):
+        (container,) = ops.unit_containers(host)
+        status = ops.engine_status(host, container)
+        assert len(status["workers"]) == 2
+        for worker in status["workers"]:
+            # The GPUs the simulated driver holds are the destination's, not the captured.
+            assert worker["devices"] == [gpus[host][worker["process_slot"]]]
+            assert worker["warmups_in_process"] == 1
+    ops.remove_units()
+
+
+def _refused(ops: Ops, run: Any, *needles: str) -> None:
+    assert run.status == 1, run.stderr
+    assert run.receipt is not None and run.receipt["state"] == "failed"
+    for needle in needles:
+        assert needle in run.stderr, run.stderr
+    assert ops.running_units() == {}
+
+
+def test_driver_floors(ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+    older = edited_inventory(ops, "older", {"host-0": {"driver_version": "610.10.00"}})
+    run = ops.coldsnapd("restore", "--artifact", tp2["capture_id"], inventory=older)
+    _refused(ops, run, "nvidia_driver_captured", "610.10.00")
+    assert ops.staged("host-0") == set()  # refused before any byte moved
+
+    too_old = edited_inventory(ops, "too-old", {"host-0": {"driver_version": "580.95.05"}})
+    relaxed = ops.request("tp2-two-hosts-restore-moved", suffix="relaxed",
+                          artifact=tp2["capture_id"],
+                          policy={"compatibility": {"enforce_captured_driver_floor": False}})
+    doc = yaml.safe_load(relaxed.read_text())
+    for unit, host in zip(doc["launch"]["units"], ("host-0", "host-1"), strict=True):
+        unit["host"] = host
+    relaxed.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = ops.coldsnapd("restore", "--request", str(relaxed), inventory=too_old)
+    _refused(ops, run, "nvidia_driver_min", "580.95.05")
+
+    ops.coldsnapd("restore", "--request", str(relaxed), inventory=older).ok()
+    ops.remove_units()
+
+
+def test_different_gpu_model_refused(ops: Ops, tp2: dict[str, Any]) -> None:
+    other = edited_inventory(ops, "h100", {"host-1": {"gpu_name": "NVIDIA H100 80GB HBM3"}})
+    run = ops.coldsnapd("restore", "--artifact", tp2["capture_id"], inventory=other)
+    _refused(ops, run, "gpu_name", "NVIDIA H100 80GB HBM3")
+
+
+def test_identity_change_refused(ops: Ops, tp2: dict[str, Any]) -> None:
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="identity",
+                          artifact=tp2["capture_id"])
+    doc = yaml.safe_load(request.read_text())
+    doc["launch"]["units"][1]["command"].append("--warmup-rounds=1")
+    request.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = ops.coldsnapd("restore", "--request", str(request))
+    _refused(ops, run, "launch.units[1].command")
+
+
+def test_corrupted_object_detected_before_anything_starts(ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+    payload = next(o for o in tp2["objects"] if o["role"] == "model-weight-payload")
+    path = ops.store / "objects" / "sha256" / payload["sha256"][7:]
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        run = ops.coldsnapd("restore", "--artifact", tp2["capture_id"])
+        _refused(ops, run, "object-corrupt", payload["owner"])
+        assert all(ops.staged(h) == set() for h in ops.hosts)
+    finally:
+        path.write_bytes(original)
+    # The store is intact again and the artifact still restores.
+    assert _artifact(ops, tp2["capture_id"]) == tp2
+
+
+def _wait_for_span(events: Path, name: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists():
+            for line in events.read_text().splitlines():
+                event = json.loads(line)
+                if event["event"] == "span_start" and event["started"]["name"] == name:
+                    return True
+        time.sleep(0.05)
+    return False
+
+
+def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str, Any]) -> None:
+    events = ops.work / "lost-events.ndjson"
+    request = ops.request("tp4-two-hosts-restore-moved", suffix="lost",
+                          artifact=tp4["capture_id"])
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result["run"] = ops.coldsnapd("restore", "--request", str(request),
+                                      "--timing-events", str(events))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        assert _wait_for_span(events, "restore.criu-restore", 300), "restore never got there"
+        subprocess.run([str(DEV_CLUSTER), "stop-host", "host-3"], check=True,
+                       capture_output=True)
+        time.sleep(3)
+    finally:
+        subprocess.run([str(DEV_CLUSTER), "start-host", "host-3"], check=True,
+                       capture_output=True)
+        worker.join(600)
+    outcome = result["run"]
+    _refused(ops, outcome, "host-3")
+    spans = {s["name"] for s in outcome.receipt["timing"]["spans"]}
+    assert "restore.rollback" in spans
+
+
+def test_prepare_only_stages_and_starts_nothing(ops: Ops, tp4: dict[str, Any]) -> None:
+    ops.clear_staged()
+    request = ops.request("tp4-two-hosts-restore-moved", suffix="prepare",
+                          artifact=tp4["capture_id"])
+    first = ops.coldsnapd("restore", "--request", str(request), "--prepare-only").ok()
+    assert first.receipt is not None
+    assert first.receipt["replay_semantics"] == "safe-repeat"
+    assert first.receipt["result"]["prepared"] is True
+    assert ops.running_units() == {}
+    want = _owned_by_host(tp4, {"unit-0": "host-2", "unit-1": "host-3"})
+    assert ops.staged("host-2") == want["host-2"]
+    again = ops.coldsnapd("restore", "--request", str(request), "--prepare-only").ok()
+    sent = [line for line in again.stderr.splitlines() if " owned, " in line]
+    assert len(sent) == 2 and all("sent 0 B" in line for line in sent), sent
+    assert ops.running_units() == {}
+
+
+def test_capture_failure_rolls_back_every_unit(ops: Ops, tmp_path: Path) -> None:
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    request = ops.request("tp2-two-hosts", suffix="broken")
+    doc = yaml.safe_load(request.read_text())
+    doc["launch"]["units"][1]["mounts"][0]["source"] = str(empty)
+    request.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = ops.coldsnapd("capture", "--request", str(request))
+    _refused(ops, run, "host-1", "unit-1")
+    assert not Path(doc["output"]).exists()
+    assert not (ops.store / "artifacts" / f"{doc['id']}.json").exists()

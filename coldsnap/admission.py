@@ -11,6 +11,7 @@ Public API:
   UUID or an index into `facts.gpus`.
 - `Admission.refusals` (list of `ValidationIssue`, each naming the artifact field it fails),
   `Admission.criu_probe_required`, `Admission.admitted`.
+- `select_gpu(selector, gpus)`: a selector is a GPU UUID of the host or an index into its list.
 - `parse_driver_version("610.43.02") -> (610, 43, 2)`; `normalize_arch(name)`.
 """
 
@@ -66,7 +67,7 @@ def parse_driver_version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def _select_gpu(selector: str, gpus: Sequence[GpuFact]) -> GpuFact | None:
+def select_gpu(selector: str, gpus: Sequence[GpuFact]) -> GpuFact | None:
     for gpu in gpus:
         if gpu.uuid == selector:
             return gpu
@@ -130,7 +131,7 @@ def check_admission(
         if slot not in by_slot:
             continue
         i, wanted = by_slot[slot]
-        gpu = _select_gpu(selector, facts.gpus)
+        gpu = select_gpu(selector, facts.gpus)
         if gpu is None:
             refuse(f"devices[{i}]", f"device selector {selector!r} (slot {slot}) matches no GPU "
                                     "on the destination")

@@ -67,9 +67,10 @@ class TransferProgress:
         text = f"{self.label} {frac * 100:5.1f}% {_size(done)}/{_size(total)} {_size(rate)}/s"
         if self.tty:
             filled = int(frac * self.width)
-            text = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}]" + text[
-                len(self.label) :
-            ]
+            text = (
+                f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}]"
+                + text[len(self.label) :]
+            )
             if rate > 0 and done < total:
                 text += f" ETA {int((total - done) / rate)}s"
         return text

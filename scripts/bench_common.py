@@ -14,10 +14,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from coldsnap.logs import configure as _configure_logging  # noqa: E402
+
+# stdout carries exactly one JSON line; logs go to stderr.
+_configure_logging(stream=sys.stderr)
+
 
 def git_rev() -> str | None:
-    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
     return r.stdout.strip() or None
 
 

@@ -23,6 +23,7 @@ from bench_common import REPO, emit, log
 
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
+from coldsnap.hosts.transfer import Transport, put_file
 
 
 def make_source(size: int) -> Path:
@@ -42,19 +43,31 @@ def make_source(size: int) -> Path:
     return path
 
 
-async def coldsnapd_put(entry: HostEntry, src: Path, dest: str) -> tuple[float, str]:
+async def coldsnapd_put(
+    entry: HostEntry, src: Path, dest: str, transport: Transport
+) -> tuple[float, str]:
     t0 = time.perf_counter()
     host = SSHHost(entry)
     try:
-        result = await host.put(src, dest)
+        result = await put_file(host, src, dest, transport=transport)
     finally:
         await host.close()
     return time.perf_counter() - t0, result.sha256
 
 
 def scp_put(entry: HostEntry, src: Path, dest: str, cipher: str | None) -> float:
-    argv = ["scp", "-q", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={entry.known_hosts}", "-P", str(entry.port)]
+    argv = [
+        "scp",
+        "-q",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={entry.known_hosts}",
+        "-P",
+        str(entry.port),
+    ]
     if entry.identity_file:
         argv += ["-i", str(entry.identity_file)]
     if cipher:
@@ -78,6 +91,12 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-scp-aes", action="store_true", help="skip the scp -c aes128-gcm runs")
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "openssh", "asyncssh"],
+        default="auto",
+        help="coldsnapd's data path for put (default: what coldsnapd uses)",
+    )
     args = ap.parse_args()
 
     entry = load_inventory(args.inventory).get(args.host)
@@ -101,15 +120,17 @@ def main() -> None:
                 rm(entry, dest_s)
             subprocess.run(["sync"], check=False)
             if kind == "coldsnapd":
-                t, digest = asyncio.run(coldsnapd_put(entry, src, dest_c))
+                t, digest = asyncio.run(coldsnapd_put(entry, src, dest_c, args.transport))
                 if digest != want:
                     raise SystemExit(f"digest mismatch: {digest} != {want}")
             else:
-                t = scp_put(entry, src, dest_s,
-                            "aes128-gcm@openssh.com" if kind == "scp_aes" else None)
+                t = scp_put(
+                    entry, src, dest_s, "aes128-gcm@openssh.com" if kind == "scp_aes" else None
+                )
             times[kind].append(t)
-            log(f"round {r + 1}/{args.rounds} {kind:<10} {t:6.2f} s "
-                f"({size / t / 2**20:6.0f} MiB/s)")
+            log(
+                f"round {r + 1}/{args.rounds} {kind:<10} {t:6.2f} s ({size / t / 2**20:6.0f} MiB/s)"
+            )
     if local_dev:
         rm(entry, dest_c)
         rm(entry, dest_s)
@@ -118,6 +139,7 @@ def main() -> None:
     s = statistics.median(times["scp"])
     doc = {
         "host": args.host,
+        "transport": args.transport,
         "bytes": size,
         "rounds": args.rounds,
         "coldsnapd_seconds": round(c, 3),

@@ -319,14 +319,18 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
     final = f"{out_dir}/capsule.tar"
     tmp = f"{final}.partial"
     image_id: str | None = None
+    marks = [time.monotonic()]
     try:
         image = await s.call(container.commit, repository=repo, tag=tag,
                              message=f"coldsnap capsule of unit {spec.unit_id}")
         image_id = str(image.id)
+        marks.append(time.monotonic())
         await s.target.host.run(["mkdir", "-p", out_dir])
         await s.host_docker("save", "-o", tmp, f"{repo}:{tag}", timeout_s=3600)
+        marks.append(time.monotonic())
         sha, size = await host_sha256(s, tmp)
         await s.target.host.run(["mv", "-f", tmp, final])
+        marks.append(time.monotonic())
     except Exception as exc:
         await s.target.host.run(["rm", "-f", tmp, final], check=False)
         if image_id is not None:
@@ -335,7 +339,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
         raise fail(s, handle.unit, step, f"{type(exc).__name__}: {exc}", CommitFailed) from exc
     assert handle.engine_pid is not None
     log.info("capsule.committed", host=s.host, unit=handle.unit, step=step, image=image_id,
-             tar=final, bytes=size)
+             tar=final, bytes=size, commit_seconds=round(marks[1] - marks[0], 3),
+             save_seconds=round(marks[2] - marks[1], 3), hash_seconds=round(marks[3] - marks[2], 3))
     return CapsuleImage(
         unit_id=spec.unit_id, host=s.host, image_id=image_id, reference=f"{repo}:{tag}",
         tar_path=final, tar_sha256=sha, tar_bytes=size, criu_images_bytes=dumped.images_bytes,

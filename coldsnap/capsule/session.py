@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import structlog
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import CapsuleHost, EngineApi
+from coldsnap.hosts.base import Host
 
 T = TypeVar("T")
 
@@ -126,15 +130,62 @@ class CapsuleSession:
         return res.stdout
 
 
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(1 << 16):
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except (OSError, RuntimeError):
+        dst.close()
+
+
+@asynccontextmanager
+async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
+    """A local unix socket whose every connection reaches `remote_path` on the host through a
+    forward opened for that connection alone.
+
+    One long-lived forward dies with its SSH connection and every later Docker call would
+    fail; here a dropped connection costs only the Docker connections open at that moment,
+    and the next one goes through the transport's reconnect."""
+    tmp = tempfile.mkdtemp(prefix="coldsnap-docker-")
+    path = os.path.join(tmp, "docker.sock")
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with host.forward_unix_socket(remote_path) as local:
+                up_r, up_w = await asyncio.open_unix_connection(local)
+                try:
+                    await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+                finally:
+                    up_w.close()
+        except Exception as exc:  # one failed connection must not end the relay
+            log.warning("capsule.docker_relay", host=host.name, error=str(exc))
+        finally:
+            writer.close()
+
+    server = await asyncio.start_unix_server(handle, path)
+    try:
+        yield path
+    finally:
+        server.close()
+        await server.wait_closed()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @asynccontextmanager
 async def open_session(target: CapsuleHost) -> AsyncIterator[CapsuleSession]:
-    """Forward the host's Docker socket and yield a session bound to it."""
-    async with target.host.forward_unix_socket(target.docker_socket) as local:
-        # The client asks the daemon for its API version while it is built; the forwarded
+    """Reach the host's Docker socket through the transport and yield a session bound to it."""
+    async with docker_relay(target.host, target.docker_socket) as local:
+        # The client asks the daemon for its API version while it is built; the relayed
         # socket is served by this very event loop, so that must happen off the loop.
         client = await asyncio.to_thread(
             docker.DockerClient, base_url=f"unix://{local}", timeout=600
         )
+        # No keep-alive: a pooled connection could outlive the SSH connection under it and
+        # fail the next request; a fresh one per request always rides a live transport.
+        client.api.headers["Connection"] = "close"
         try:
             yield CapsuleSession(target, client)
         finally:

@@ -21,7 +21,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "hosts", help="probe hosts, copy files to/from a host",
+        "hosts",
+        help="probe hosts, copy files to/from a host",
         description="Work with the hosts of an inventory file.",
     )
     sub = parser.add_subparsers(dest="hosts_command", metavar="ACTION", required=True)
@@ -34,15 +35,19 @@ def register(subparsers: Any) -> None:
     )
     probe.add_argument("--inventory", required=True, type=Path, metavar="FILE")
     probe.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    probe.add_argument("--host", action="append", dest="hosts", metavar="NAME",
-                       help="only this host (repeatable)")
+    probe.add_argument(
+        "--host", action="append", dest="hosts", metavar="NAME", help="only this host (repeatable)"
+    )
     probe.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS")
     probe.set_defaults(handler=_probe)
 
-    for name, helptext in (("put", "copy a local file to a host"),
-                           ("get", "copy a file from a host")):
-        p = sub.add_parser(name, help=helptext,
-                           description=helptext + " (sha256-verified, atomic, resumable)")
+    for name, helptext in (
+        ("put", "copy a local file to a host"),
+        ("get", "copy a file from a host"),
+    ):
+        p = sub.add_parser(
+            name, help=helptext, description=helptext + " (sha256-verified, atomic, resumable)"
+        )
         p.add_argument("--inventory", required=True, type=Path, metavar="FILE")
         p.add_argument("host", metavar="HOST")
         p.add_argument("source", metavar="SRC")
@@ -109,8 +114,10 @@ def _probe(args: argparse.Namespace) -> int:
         _print_table(facts)
     bad = [f.host for f in facts if not f.reachable or f.error]
     if bad:
-        print(f"coldsnapd: {len(bad)} of {len(facts)} host(s) failed: {', '.join(bad)}",
-              file=sys.stderr)
+        print(
+            f"coldsnapd: {len(bad)} of {len(facts)} host(s) failed: {', '.join(bad)}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     return EXIT_OK
 

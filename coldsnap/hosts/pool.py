@@ -58,8 +58,10 @@ class HostPool:
             )
 
     @classmethod
-    def from_inventory_file(cls, path: Path | str, **kwargs: object) -> HostPool:
-        return cls(load_inventory(path), **kwargs)  # type: ignore[arg-type]
+    def from_inventory_file(
+        cls, path: Path | str, settings: SSHSettings | None = None, *, max_handshakes: int = 16
+    ) -> HostPool:
+        return cls(load_inventory(path), settings, max_handshakes=max_handshakes)
 
     async def __aenter__(self) -> HostPool:
         return self

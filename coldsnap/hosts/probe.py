@@ -135,7 +135,10 @@ def _pynvml_source() -> bytes:
 
 
 async def probe_host(
-    host: Host, entry: HostEntry, *, timeout: float = 60.0  # noqa: ASYNC109 (kills the probe)
+    host: Host,
+    entry: HostEntry,
+    *,
+    timeout: float = 60.0,  # noqa: ASYNC109 (kills the probe)
 ) -> HostFacts:
     """Probe one host; unreachable is an answer, not an exception."""
     real_gpus = not entry.simulated
@@ -150,16 +153,25 @@ async def probe_host(
             ["python3", "-I", "-S", "-c", PROBE_SCRIPT], input=stdin, timeout=timeout
         )
     except HostUnreachable as exc:
-        return HostFacts(host=entry.name, reachable=False, error=exc.message,
-                         simulated=entry.simulated)
+        return HostFacts(
+            host=entry.name, reachable=False, error=exc.message, simulated=entry.simulated
+        )
     except HostError as exc:
-        return HostFacts(host=entry.name, reachable=True, error=f"probe failed: {exc.message}",
-                         simulated=entry.simulated)
+        return HostFacts(
+            host=entry.name,
+            reachable=True,
+            error=f"probe failed: {exc.message}",
+            simulated=entry.simulated,
+        )
     try:
         raw = json.loads(result.stdout)
     except ValueError:
-        return HostFacts(host=entry.name, reachable=True, simulated=entry.simulated,
-                         error=f"probe answered garbage: {result.stdout[:200]!r}")
+        return HostFacts(
+            host=entry.name,
+            reachable=True,
+            simulated=entry.simulated,
+            error=f"probe answered garbage: {result.stdout[:200]!r}",
+        )
     if entry.simulated:
         gpus = [
             GpuFacts(i, g.name, g.uuid, g.compute_capability, g.memory_bytes, simulated=True)
@@ -197,7 +209,11 @@ async def probe_pool(
             async with asyncio.timeout(timeout):
                 return await probe_host(h, h.entry, timeout=timeout)
         except TimeoutError:
-            return HostFacts(host=h.name, reachable=False, simulated=h.entry.simulated,
-                             error=f"no answer within {timeout}s")
+            return HostFacts(
+                host=h.name,
+                reachable=False,
+                simulated=h.entry.simulated,
+                error=f"no answer within {timeout}s",
+            )
 
     return list(await asyncio.gather(*(one(h) for h in hosts)))

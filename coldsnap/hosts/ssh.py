@@ -483,8 +483,9 @@ class SSHHost:
                     check=False,
                 )
         except (TimeoutError, OSError, asyncssh.Error, HostError) as exc:
-            log.warning("could not kill remote command", host=self.name, pid=pid,
-                        error=_describe(exc))
+            log.warning(
+                "could not kill remote command", host=self.name, pid=pid, error=_describe(exc)
+            )
 
     async def put(
         self, local: Path, remote: str, *, progress: ProgressCallback | None = None

@@ -43,8 +43,8 @@ import asyncssh
 import structlog
 
 from coldsnap.hosts.base import (
+    Host,
     HostAuthFailed,
-    HostError,
     HostKeyRejected,
     HostUnreachable,
     ProgressCallback,
@@ -255,8 +255,13 @@ async def _with_resume(
                 raise TransferError(
                     host.name, f"{what}: gave up after {attempts} attempts: {exc}"
                 ) from exc
-            log.info("transfer interrupted; resuming", host=host.name, what=what,
-                     attempt=attempt, error=str(exc) or type(exc).__name__)
+            log.info(
+                "transfer interrupted; resuming",
+                host=host.name,
+                what=what,
+                attempt=attempt,
+                error=str(exc) or type(exc).__name__,
+            )
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 8.0)
     raise AssertionError("unreachable")
@@ -293,8 +298,11 @@ async def put_file(
     choice = transport or host.settings.bulk_transport
     ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
     if choice == "openssh" and ssh_argv is None:
-        raise TransferError(host.name, "the OpenSSH transport cannot reach this host "
-                            "(no `ssh` client, or an inventory proxy_jump)")
+        raise TransferError(
+            host.name,
+            "the OpenSSH transport cannot reach this host "
+            "(no `ssh` client, or an inventory proxy_jump)",
+        )
     if ssh_argv is not None:
         argv = ssh_argv
 
@@ -317,22 +325,40 @@ def openssh_argv(entry: HostEntry, settings: SSHSettings) -> list[str] | None:
     if ssh is None or entry.proxy_jump:
         return None
     argv = [
-        ssh, "-T", "-x", "-a",
-        "-p", str(entry.port),
-        "-l", entry.user,
-        "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={entry.known_hosts}",
-        "-o", "GlobalKnownHostsFile=/dev/null",
-        "-o", "UpdateHostKeys=no",
-        "-o", "CheckHostIP=no",
-        "-o", "ControlMaster=no",
-        "-o", "ControlPath=none",
-        "-o", "Compression=no",
-        "-o", f"ConnectTimeout={max(1, round(settings.connect_timeout))}",
-        "-o", f"ServerAliveInterval={max(1, round(settings.keepalive_interval))}",
-        "-o", f"ServerAliveCountMax={settings.keepalive_count_max}",
-        "-c", ",".join(settings.encryption_algs),
+        ssh,
+        "-T",
+        "-x",
+        "-a",
+        "-p",
+        str(entry.port),
+        "-l",
+        entry.user,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={entry.known_hosts}",
+        "-o",
+        "GlobalKnownHostsFile=/dev/null",
+        "-o",
+        "UpdateHostKeys=no",
+        "-o",
+        "CheckHostIP=no",
+        "-o",
+        "ControlMaster=no",
+        "-o",
+        "ControlPath=none",
+        "-o",
+        "Compression=no",
+        "-o",
+        f"ConnectTimeout={max(1, round(settings.connect_timeout))}",
+        "-o",
+        f"ServerAliveInterval={max(1, round(settings.keepalive_interval))}",
+        "-o",
+        f"ServerAliveCountMax={settings.keepalive_count_max}",
+        "-c",
+        ",".join(settings.encryption_algs),
     ]
     if entry.identity_file:
         argv += ["-i", str(entry.identity_file), "-o", "IdentitiesOnly=yes"]
@@ -350,8 +376,13 @@ def _pump(
     started: list[subprocess.Popen[bytes]],
 ) -> tuple[int, bytes, bytes, int]:
     """Thread body: feed the file to an OpenSSH client, hashing each chunk as it goes."""
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     started.append(proc)
     assert proc.stdin is not None
     fd = proc.stdin.fileno()
@@ -427,13 +458,13 @@ async def _put_once_openssh(
         ["python3", "-c", HELPER, "recv", part, str(offset), str(total - offset)]
     )
     started: list[subprocess.Popen[bytes]] = []
-    result: concurrent.futures.Future[tuple[int, bytes, bytes, int]] = (
-        concurrent.futures.Future())
+    result: concurrent.futures.Future[tuple[int, bytes, bytes, int]] = concurrent.futures.Future()
 
     def body() -> None:
         try:
             result.set_result(
-                _pump([*argv, command], local, offset, total, h, tamper, report, started))
+                _pump([*argv, command], local, offset, total, h, tamper, report, started)
+            )
         except BaseException as exc:
             result.set_exception(exc)
 
@@ -493,8 +524,12 @@ async def _put_once(
             if h.hexdigest() == part_hex:
                 offset = part_size
             else:
-                log.info("partial file differs from ours; starting over", host=host.name,
-                         remote=remote, partial_bytes=part_size)
+                log.info(
+                    "partial file differs from ours; starting over",
+                    host=host.name,
+                    remote=remote,
+                    partial_bytes=part_size,
+                )
         if offset == 0:
             h = hashlib.sha256()
         s.stdin.write(f"{offset} {total - offset}\n".encode())
@@ -532,8 +567,10 @@ async def _put_once(
     if status == 0 and reply.split()[:1] == [b"ok"]:
         far_hex = reply.split()[2].decode()
         if far_hex != digest:
-            raise TransferError(host.name, f"put {remote}: far side reports sha256:{far_hex}, "
-                                           f"expected sha256:{digest}")
+            raise TransferError(
+                host.name,
+                f"put {remote}: far side reports sha256:{far_hex}, expected sha256:{digest}",
+            )
         return TransferResult(bytes=total, sha256=f"sha256:{digest}", sent_bytes=total - offset)
     message = err.decode(errors="replace").strip()
     if status == EXIT_MISMATCH:
@@ -589,8 +626,11 @@ async def _get_once(
     loop = asyncio.get_running_loop()
     part = local.with_name(local.name + PART_SUFFIX)
     offset = part.stat().st_size if part.exists() else 0
-    h = await loop.run_in_executor(None, _hash_file_prefix, part, offset) if offset else (
-        hashlib.sha256())
+    h = (
+        await loop.run_in_executor(None, _hash_file_prefix, part, offset)
+        if offset
+        else (hashlib.sha256())
+    )
     async with host.open_stream(["python3", "-c", HELPER, "get", remote, str(offset)]) as s:
         line = (await s.stdout.readline()).split()
         if len(line) != 2 or line[0] != b"size":
@@ -643,4 +683,25 @@ async def _get_once(
     return TransferResult(bytes=total, sha256=f"sha256:{digest}", sent_bytes=total - offset)
 
 
-__all__ = ["CHUNK", "HELPER", "PART_SUFFIX", "HostError", "get_file", "put_file"]
+async def remote_file_digest(host: Host, path: str) -> tuple[int, str] | None:
+    """(size, "sha256:<hex>") of a file on the host, hashed there by the helper (OpenSSL's
+    speed, not coreutils'); None when the file does not exist."""
+    result = await host.run(["test", "-f", path], check=False)
+    if result.exit_status != 0:
+        return None
+    line = (await host.run(["python3", "-c", HELPER, "stat", path])).stdout.split()
+    if len(line) != 3 or line[0] != b"part" or not line[1].isdigit():
+        raise TransferError(host.name, f"unexpected answer hashing {path}: {line!r}")
+    return int(line[1]), "sha256:" + line[2].decode()
+
+
+__all__ = [
+    "CHUNK",
+    "HELPER",
+    "PART_SUFFIX",
+    "Transport",
+    "get_file",
+    "openssh_argv",
+    "put_file",
+    "remote_file_digest",
+]

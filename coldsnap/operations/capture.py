@@ -10,10 +10,7 @@ writes nothing to `output` or the store's artifact index.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +60,7 @@ from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
 T = TypeVar("T")
@@ -138,22 +136,6 @@ async def _fetch(host: Host, remote: str, store: LocalStore, expected: str) -> t
     with store.incoming() as tmp:
         await host.get(remote, tmp)
         return store.commit_incoming(tmp, expected)
-
-
-def write_output(path: Path, data: bytes) -> None:
-    """Write `output` without ever replacing an existing file (capture is
-    conflict-on-existing-output), and never leave a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, path)  # fails if `path` appeared meanwhile: no clobbering
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 async def capture(
@@ -291,8 +273,10 @@ async def _capture_units(
         stored = store.put_artifact(artifact)
         if output is not None:
             try:
-                write_output(output, json.dumps(artifact.to_json(), indent=2,
-                                                sort_keys=True).encode() + b"\n")
+                # Capture is conflict-on-existing-output: never replace a file.
+                atomic_write_bytes(output, json.dumps(artifact.to_json(), indent=2,
+                                                      sort_keys=True).encode() + b"\n",
+                                   replace=False)
             except OSError as exc:
                 store.remove_artifact(artifact.capture_id)
                 raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from coldsnap.digests import check_digest
 from coldsnap.formats.artifact import Artifact, ArtifactObject
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
+from coldsnap.hosts.transfer import remote_file_digest
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 
@@ -53,10 +54,8 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
 
 
 async def remote_has(host: Host, path: str, object_digest: str) -> bool:
-    result = await host.run(["sha256sum", "--", path], check=False, timeout=600)
-    if result.exit_status != 0:
-        return False
-    return result.stdout.split(b" ", 1)[0].decode() == check_digest(object_digest)
+    found = await remote_file_digest(host, path)
+    return found is not None and found[1] == object_digest
 
 
 async def stage_host(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from coldsnap.admission import GpuFact, HostFacts
+from coldsnap.admission import GpuFact, HostFacts, select_gpu
 from coldsnap.capsule.spec import EngineApi, Mount, UnitSpec, Validation, WorkerSpec
 from coldsnap.formats.request import Launch
 from coldsnap.formats.request import Validation as RequestValidation
@@ -23,16 +23,6 @@ class PlacedUnit:
     host: str
     gpus: tuple[GpuFact, ...]  # by device slot
     spec: UnitSpec
-
-
-def select_gpu(selector: str, gpus: Sequence[GpuFact]) -> GpuFact | None:
-    """A selector is a GPU UUID of the host or an index into its GPU list."""
-    for gpu in gpus:
-        if gpu.uuid == selector:
-            return gpu
-    if selector.isdigit() and int(selector) < len(gpus):
-        return gpus[int(selector)]
-    return None
 
 
 def place_units(

@@ -66,8 +66,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, then rename: readers never see a partial file."""
+def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None:
+    """Write to a temporary sibling, fsync, then rename: readers never see a partial file.
+
+    With replace=False an existing `path` is never replaced (FileExistsError): the final
+    step is a hard link, which fails when the name appeared in the meantime."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -75,12 +78,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
 
 
 class LocalStore:

@@ -47,8 +47,9 @@ def dev_inventory() -> Path:
     inventory = load_inventory(path)
     down = [h.name for h in inventory.hosts if not _answers(h)]
     if down:
-        pytest.fail(f"dev cluster hosts not answering SSH: {', '.join(down)}: {HOW_TO_START}",
-                    pytrace=False)
+        pytest.fail(
+            f"dev cluster hosts not answering SSH: {', '.join(down)}: {HOW_TO_START}", pytrace=False
+        )
     return path
 
 
@@ -56,8 +57,7 @@ def dev_inventory() -> Path:
 def dev_hosts(dev_inventory: Path) -> Inventory:
     inventory = load_inventory(dev_inventory)
     if len(inventory.hosts) < 3:
-        pytest.fail(f"the integration tests need at least 3 hosts: {HOW_TO_START}",
-                    pytrace=False)
+        pytest.fail(f"the integration tests need at least 3 hosts: {HOW_TO_START}", pytrace=False)
     return inventory
 
 
@@ -75,8 +75,14 @@ class ClusterControl:
         self.stopped: set[str] = set()
 
     def _run(self, *args: str) -> None:
-        subprocess.run([str(DEV_CLUSTER), *args], check=True, env=self.env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+        subprocess.run(
+            [str(DEV_CLUSTER), *args],
+            check=True,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
 
     def stop_host(self, name: str) -> None:
         self.stopped.add(name)

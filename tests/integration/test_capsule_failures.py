@@ -158,3 +158,17 @@ async def test_image_digest_mismatch_is_refused(
     finally:
         await s.call(s.client.images.remove, tag)
     assert await unit_containers(h0, unit_id) == []
+
+
+async def test_docker_session_survives_a_dropped_ssh_connection(
+    capsule_cluster: dict[str, ClusterHost],
+) -> None:
+    h1 = capsule_cluster["host-1"]
+    s = h1.session
+    assert await s.call(s.client.ping)
+    before = h1.target.host.connects  # type: ignore[attr-defined]
+    # What an sshd restart or a network drop does to the transport under a running operation.
+    await h1.target.host.close()
+    assert await s.call(s.client.ping)
+    assert (await s.call(s.client.version))["ApiVersion"]
+    assert h1.target.host.connects == before + 1  # type: ignore[attr-defined]

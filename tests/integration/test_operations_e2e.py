@@ -267,3 +267,31 @@ def test_capture_failure_rolls_back_every_unit(ops: Ops, tmp_path: Path) -> None
     _refused(ops, run, "host-1", "unit-1")
     assert not Path(doc["output"]).exists()
     assert not (ops.store / "artifacts" / f"{doc['id']}.json").exists()
+
+
+def test_fallback_replay_recreates_an_inadmissible_unit(ops: Ops, tp2: dict[str, Any]) -> None:
+    older = edited_inventory(ops, "replay", {"host-1": {"driver_version": "610.10.00"}})
+    refused = ops.coldsnapd("restore", "--artifact", tp2["capture_id"], inventory=older)
+    _refused(ops, refused, "nvidia_driver_captured")
+
+    run = ops.coldsnapd("restore", "--artifact", tp2["capture_id"], "--fallback", "replay",
+                        inventory=older).ok()
+    assert run.receipt is not None
+    replayed = [s for s in run.receipt["timing"]["spans"]
+                if s["name"] == "restore.fallback-replay"]
+    assert [s["attributes"]["unit"] for s in replayed] == ["unit-1"]
+    assert "nvidia_driver_captured" in replayed[0]["attributes"]["reason"]
+    # unit-0 came back from its snapshot; unit-1 was started natively and warmed up again
+    # from the worker payload staged on host-1.
+    (restored,) = ops.unit_containers("host-0")
+    assert restored.labels["org.coldsnap.role"] == "restore"
+    (native,) = ops.unit_containers("host-1")
+    assert native.labels["org.coldsnap.role"] == "capture"
+    payload = next(o["sha256"] for o in tp2["objects"]
+                   if o["owner"] == "worker/worker-1" and o["role"] == "model-weight-payload")
+    sources = {m["Source"] for m in native.attrs["Mounts"]}
+    assert f"{ops.hosts['host-1']['data_dir']}/objects/sha256/{payload[7:]}" in sources
+    status = ops.engine_status("host-1", native)
+    assert [w["id"] for w in status["workers"]] == ["worker-1"]
+    assert status["workers"][0]["global_rank"] == 1
+    ops.remove_units()

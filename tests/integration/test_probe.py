@@ -61,8 +61,10 @@ async def test_probe_with_one_host_down(
     pool: HostPool, dev_hosts: Inventory, cluster: ClusterControl
 ) -> None:
     names = dev_hosts.names[:3]
-    quick = HostPool([dev_hosts.get(n) for n in names],
-                     SSHSettings(connect_attempts=2, retry_initial=0.05, retry_max=0.2))
+    quick = HostPool(
+        [dev_hosts.get(n) for n in names],
+        SSHSettings(connect_attempts=2, retry_initial=0.05, retry_max=0.2),
+    )
     with cluster.host_stopped(names[1]):
         async with quick:
             facts = await probe_pool(quick)
@@ -81,8 +83,9 @@ def _three_host_inventory(dev_inventory: Path, tmp_path: Path) -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "coldsnap", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "coldsnap", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_probe_three_hosts_one_stopped(
@@ -99,13 +102,25 @@ def test_cli_probe_three_hosts_one_stopped(
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
     assert {h["host"]: h["reachable"] for h in doc} == {
-        dev_hosts.names[0]: True, dev_hosts.names[1]: True, stopped: False}
+        dev_hosts.names[0]: True,
+        dev_hosts.names[1]: True,
+        stopped: False,
+    }
     down = next(h for h in doc if h["host"] == stopped)
     assert down["error"]
     up = next(h for h in doc if h["host"] == dev_hosts.names[0])
     assert up["gpus"][0]["simulated"] is True
-    assert set(up) >= {"host", "reachable", "error", "arch", "kernel", "docker",
-                       "nvidia_driver", "gpus", "data_dir_free_bytes"}
+    assert set(up) >= {
+        "host",
+        "reachable",
+        "error",
+        "arch",
+        "kernel",
+        "docker",
+        "nvidia_driver",
+        "gpus",
+        "data_dir_free_bytes",
+    }
     assert stopped in r.stderr
 
 
@@ -119,11 +134,15 @@ def test_cli_put_and_get(dev_inventory: Path, dev_hosts: Inventory, tmp_path: Pa
     src = tmp_path / "src.bin"
     src.write_bytes(b"x" * 300_000)
     remote = f"{dev_hosts.get('host-1').data_dir}/cli-put.bin"
-    put = _cli("hosts", "put", "--inventory", str(dev_inventory), "host-1", str(src), remote)
-    assert put.returncode == 0, put.stderr
-    assert "100.0%" in put.stderr  # the progress display (plain lines: stderr is not a TTY)
-    back = tmp_path / "back.bin"
-    get = _cli("hosts", "get", "--inventory", str(dev_inventory), "host-1", remote, str(back))
-    assert get.returncode == 0, get.stderr
-    assert back.read_bytes() == src.read_bytes()
-    assert put.stdout.split()[0] == get.stdout.split()[0]
+    try:
+        put = _cli("hosts", "put", "--inventory", str(dev_inventory), "host-1", str(src), remote)
+        assert put.returncode == 0, put.stderr
+        assert "100.0%" in put.stderr  # the progress display (plain lines: stderr is no TTY)
+        back = tmp_path / "back.bin"
+        get = _cli("hosts", "get", "--inventory", str(dev_inventory), "host-1", remote, str(back))
+        assert get.returncode == 0, get.stderr
+        assert back.read_bytes() == src.read_bytes()
+        assert put.stdout.split()[0] == get.stdout.split()[0]
+    finally:
+        # The dev cluster's data dirs are directories of this machine.
+        Path(remote).unlink(missing_ok=True)

@@ -65,8 +65,9 @@ async def test_run_passes_argv_verbatim(pool: HostPool) -> None:
 
 async def test_run_feeds_stdin_and_reports_status(pool: HostPool) -> None:
     host = pool.host("host-0")
-    r = await host.run(["sh", "-c", "tr a-z A-Z; echo oops >&2; exit 7"], input=b"hello",
-                       check=False)
+    r = await host.run(
+        ["sh", "-c", "tr a-z A-Z; echo oops >&2; exit 7"], input=b"hello", check=False
+    )
     assert (r.exit_status, r.stdout, r.stderr) == (7, b"HELLO", b"oops\n")
     with pytest.raises(CommandFailed) as info:
         await host.run(["sh", "-c", "echo broken >&2; exit 3"])
@@ -87,9 +88,7 @@ async def test_failed_command_is_not_retried(pool: HostPool, dev_hosts: Inventor
 async def test_timeout_kills_the_remote_process_tree(pool: HostPool) -> None:
     host = pool.host("host-1")
     t = token()
-    task = asyncio.create_task(
-        host.run(["sh", "-c", f"sleep {t} & sleep {t}; wait"], timeout=3.0)
-    )
+    task = asyncio.create_task(host.run(["sh", "-c", f"sleep {t} & sleep {t}; wait"], timeout=3.0))
     # The shell and both children: all of them must die, not just the one sshd started.
     await wait_for_pids(host, f"sleep {t}", at_least=3)
     with pytest.raises(CommandTimeout):
@@ -108,14 +107,40 @@ async def test_cancellation_kills_the_remote_process(pool: HostPool) -> None:
     assert await pids_matching(host, f"sleep {t}") == []
 
 
-async def test_many_commands_share_one_connection(dev_hosts: Inventory) -> None:
-    host = SSHHost(dev_hosts.get("host-2"), SSHSettings(max_channels=4))
+async def test_many_commands_share_one_connection_within_the_channel_limit(
+    dev_hosts: Inventory,
+) -> None:
+    entry = dev_hosts.get("host-2")
+    host = SSHHost(entry, SSHSettings(max_channels=3))
+    probe_dir = f"{entry.data_dir}/channels-{secrets.token_hex(4)}"
+    # Each command registers itself in a directory, counts who else is there, and leaves.
+    script = 'touch "$1/$$"; ls "$1" | wc -l; sleep 0.3; rm -f "$1/$$"'
     try:
-        results = await asyncio.gather(*(host.run(["echo", str(i)]) for i in range(40)))
-        assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(40)]
+        await host.run(["mkdir", "-p", probe_dir])
+        results = await asyncio.gather(
+            *(host.run(["sh", "-c", script, "sh", probe_dir]) for _ in range(9))
+        )
+        seen = [int(r.stdout) for r in results]
+        assert max(seen) <= 3, seen
+        echo = await asyncio.gather(*(host.run(["echo", str(i)]) for i in range(30)))
+        assert [r.stdout for r in echo] == [f"{i}\n".encode() for i in range(30)]
         assert host.connects == 1
     finally:
+        await host.run(["rm", "-rf", probe_dir], check=False)
         await host.close()
+
+
+async def test_gather_gives_each_host_its_own_outcome(
+    dev_hosts: Inventory, cluster: ClusterControl
+) -> None:
+    names = dev_hosts.names[:3]
+    async with HostPool([dev_hosts.get(n) for n in names], FAST) as p:
+        with cluster.host_stopped(names[1]):
+            outcomes = await p.gather(lambda h: h.run(["echo", h.name]))
+    assert [o.host for o in outcomes] == names
+    assert [o.ok for o in outcomes] == [True, False, True]
+    assert isinstance(outcomes[1].error, HostUnreachable)
+    assert outcomes[0].value is not None and outcomes[0].value.stdout == f"{names[0]}\n".encode()
 
 
 async def test_unknown_host_key_is_refused(dev_hosts: Inventory, tmp_path: Path) -> None:
@@ -123,8 +148,11 @@ async def test_unknown_host_key_is_refused(dev_hosts: Inventory, tmp_path: Path)
     other = dev_hosts.get("host-2")
     # A file that knows a different host only.
     kh.write_text(
-        next(line for line in other.known_hosts.read_text().splitlines()
-             if line.startswith(known_hosts_pattern(other.address, other.port) + " "))
+        next(
+            line
+            for line in other.known_hosts.read_text().splitlines()
+            if line.startswith(known_hosts_pattern(other.address, other.port) + " ")
+        )
         + "\n"
     )
     host = SSHHost(entry(dev_hosts, "host-1", known_hosts=kh), FAST)
@@ -161,7 +189,7 @@ async def test_accept_new_appends_once_and_keeps_existing_lines(
         await host.close()
     text = kh.read_text()
     assert text.startswith(original)
-    added = text[len(original):].splitlines()
+    added = text[len(original) :].splitlines()
     assert len(added) == 1
     assert added[0].startswith(known_hosts_pattern(e.address, e.port) + " ssh-ed25519 ")
     # The appended key is the host's real key: a strict connection now works.
@@ -248,8 +276,7 @@ async def test_docker_sdk_through_forwarded_socket(pool: HostPool, dev_hosts: In
             )
             image = await asyncio.to_thread(client.images.get, f"{repo}:1")
             # The image landed in host-1's own engine...
-            r = await host1.run(["docker", "image", "inspect", "--format", "{{.Id}}",
-                                 f"{repo}:1"])
+            r = await host1.run(["docker", "image", "inspect", "--format", "{{.Id}}", f"{repo}:1"])
             assert r.stdout.decode().strip() == image.id
             # ...and not in host-0's, which has its own image store.
             async with host0.forward_unix_socket(sock0) as local0:

@@ -38,14 +38,20 @@ def flip_byte_at(where: int):  # type: ignore[no-untyped-def]
     def tamper(offset: int, chunk: bytes) -> bytes:
         if offset <= where < offset + len(chunk):
             i = where - offset
-            return chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1:]
+            return chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
         return chunk
+
     return tamper
 
 
 async def remote_sha(host: SSHHost, path: str) -> str:
     r = await host.run(["sha256sum", path])
     return "sha256:" + r.stdout.split()[0].decode()
+
+
+async def cleanup(host: SSHHost, path: str) -> None:
+    """Remove a destination and any partial or candidate file a failed run left beside it."""
+    await host.run(["sh", "-c", 'rm -f -- "$1" "$1"' + PART_SUFFIX + "*", "sh", path], check=False)
 
 
 async def remote_exists(host: SSHHost, path: str) -> bool:
@@ -71,8 +77,13 @@ async def test_put_then_get_round_trip(
     src = tmp_path / "src.bin"
     digest = random_file(src, 8 * MIB + 12345)  # not a multiple of any chunk size
     seen: list[tuple[int, int]] = []
-    r = await put_file(host, src, f"{remote_dir}/a/obj.bin",
-                       progress=lambda d, t: seen.append((d, t)), transport=transport)
+    r = await put_file(
+        host,
+        src,
+        f"{remote_dir}/a/obj.bin",
+        progress=lambda d, t: seen.append((d, t)),
+        transport=transport,
+    )
     assert (r.bytes, r.sha256, r.sent_bytes) == (src.stat().st_size, digest, src.stat().st_size)
     assert await remote_sha(host, f"{remote_dir}/a/obj.bin") == digest
     assert not await remote_exists(host, f"{remote_dir}/a/obj.bin{PART_SUFFIX}")
@@ -158,8 +169,7 @@ async def test_put_discards_a_partial_that_does_not_match(
     digest = random_file(src, 3 * MIB)
     dest = f"{remote_dir}/obj.bin"
     await host.run(["mkdir", "-p", remote_dir])
-    await host.run(["sh", "-c", 'cat > "$1"', "sh", dest + PART_SUFFIX],
-                   input=os.urandom(MIB))
+    await host.run(["sh", "-c", 'cat > "$1"', "sh", dest + PART_SUFFIX], input=os.urandom(MIB))
     r = await put_file(host, src, dest, transport=transport)
     assert (r.sha256, r.sent_bytes) == (digest, r.bytes)
     assert await remote_sha(host, dest) == digest
@@ -204,6 +214,7 @@ async def test_put_survives_sshd_restart_mid_transfer(
         await host.run(["rm", "-f", dest])
     finally:
         await asyncio.to_thread(cluster.start_host, "host-2")
+        await cleanup(host, dest)
         await host.close()
 
 
@@ -228,11 +239,13 @@ async def test_get_survives_sshd_restart_mid_transfer(
         await host.run(["rm", "-f", remote])
     finally:
         await asyncio.to_thread(cluster.start_host, "host-2")
+        await cleanup(host, remote)
         await host.close()
 
 
-async def test_concurrent_puts_to_many_hosts(pool: HostPool, tmp_path: Path,
-                                             dev_hosts: Inventory) -> None:
+async def test_concurrent_puts_to_many_hosts(
+    pool: HostPool, tmp_path: Path, dev_hosts: Inventory
+) -> None:
     src = tmp_path / "src.bin"
     digest = random_file(src, 4 * MIB)
     names = pool.names[:3]

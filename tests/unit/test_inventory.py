@@ -12,8 +12,12 @@ import yaml
 
 from coldsnap.hosts.inventory import InventoryError, load_inventory, parse_inventory
 
-GPU = {"uuid": "GPU-8eda9c97-5ad3-436a-8446-b2743dd0c187", "name": "NVIDIA GB10",
-       "compute_capability": "12.1", "memory_bytes": 128 * 2**30}
+GPU = {
+    "uuid": "GPU-8eda9c97-5ad3-436a-8446-b2743dd0c187",
+    "name": "NVIDIA GB10",
+    "compute_capability": "12.1",
+    "memory_bytes": 128 * 2**30,
+}
 
 
 def host(**over: Any) -> dict[str, Any]:
@@ -32,15 +36,31 @@ def test_minimal_host_gets_documented_defaults() -> None:
     inv = parse_inventory({"hosts": [host()]}, source="/etc/coldsnap/inventory.yaml")
     h = inv.get("gpu-a")
     assert (h.port, h.user, h.docker_socket, h.host_key_policy) == (
-        22, "root", "/var/run/docker.sock", "strict")
+        22,
+        "root",
+        "/var/run/docker.sock",
+        "strict",
+    )
     assert h.known_hosts == Path("~/.ssh/known_hosts").expanduser()
     assert not h.simulated and h.simulated_gpus is None and h.proxy_jump is None
 
 
 def test_full_simulated_host(tmp_path: Path) -> None:
-    doc = {"hosts": [host(port=2222, user="ops", identity_file="keys/id", known_hosts="kh",
-                          proxy_jump="bastion.example:22", docker_socket=None, simulated=True,
-                          driver_version="610.43.02", simulated_gpus=[GPU])]}
+    doc = {
+        "hosts": [
+            host(
+                port=2222,
+                user="ops",
+                identity_file="keys/id",
+                known_hosts="kh",
+                proxy_jump="bastion.example:22",
+                docker_socket=None,
+                simulated=True,
+                driver_version="610.43.02",
+                simulated_gpus=[GPU],
+            )
+        ]
+    }
     path = tmp_path / "inv.yaml"
     path.write_text(yaml.safe_dump(doc))
     h = load_inventory(path).hosts[0]
@@ -52,9 +72,9 @@ def test_full_simulated_host(tmp_path: Path) -> None:
 
 
 def test_simulated_gpus_only_on_a_simulated_host() -> None:
-    assert problems({"hosts": [host(), host(name="b", simulated_gpus=[GPU],
-                                            driver_version="1")]}) == [
-        "hosts[1].simulated_gpus: only a host with `simulated: true` may carry simulated GPUs"]
+    assert problems(
+        {"hosts": [host(), host(name="b", simulated_gpus=[GPU], driver_version="1")]}
+    ) == ["hosts[1].simulated_gpus: only a host with `simulated: true` may carry simulated GPUs"]
 
 
 def test_driver_version_only_on_a_simulated_host() -> None:
@@ -77,11 +97,18 @@ def test_simulated_gpus_need_a_driver_version() -> None:
         ({"name": "has space"}, "hosts[0].name"),
         ({"host_key_policy": "no"}, "hosts[0].host_key_policy"),
         ({"colour": "blue"}, "hosts[0].colour"),
-        ({"simulated": True, "driver_version": "1",
-          "simulated_gpus": [dict(GPU, uuid="0")]}, "hosts[0].simulated_gpus[0].uuid"),
-        ({"simulated": True, "driver_version": "1",
-          "simulated_gpus": [dict(GPU, compute_capability=12.1)]},
-         "hosts[0].simulated_gpus[0].compute_capability"),
+        (
+            {"simulated": True, "driver_version": "1", "simulated_gpus": [dict(GPU, uuid="0")]},
+            "hosts[0].simulated_gpus[0].uuid",
+        ),
+        (
+            {
+                "simulated": True,
+                "driver_version": "1",
+                "simulated_gpus": [dict(GPU, compute_capability=12.1)],
+            },
+            "hosts[0].simulated_gpus[0].compute_capability",
+        ),
     ],
 )
 def test_bad_field_is_named(over: dict[str, Any], field: str) -> None:
@@ -117,8 +144,12 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
 def test_cli_exits_2_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "inv.yaml"
     path.write_text(yaml.safe_dump({"hosts": [host(simulated_gpus=[GPU])]}))
-    r = subprocess.run([sys.executable, "-m", "coldsnap", "hosts", "probe", "--inventory",
-                        str(path)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "coldsnap", "hosts", "probe", "--inventory", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "hosts[0].simulated_gpus" in r.stderr
     assert r.stdout == ""

@@ -21,8 +21,9 @@ def test_is_a_host() -> None:
 
 async def test_run_argv_stdin_status() -> None:
     h = LocalHost()
-    r = await h.run(["sh", "-c", 'tr a-z A-Z; echo "$1" >&2; exit 4', "sh", "a b"],
-                    input=b"abc", check=False)
+    r = await h.run(
+        ["sh", "-c", 'tr a-z A-Z; echo "$1" >&2; exit 4', "sh", "a b"], input=b"abc", check=False
+    )
     assert (r.exit_status, r.stdout, r.stderr) == (4, b"ABC", b"a b\n")
     with pytest.raises(CommandFailed):
         await h.run(["false"])
@@ -35,7 +36,8 @@ def _alive(pattern: str) -> bool:
 async def test_timeout_kills_process_group() -> None:
     t = f"{secrets.randbelow(10**6) + 10**6}.5"
     task = asyncio.create_task(
-        LocalHost().run(["sh", "-c", f"sleep {t} & sleep {t}; wait"], timeout=5))
+        LocalHost().run(["sh", "-c", f"sleep {t} & sleep {t}; wait"], timeout=5)
+    )
     for _ in range(100):
         if _alive(f"sleep {t}"):
             break

@@ -1,0 +1,83 @@
+"""Pure helpers of coldsnap.capsule: references, mounts, device maps, the unit's environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
+from coldsnap.capsule.capture import host_path_for, split_reference
+from coldsnap.capsule.restore import completion_text
+from coldsnap.capsule.spec import CRIU_CAPABILITIES, docker_name
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("ref", "expected"),
+    [
+        ("127.0.0.1:5000/coldsnap/x@" + DIGEST, ("127.0.0.1:5000/coldsnap/x", None, DIGEST)),
+        ("127.0.0.1:5000/coldsnap/x:v1", ("127.0.0.1:5000/coldsnap/x", "v1", None)),
+        ("127.0.0.1:5000/coldsnap/x:v1@" + DIGEST, ("127.0.0.1:5000/coldsnap/x", "v1", DIGEST)),
+        ("repo/x", ("repo/x", None, None)),
+        ("localhost:5000/x", ("localhost:5000/x", None, None)),
+    ],
+)
+def test_split_reference_keeps_registry_port_out_of_the_tag(
+    ref: str, expected: tuple[str, str | None, str | None]
+) -> None:
+    assert split_reference(ref) == expected
+
+
+def test_host_path_for_maps_through_the_longest_mount() -> None:
+    mounts = (Mount("/data/models", "/models"), Mount("/fast/shards", "/models/shards"))
+    assert host_path_for(mounts, "/models/a.bin") == "/data/models/a.bin"
+    assert host_path_for(mounts, "/models/shards/s0.bin") == "/fast/shards/s0.bin"
+    assert host_path_for(mounts, "/models") == "/data/models"
+    assert host_path_for(mounts, "/modelsX/a.bin") is None
+    assert host_path_for(mounts, "/etc/passwd") is None
+
+
+def test_device_map_is_by_slot_and_refuses_a_different_count() -> None:
+    assert device_map(["GPU-a", "GPU-b"], ["GPU-x", "GPU-y"]) == {"GPU-a": "GPU-x",
+                                                                  "GPU-b": "GPU-y"}
+    with pytest.raises(ValueError, match="captured 2 devices"):
+        device_map(["GPU-a", "GPU-b"], ["GPU-x"])
+
+
+def test_docker_name_is_safe_for_names_repositories_and_tags() -> None:
+    assert docker_name("Unit_0/Rank:1") == "unit_0-rank-1"
+    assert docker_name("...") == "x"
+    assert len(docker_name("a" * 300)) == 100
+
+
+def test_completion_text_reads_plain_and_openai_shapes() -> None:
+    assert completion_text('{"text": "ok"}') == "ok"
+    assert completion_text('{"choices": [{"text": "ok"}]}') == "ok"
+    assert completion_text("not json") is None
+    assert completion_text('{"choices": []}') is None
+
+
+def test_unit_environment_carries_identity_and_devices() -> None:
+    spec = UnitSpec(
+        unit_id="u1", image="r/x@" + DIGEST, image_digest=DIGEST, command=("engine",),
+        devices=("GPU-a", "GPU-b"),
+        workers=(WorkerSpec("w1", 3, 4, 1, (1,)), WorkerSpec("w0", 2, 4, 0, (0,))),
+        validation=Validation("p", "e"), environment={"RANK_HINT": "x"})
+    env = spec.container_environment()
+    manifest = json.loads(env["COLDSNAP_UNIT"])
+    assert [w["id"] for w in manifest["workers"]] == ["w0", "w1"]  # by process slot
+    assert manifest["workers"][1] == {"id": "w1", "global_rank": 3, "world_size": 4,
+                                      "process_slot": 1, "device_slots": [1]}
+    assert env["COLDSNAP_SIMULATED_GPUS"] == env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    assert env["RANK_HINT"] == "x"
+    moved = spec.container_environment(["GPU-x", "GPU-y"])
+    assert json.loads(moved["COLDSNAP_UNIT"])["devices"] == ["GPU-x", "GPU-y"]
+    real = UnitSpec(**{**spec.__dict__, "gpu_mode": "nvidia"}).container_environment()
+    assert "COLDSNAP_SIMULATED_GPUS" not in real
+
+
+def test_only_the_capabilities_criu_needs() -> None:
+    assert set(CRIU_CAPABILITIES) == {"SYS_ADMIN", "SYS_PTRACE", "SYS_TIME", "NET_ADMIN",
+                                      "DAC_READ_SEARCH"}

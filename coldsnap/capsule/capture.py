@@ -10,7 +10,7 @@ import posixpath
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import docker.errors
 import structlog
@@ -152,13 +152,16 @@ async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
     return str(image.id)
 
 
-async def start_unit(s: CapsuleSession, spec: UnitSpec) -> UnitHandle:
-    """Pull and verify the image, start a quiet container and launch the engine in it.
+async def start_unit(
+    s: CapsuleSession, spec: UnitSpec, *, role: Literal["capture", "replay"] = "capture"
+) -> UnitHandle:
+    """Pull and verify the image, start a quiet container and launch the engine in it
+    (for a capture, or natively for a restore's `--fallback replay`).
 
     Returns at once; `wait_ready` waits for the engine's health endpoint."""
     step = "start"
     image_id = await ensure_image(s, spec)
-    handle = await create_container(s, spec, image_id, devices=spec.devices, role="capture",
+    handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
                                     step=step, error=CapsuleError)
     container = await s.container(handle.container_id, spec.unit_id, step)
     out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])

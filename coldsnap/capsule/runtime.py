@@ -38,7 +38,7 @@ class UnitHandle:
     host: str
     container_id: str
     container_name: str
-    role: Literal["capture", "restore"]
+    role: Literal["capture", "restore", "replay"]
     devices: tuple[str, ...]  # GPU UUIDs this container was given, by device slot
     engine_pid: int | None = None  # PID of the engine tree's root inside the container
     worker_pids: dict[str, int] = field(default_factory=dict)  # worker id -> PID inside
@@ -59,7 +59,7 @@ async def create_container(
     image: str,
     *,
     devices: Sequence[str],
-    role: Literal["capture", "restore"],
+    role: Literal["capture", "restore", "replay"],
     step: str,
     error: type[CapsuleError],
     start: bool = True,

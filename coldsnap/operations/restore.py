@@ -248,10 +248,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     async def replace_previous(r: RestoreRun) -> None:
         # reconcile-replace: a unit restored earlier on this host is replaced, not doubled.
         s = r.session
-        old = await s.call(s.client.containers.list, all=True, filters={
-            "label": [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}=restore"]})
-        for c in old:
-            await remove_container(s, c.id)
+        for role in ("restore", "replay"):
+            old = await s.call(s.client.containers.list, all=True, filters={
+                "label": [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"]})
+            for c in old:
+                await remove_container(s, c.id)
 
     await phase(ctx, "replace", runs, replace_previous)
 
@@ -261,7 +262,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     async def start_native(r: RestoreRun) -> None:
         spec = replace(r.placed.spec, mounts=_replay_spec_mounts(r, hosts, store, artifact))
-        r.handle = await start_unit(r.session, spec)
+        r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 
     def handle(r: RestoreRun) -> UnitHandle:

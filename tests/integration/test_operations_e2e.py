@@ -286,7 +286,7 @@ def test_fallback_replay_recreates_an_inadmissible_unit(ops: Ops, tp2: dict[str,
     (restored,) = ops.unit_containers("host-0")
     assert restored.labels["org.coldsnap.role"] == "restore"
     (native,) = ops.unit_containers("host-1")
-    assert native.labels["org.coldsnap.role"] == "capture"
+    assert native.labels["org.coldsnap.role"] == "replay"
     payload = next(o["sha256"] for o in tp2["objects"]
                    if o["owner"] == "worker/worker-1" and o["role"] == "model-weight-payload")
     sources = {m["Source"] for m in native.attrs["Mounts"]}

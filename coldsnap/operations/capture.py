@@ -55,7 +55,7 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.request import Request
-from coldsnap.hosts.base import Host, HostError
+from coldsnap.hosts.base import Host, HostError, ProgressCallback
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
@@ -130,11 +130,12 @@ def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
     )
 
 
-async def _fetch(host: Host, remote: str, store: LocalStore, expected: str) -> tuple[str, int]:
+async def _fetch(host: Host, remote: str, store: LocalStore, expected: str,
+                 progress: ProgressCallback | None) -> tuple[str, int]:
     """Pull one object from a host into the store, verified against the digest the host
     reported when the object was made."""
     with store.incoming() as tmp:
-        await host.get(remote, tmp)
+        await host.get(remote, tmp, progress=progress)
         return store.commit_incoming(tmp, expected)
 
 
@@ -213,7 +214,11 @@ async def _capture_units(
         assert r.capsule is not None and r.workers is not None
         host = hosts.host(r.placed.host)
         unit_owner = f"unit/{r.placed.unit_id}"
-        digest, size = await _fetch(host, r.capsule.tar_path, store, r.capsule.tar_sha256)
+        def progress(what: str) -> ProgressCallback | None:
+            return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
+
+        digest, size = await _fetch(host, r.capsule.tar_path, store, r.capsule.tar_sha256,
+                                    progress(f"capsule of {unit_owner}"))
         objects.append(ArtifactObject(role=ROLE_CAPSULE, owner=unit_owner,
                                       path=f"capsules/{r.placed.unit_id}.tar", bytes=size,
                                       sha256=digest))
@@ -224,7 +229,8 @@ async def _capture_units(
                                       sha256=m_digest))
         for w in r.workers:
             owner = f"worker/{w.worker_id}"
-            p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256)
+            p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
+                                            progress(f"payload of {owner}"))
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                           path=payload_path(p_digest), bytes=p_size,
                                           sha256=p_digest))

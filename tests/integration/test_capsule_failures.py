@@ -89,6 +89,9 @@ async def _broken_criu_image(host: ClusterHost, capsule_ref: str) -> str:
     kernel: stands in for a destination whose kernel the capsule's CRIU cannot restore on."""
     s = host.session
     tag = f"coldsnap-test/broken-criu:{unique('t')}"
+    capsule_repo, digest = capsule_ref.split("@", 1)
+    # On a fresh cluster nothing has pulled the capsule onto this host yet.
+    await s.call(s.client.images.pull, capsule_repo, tag=digest)
     script = ("printf '#!/bin/sh\\necho \"Error (criu/vdso.c:1): vdso: Unexpected rt vDSO "
               "area bounds\" >&2\\nexit 1\\n' > /usr/sbin/criu")
     c = await s.call(s.client.containers.create, capsule_ref, ["sh", "-c", script],

@@ -164,18 +164,38 @@ async def start_restore_container(
     return handle
 
 
-async def criu_restore(s: CapsuleSession, handle: UnitHandle) -> RestoreResult:
+# Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
+# the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
+# runs again before all of its memory is read back. The daemon's stdio goes to a file: with
+# the exec's pipes it would hold the exec open until it exits.
+_LAZY_RESTORE = """set -e
+setsid criu lazy-pages -D "$1" -o lazy-pages.log </dev/null >>"$1/lazy-pages.out" 2>&1 &
+i=0
+until [ -S "$1/lazy-pages.socket" ]; do
+  i=$((i + 1)); [ "$i" -le 1000 ] || { echo "lazy-pages daemon did not start" >&2; exit 97; }
+  sleep 0.01
+done
+criu restore -D "$1" -d --lazy-pages -o restore.log
+"""
+_FULL_RESTORE = 'criu restore -D "$1" -d -o restore.log || exit $?\n'
+_CHECK_PIDS = 'd=$1; shift; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
+
+
+async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
+                       lazy: bool = True) -> RestoreResult:
     """CRIU restore of the engine tree inside the fresh container. Afterwards the tree runs
-    with its original PIDs but its GPUs are still checkpointed and its intake closed."""
+    with its original PIDs but its GPUs are still checkpointed and its intake closed.
+
+    `lazy` (default) restores with userfaultfd-backed lazy pages; `criu check --feature
+    uffd-noncoop` in the capsule says whether the kernel allows it."""
     step = "criu-restore"
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     t0 = time.monotonic()
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
-    out = await s.exec(container, [
-        "sh", "-c", 'criu restore -D "$1" -d -o restore.log || exit $?; shift; '
-        'for p; do test -d "/proc/$p" || echo "missing $p"; done', "sh", CRIU_IMAGES_DIR,
-        *[str(p) for p in want]])
+    script = (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
+    out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
+                                   *[str(p) for p in want]])
     seconds = time.monotonic() - t0
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/restore.log")

@@ -162,6 +162,11 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
                     up_w.close()
         except Exception as exc:  # one failed connection must not end the relay
             log.warning("capsule.docker_relay", host=host.name, error=str(exc))
+        except asyncio.CancelledError:
+            # Shutdown cancels idle relay connections. This task is the top of its own
+            # stack (asyncio's stream server owns it), and on Python 3.11 a cancelled one is
+            # reported as an unhandled error, so it ends quietly instead.
+            pass
         finally:
             writer.close()
 

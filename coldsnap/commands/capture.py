@@ -13,11 +13,10 @@ from coldsnap.commands.operation import (
     add_operation_arguments,
     check_outputs,
     load_hosts_inventory,
+    read_request,
     run_operation,
 )
-from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
-from coldsnap.formats.request import load_request
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
@@ -27,11 +26,8 @@ def _handler(args: argparse.Namespace) -> int:
     problem = check_outputs(args)
     if problem:
         return fail(problem)
-    try:
-        request = load_request(args.request, expected_operation="capture")
-    except RequestInvalid as exc:
-        for issue in exc.issues:
-            sys.stderr.write(f"{issue.path}: {issue.message}\n")
+    request = read_request(args.request, "capture")
+    if request is None:
         return 2
     try:
         inventory = load_hosts_inventory(args)

@@ -15,7 +15,9 @@ from typing import Literal, TypeVar
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import add_store_argument, fail
+from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.request import Request, load_request
 from coldsnap.hosts.base import HostError, ProgressCallback
 from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
@@ -48,6 +50,16 @@ def check_outputs(args: argparse.Namespace) -> str | None:
     if args.receipt_json == "-" and args.timing_events == "-":
         return "--receipt-json and --timing-events cannot both be '-' (stdout)"
     return None
+
+
+def read_request(path: Path, operation: str) -> Request | None:
+    """The request, or None after printing every problem as `PATH: message` on stderr."""
+    try:
+        return load_request(path, expected_operation=operation)
+    except RequestInvalid as exc:
+        for issue in exc.issues:
+            sys.stderr.write(f"{issue.path}: {issue.message}\n")
+        return None
 
 
 def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
@@ -117,5 +129,6 @@ __all__ = [
     "add_operation_arguments",
     "check_outputs",
     "load_hosts_inventory",
+    "read_request",
     "run_operation",
 ]

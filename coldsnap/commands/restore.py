@@ -13,11 +13,12 @@ from coldsnap.commands.operation import (
     add_operation_arguments,
     check_outputs,
     load_hosts_inventory,
+    read_request,
     run_operation,
 )
-from coldsnap.formats.errors import ArtifactInvalid, RequestInvalid
+from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
-from coldsnap.formats.request import Request, load_request
+from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
@@ -30,11 +31,8 @@ def _handler(args: argparse.Namespace) -> int:
         return fail(problem)
     request: Request | None = None
     if args.request is not None:
-        try:
-            request = load_request(args.request, expected_operation="restore")
-        except RequestInvalid as exc:
-            for issue in exc.issues:
-                sys.stderr.write(f"{issue.path}: {issue.message}\n")
+        request = read_request(args.request, "restore")
+        if request is None:
             return 2
     ref = args.artifact or (request.artifact if request else None)
     if not ref:

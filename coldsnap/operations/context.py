@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
+import structlog
+
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.receipt import (
     Receipt,
@@ -84,7 +86,11 @@ class OperationContext:
         self.started_ns = time.time_ns()
         self._sink = EventSink(timing_events)
         self.recorder = TimingRecorder(self.operation_id, operation, sink=self._sink)
-        self.log = get_logger(operation_id=self.operation_id, operation=operation)
+        # Every log line of this operation, also those of the capsule and host layers,
+        # carries its id (structlog merges context variables into each event).
+        structlog.contextvars.bind_contextvars(operation_id=self.operation_id,
+                                               operation=operation)
+        self.log = get_logger()
         # label -> per-transfer progress callback; the CLI sets it when a terminal is attached
         self.progress: Callable[[str], ProgressCallback | None] | None = None
 

@@ -27,6 +27,7 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.capture import capsule_dir
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
     EXPECTED,
@@ -55,9 +56,9 @@ async def status(host: ClusterHost, handle) -> dict:  # type: ignore[no-untyped-
     return ans.json()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "lazy"), [(1, True), (2, True), (1, False)])
 async def test_capture_on_host0_restore_on_host1(
-    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, workers: int
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, workers: int, lazy: bool
 ) -> None:
     h0, h1 = capsule_cluster["host-0"], capsule_cluster["host-1"]
     s0, s1 = h0.session, h1.session
@@ -111,11 +112,13 @@ async def test_capture_on_host0_restore_on_host1(
         assert "Looks good" in probe.output
         assert await load_capsule(s1, capsule, staged) == capsule.image_id
         r = await start_restore_container(s1, spec1, capsule)
-        await criu_restore(s1, r)
+        await criu_restore(s1, r, lazy=lazy)
+        c1 = await s1.container(r.container_id, unit_id, "test")
+        lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_IMAGES_DIR}/lazy-pages.log"])
+        assert lazy_log.ok == lazy, "lazy restore runs criu's lazy-pages daemon, full does not"
         # restored-stopped: processes back, GPUs still checkpointed, requests refused
         st = await status(h1, r)
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
-        c1 = await s1.container(r.container_id, unit_id, "test")
         refused = await s1.http(c1, spec1.api, "POST", "/v1/completions",
                                 {"prompt": spec1.validation.prompt})
         assert refused.status == 503

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from coldsnap.formats.errors import ValidationIssue
 from coldsnap.store import LocalStore, default_store_root
 
 
@@ -21,6 +23,12 @@ def add_store_argument(parser: argparse.ArgumentParser) -> None:
 def open_store(args: argparse.Namespace) -> LocalStore:
     root: Path = args.store if args.store is not None else default_store_root()
     return LocalStore(root)
+
+
+def print_issues(issues: Sequence[ValidationIssue], source: Path) -> None:
+    for issue in issues:
+        # A problem with the document as a whole has no field path; name the file instead.
+        print(f"{issue.path or source}: {issue.message}", file=sys.stderr)
 
 
 def print_json(doc: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.commands.common import add_store_argument, fail
+from coldsnap.commands.common import add_store_argument, fail, print_issues
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request, load_request
@@ -57,8 +57,7 @@ def read_request(path: Path, operation: str) -> Request | None:
     try:
         return load_request(path, expected_operation=operation)
     except RequestInvalid as exc:
-        for issue in exc.issues:
-            sys.stderr.write(f"{issue.path}: {issue.message}\n")
+        print_issues(exc.issues, path)
         return None
 
 

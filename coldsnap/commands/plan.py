@@ -11,12 +11,12 @@ import argparse
 import sys
 from typing import Any
 
+from coldsnap.commands.common import print_issues
 from coldsnap.commands.validate import (
     EXIT_BAD_INPUT,
     EXIT_OK,
     add_request_argument,
     emit_json,
-    print_issues,
     read_request,
 )
 from coldsnap.formats.request import Request

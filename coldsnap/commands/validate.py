@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from coldsnap.commands.common import print_issues
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import Request, load_request
 
@@ -36,12 +37,6 @@ def add_request_argument(parser: argparse.ArgumentParser) -> None:
                         help="the request file (.yaml, .yml or .json; at most 16 MiB)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON document on stdout instead of text")
-
-
-def print_issues(issues: list[ValidationIssue], source: Path) -> None:
-    for issue in issues:
-        # A problem with the document as a whole has no field path; name the file instead.
-        print(f"{issue.path or source}: {issue.message}", file=sys.stderr)
 
 
 def read_request(args: argparse.Namespace) -> Request | list[ValidationIssue]:

@@ -24,6 +24,7 @@ from coldsnap.capsule.spec import (
 CUDA_CHECKPOINT = "cuda-checkpoint"
 LABEL_UNIT = "org.coldsnap.unit"
 LABEL_ROLE = "org.coldsnap.role"
+LABEL_OPERATION = "org.coldsnap.operation"
 
 # CRIU prints these on every run in a --network none container without CAP_SYS_RESOURCE;
 # they never decide success, so they are left out of error messages.
@@ -87,7 +88,7 @@ async def create_container(
         created = await s.call(
             api.create_container, image, command=list(spec.init_command), name=name,
             environment=spec.container_environment(devices), host_config=host_config,
-            labels={LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}, detach=True)
+            labels={**spec.labels, LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}, detach=True)
     except docker.errors.DockerException as exc:
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices))
@@ -225,6 +226,18 @@ async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
     lines = [ln for ln in out.stdout.splitlines()
              if "Error" in ln and not any(h in ln for h in _HARMLESS)]
     return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
+
+
+async def remove_operation_containers(s: CapsuleSession, operation_id: str,
+                                      unit_id: str) -> int:
+    """Remove every container of `unit_id` that the operation `operation_id` created on this
+    host (found by label); returns how many were removed."""
+    found = await s.call(s.client.containers.list, all=True, filters={
+        "label": [f"{LABEL_OPERATION}={operation_id}", f"{LABEL_UNIT}={unit_id}"]})
+    removed = 0
+    for c in found:
+        removed += await remove_container(s, c.id)
+    return removed
 
 
 async def remove_container(s: CapsuleSession, container_id: str) -> bool:

@@ -107,6 +107,9 @@ class UnitSpec:
     # simulator); "nvidia": a Docker device request for exactly these UUIDs.
     gpu_mode: Literal["simulated", "nvidia"] = "simulated"
     init_command: tuple[str, ...] = ("/usr/local/bin/capsule-init",)
+    # Set on every container of the unit, e.g. the operation that started it, so that a
+    # rollback also finds a container whose creation was still in flight when it failed.
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def manifest(self, devices: Sequence[str] | None = None) -> dict[str, Any]:
         return {

@@ -33,7 +33,7 @@ from coldsnap.capsule.capture import (
     wait_ready,
 )
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import UnitHandle
+from coldsnap.capsule.runtime import UnitHandle, remove_operation_containers
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
@@ -160,7 +160,8 @@ async def capture(
     with ctx.span("capture.facts"):
         facts = await hosts.facts(topology.hosts)
     try:
-        placed = place_units(launch, topology, facts, hosts.entries, request.validation)
+        placed = place_units(launch, topology, facts, hosts.entries, request.validation,
+                             ctx.operation_id)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
 
@@ -300,6 +301,8 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRu
             if capsule is not None:
                 await discard_capsule(s, capsule)
             if handle is None:
+                # Its start failed, perhaps with the creation still in flight on the host.
+                await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
                 return
             if keep_serving:
                 await return_to_serving(s, handle)

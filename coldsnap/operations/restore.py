@@ -29,7 +29,13 @@ from coldsnap.capsule.restore import (
     start_restore_container,
     validate,
 )
-from coldsnap.capsule.runtime import LABEL_ROLE, LABEL_UNIT, UnitHandle, remove_container
+from coldsnap.capsule.runtime import (
+    LABEL_ROLE,
+    LABEL_UNIT,
+    UnitHandle,
+    remove_container,
+    remove_operation_containers,
+)
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact
@@ -126,7 +132,8 @@ async def restore(
     with ctx.span("restore.facts"):
         facts = await hosts.facts(topology.hosts)
     try:
-        placed = place_units(launch, topology, facts, hosts.entries, validation)
+        placed = place_units(launch, topology, facts, hosts.entries, validation,
+                             ctx.operation_id)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
 
@@ -300,18 +307,16 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[Restor
     rollback runs is still cleaned."""
 
     async def one(r: RestoreRun) -> None:
-        handle = r.handle
-        if handle is None:
-            return
-
         async def remove(s: CapsuleSession) -> None:
-            await remove_container(s, handle.container_id)
+            # By label, not by handle: a container whose creation was in flight when the
+            # host was lost has no handle, but it carries this operation's id.
+            await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
 
         try:
             await hosts.on_session(r.placed.host, r.session, remove)
         except Exception as exc:
             ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
-                          container=handle.container_name, error=str(exc))
+                          error=str(exc))
 
     with ctx.span("restore.rollback"):
         await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))

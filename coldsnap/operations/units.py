@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
+from coldsnap.capsule.runtime import LABEL_OPERATION
 from coldsnap.capsule.spec import EngineApi, Mount, UnitSpec, Validation, WorkerSpec
 from coldsnap.formats.request import Launch
 from coldsnap.formats.request import Validation as RequestValidation
@@ -31,6 +32,7 @@ def place_units(
     facts: Mapping[str, HostFacts],
     entries: Mapping[str, HostEntry],
     validation: RequestValidation,
+    operation_id: str,
 ) -> list[PlacedUnit]:
     placed: list[PlacedUnit] = []
     for i, unit in enumerate(launch.units):
@@ -59,6 +61,7 @@ def place_units(
             mounts=tuple(Mount(m.source, m.target, m.read_only) for m in unit.mounts),
             api=EngineApi(health_path=validation.health_path),
             gpu_mode="simulated" if entries[unit.host].simulated else "nvidia",
+            labels={LABEL_OPERATION: operation_id},
         )
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))
     return placed

@@ -5,6 +5,8 @@ refusal leaving nothing running and the store intact."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -200,22 +202,31 @@ def test_corrupted_object_detected_before_anything_starts(ops: Ops, tp2: dict[st
     assert _artifact(ops, tp2["capture_id"]) == tp2
 
 
-def _wait_for_span(events: Path, name: str, timeout: float) -> bool:
+def _wait_for_span(events: Path, name: str, host: str, timeout: float) -> bool:
+    """Until the live timing stream shows `name` starting on `host`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if events.exists():
-            for line in events.read_text().splitlines():
-                event = json.loads(line)
-                if event["event"] == "span_start" and event["started"]["name"] == name:
-                    return True
-        time.sleep(0.05)
+        text = events.read_text() if events.exists() else ""
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # the writer is mid-line
+            event = json.loads(line)
+            started = event.get("started") or {}
+            if started.get("name") == name and \
+                    (started.get("attributes") or {}).get("host") == host:
+                return True
+        time.sleep(0.01)
     return False
 
 
 def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str, Any]) -> None:
+    """host-3 is lost while the units start: its Docker engine is frozen (SIGSTOP) so that its
+    unit cannot finish, host-2's unit starts, then host-3's sshd and connections are killed.
+    The restore must fail and remove what it started on both hosts once host-3 is back."""
     events = ops.work / "lost-events.ndjson"
     request = ops.request("tp4-two-hosts-restore-moved", suffix="lost",
                           artifact=tp4["capture_id"])
+    dockerd = int((ops.inventory.parent / "host-3" / "docker" / "docker.pid").read_text())
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -224,12 +235,22 @@ def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str,
 
     worker = threading.Thread(target=run)
     worker.start()
+    frozen = False
     try:
-        assert _wait_for_span(events, "restore.criu-restore", 300), "restore never got there"
+        assert _wait_for_span(events, "restore.start-restore", "host-3", 300), \
+            "the restore never started its units"
+        os.kill(dockerd, signal.SIGSTOP)
+        frozen = True
+        deadline = time.monotonic() + 30
+        while not ops.unit_containers("host-2") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ops.unit_containers("host-2"), "host-2's unit should have started meanwhile"
         subprocess.run([str(DEV_CLUSTER), "stop-host", "host-3"], check=True,
                        capture_output=True)
-        time.sleep(3)
+        time.sleep(1)
     finally:
+        if frozen:
+            os.kill(dockerd, signal.SIGCONT)
         subprocess.run([str(DEV_CLUSTER), "start-host", "host-3"], check=True,
                        capture_output=True)
         worker.join(600)
@@ -237,6 +258,7 @@ def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str,
     _refused(ops, outcome, "host-3")
     spans = {s["name"] for s in outcome.receipt["timing"]["spans"]}
     assert "restore.rollback" in spans
+    assert "restore.validate" not in spans
 
 
 def test_prepare_only_stages_and_starts_nothing(ops: Ops, tp4: dict[str, Any]) -> None:

@@ -290,33 +290,41 @@ async def _capture_units(
     return stored
 
 
-async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
-                    keep_serving: bool) -> None:
-    """Best effort on every unit; a rollback failure is logged, never hides the cause."""
+async def rollback_units(
+    ctx: OperationContext,
+    hosts: HostSet,
+    runs: Sequence[R],
+    undo: Callable[[R, CapsuleSession], Awaitable[None]],
+) -> None:
+    """Undo every unit, each on its own host, all at once and shielded from cancellation.
+    A unit whose undo fails is logged and the others go on: the operation's own error stays
+    the one reported."""
 
-    async def one(r: UnitRun) -> None:
-        capsule, handle = r.capsule, r.handle
-
-        async def undo(s: CapsuleSession) -> None:
-            if capsule is not None:
-                await discard_capsule(s, capsule)
-            if handle is None:
-                # Its start failed, perhaps with the creation still in flight on the host.
-                await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
-                return
-            if keep_serving:
-                await return_to_serving(s, handle)
-            else:
-                await remove_unit(s, handle)
-
+    async def one(r: R) -> None:
         try:
-            await hosts.on_session(r.placed.host, r.session, undo)
+            await hosts.on_session(r.placed.host, r.session, lambda s: undo(r, s))
         except Exception as exc:
             ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
                           error=_explain(exc))
 
-    with ctx.span("capture.rollback"):
+    with ctx.span(f"{ctx.operation}.rollback"):
         await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))
+
+
+async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
+                    keep_serving: bool) -> None:
+    async def undo(r: UnitRun, s: CapsuleSession) -> None:
+        if r.capsule is not None:
+            await discard_capsule(s, r.capsule)
+        if r.handle is None:
+            # Its start failed, perhaps with the creation still in flight on the host.
+            await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
+        elif keep_serving:
+            await return_to_serving(s, r.handle)
+        else:
+            await remove_unit(s, r.handle)
+
+    await rollback_units(ctx, hosts, runs, undo)
 
 
 async def _finish_units(ctx: OperationContext, runs: Sequence[UnitRun], keep_serving: bool) -> None:

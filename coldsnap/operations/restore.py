@@ -42,7 +42,7 @@ from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
-from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase
+from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase, rollback_units
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.staging import (
@@ -302,21 +302,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:
-    """Remove every container this restore started. A host whose connection was lost gets a
-    fresh connection (the pool reconnects with backoff), so a host that comes back while the
-    rollback runs is still cleaned."""
+    """Remove every container this restore started."""
 
-    async def one(r: RestoreRun) -> None:
-        async def remove(s: CapsuleSession) -> None:
-            # By label, not by handle: a container whose creation was in flight when the
-            # host was lost has no handle, but it carries this operation's id.
-            await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
+    async def undo(r: RestoreRun, s: CapsuleSession) -> None:
+        # By label, not by handle: a container whose creation was in flight when its host
+        # was lost has no handle, but it carries this operation's id.
+        await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
 
-        try:
-            await hosts.on_session(r.placed.host, r.session, remove)
-        except Exception as exc:
-            ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
-                          error=str(exc))
-
-    with ctx.span("restore.rollback"):
-        await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))
+    await rollback_units(ctx, hosts, runs, undo)

@@ -77,6 +77,12 @@ class UnitRun:
     capsule: CapsuleImage | None = None
     workers: list[WorkerObjects] | None = None
 
+    @property
+    def started(self) -> UnitHandle:
+        """The unit's container, for steps that run only after it started."""
+        assert self.handle is not None, f"unit {self.placed.unit_id} has not started"
+        return self.handle
+
 
 def _explain(exc: BaseException) -> str:
     if isinstance(exc, CapsuleError | HostError):
@@ -188,23 +194,20 @@ async def _capture_units(
     async def start(r: UnitRun) -> None:
         r.handle = await start_unit(r.session, r.placed.spec)
 
-    def handle(r: UnitRun) -> UnitHandle:
-        assert r.handle is not None
-        return r.handle
-
     await phase(ctx, "start", runs, start)
-    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, handle(r)))
-    await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, handle(r)))
-    await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, handle(r)))
-    dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, handle(r)))
+    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, r.started))
+    await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
+    await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
+    dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
+    dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
 
     async def do_commit(r: UnitRun) -> None:
-        r.capsule = await commit(r.session, handle(r), request.id, dumps[runs.index(r)])
+        r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id])
 
     await phase(ctx, "commit", runs, do_commit)
 
     async def collect(r: UnitRun) -> None:
-        r.workers = await collect_worker_objects(r.session, handle(r), request.id)
+        r.workers = await collect_worker_objects(r.session, r.started, request.id)
 
     await phase(ctx, "collect", runs, collect)
 
@@ -258,7 +261,6 @@ async def _capture_units(
                                           cuda_userspace=r.placed.spec.image_digest))
         images.append(ArtifactCapsuleImage(unit=r.placed.unit_id, reference=r.capsule.reference,
                                            digest=r.capsule.image_id))
-    order = {u.id: i for i, u in enumerate(request.launch.units)}
     objects.sort(key=lambda o: (o.owner.split("/")[0] != "unit", o.owner, o.role))
     replay.sort(key=lambda e: e.worker)
     artifact = Artifact(
@@ -268,8 +270,9 @@ async def _capture_units(
                                                minimum_driver_major=driver.minimum_driver_major),
         launch=request.launch,
         requires=sorted({"cuda-checkpoint", "criu", f"snapshot-driver:{driver.id}"}),
-        compatibility=Compatibility(units=sorted(compat, key=lambda c: order[c.unit])),
-        capsule=Capsule(images=sorted(images, key=lambda c: order[c.unit])),
+        # `runs` follow launch.units, so these lists are in unit order already.
+        compatibility=Compatibility(units=compat),
+        capsule=Capsule(images=images),
         objects=objects,
         weights=WeightsRecord(recovery=RecoveryRecord(replay_plan=replay)),
     )
@@ -329,10 +332,9 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRu
 
 async def _finish_units(ctx: OperationContext, runs: Sequence[UnitRun], keep_serving: bool) -> None:
     async def one(r: UnitRun) -> None:
-        assert r.handle is not None
         if keep_serving:
-            await return_to_serving(r.session, r.handle)
+            await return_to_serving(r.session, r.started)
         else:
-            await remove_unit(r.session, r.handle)
+            await remove_unit(r.session, r.started)
 
     await phase(ctx, "release" if keep_serving else "stop", runs, one)

@@ -32,13 +32,12 @@ from coldsnap.capsule.restore import (
 from coldsnap.capsule.runtime import (
     LABEL_ROLE,
     LABEL_UNIT,
-    UnitHandle,
     remove_container,
     remove_operation_containers,
 )
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount
-from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact
+from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact, ArtifactObject
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
@@ -192,7 +191,8 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
     return refusals
 
 
-async def _stage(hosts: HostSet, store: LocalStore, per_host: dict[str, list[Any]],
+async def _stage(hosts: HostSet, store: LocalStore,
+                 per_host: dict[str, list[ArtifactObject]],
                  ctx: OperationContext) -> list[HostStaging]:
     async def one(name: str) -> HostStaging:
         with ctx.span("restore.stage-host", host=name):
@@ -272,20 +272,16 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 
-    def handle(r: RestoreRun) -> UnitHandle:
-        assert r.handle is not None
-        return r.handle
-
     await phase(ctx, "start-restore", snap, start)
-    await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, handle(r)))
+    await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, r.started))
 
     async def gpus(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
-        await restore_gpus(r.session, handle(r),
+        await restore_gpus(r.session, r.started,
                            device_map(r.capsule_meta.captured_devices, r.placed.spec.devices))
 
     await phase(ctx, "gpu-restore", snap, gpus)
-    await phase(ctx, "release", snap, lambda r: release(r.session, handle(r)))
+    await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
         await phase(ctx, "replay", native, start_native)
 
@@ -297,7 +293,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                         key=lambda w: w.global_rank)
         heads[service.id] = by_unit[ranked[0].unit]
     targets = list({r.placed.unit_id: r for r in heads.values()}.values())
-    await phase(ctx, "validate", targets, lambda r: validate(r.session, handle(r)))
+    await phase(ctx, "validate", targets, lambda r: validate(r.session, r.started))
     return sorted(heads)
 
 

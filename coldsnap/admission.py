@@ -13,6 +13,8 @@ Public API:
   `Admission.criu_probe_required`, `Admission.admitted`.
 - `select_gpu(selector, gpus)`: a selector is a GPU UUID of the host or an index into its list.
 - `parse_driver_version("610.43.02") -> (610, 43, 2)`; `normalize_arch(name)`.
+- `criu_inet_refusal(kernel, criu_version)`: the CRIU version floor for TCP-serving engines.
+- `port_conflicts(wanted, listening)`: a unit's listen ports already taken on its host.
 """
 
 from __future__ import annotations
@@ -144,3 +146,44 @@ def check_admission(
                    f"slot {slot} has compute capability {gpu.compute_capability}, the capture "
                    f"has {wanted.compute_capability}")
     return result
+
+
+# Linux 6.16 restricted SO_PASSCRED/SO_PASSSEC to unix and netlink sockets; CRIU before 4.2
+# reads them from every socket and so cannot dump any inet socket there (fixed in CRIU 4.2,
+# checkpoint-restore/criu pull request 2719). Engines serve on TCP, so this is a hard floor.
+CRIU_INET_KERNEL = (6, 16)
+CRIU_INET_MINIMUM = (4, 2)
+
+
+def _version(text: str, parts: int) -> tuple[int, ...] | None:
+    digits: list[int] = []
+    for piece in text.strip().split("."):
+        num = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            num += ch
+        if not num:
+            break
+        digits.append(int(num))
+        if len(digits) == parts:
+            break
+    return tuple(digits) if digits else None
+
+
+def criu_inet_refusal(kernel: str, criu_version: str) -> str | None:
+    """Why the capsule's CRIU cannot checkpoint an engine's TCP sockets on this kernel, or
+    None when it can (or the versions cannot be read: `criu check` still decides)."""
+    k = _version(kernel, 2)
+    c = _version(criu_version, 3)
+    if k is None or c is None or len(k) < 2:
+        return None
+    if k >= CRIU_INET_KERNEL and c < CRIU_INET_MINIMUM:
+        return (f"the capsule's CRIU {criu_version} cannot dump inet sockets on kernel "
+                f"{kernel} (Linux >= 6.16 needs CRIU >= 4.2)")
+    return None
+
+
+def port_conflicts(wanted: Sequence[int], listening: set[int]) -> list[int]:
+    """The ports of `wanted` that something on the host already listens on."""
+    return sorted({p for p in wanted if p in listening})

@@ -10,6 +10,7 @@ Public API:
   differing field, its path in the restore request (`launch.units[0].command[5]`, ...).
 - `is_transport_variable(name) -> bool`.
 - `normalize_command(argv) -> list[str]`: placement values replaced by `PLACEMENT`.
+- `flag_value(argv, flags) -> str | None`: the value a command gives a flag, either spelling.
 """
 
 from __future__ import annotations
@@ -56,6 +57,21 @@ def normalize_command(argv: Sequence[str]) -> list[str]:
             continue
         out.append(_INLINE.sub(lambda m: f"{m.group(1)}{m.group(2)}{PLACEMENT}", arg))
     return out
+
+
+def flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value a command gives one of `flags` (`FLAG VALUE` as two arguments, or
+    `FLAG=VALUE` / `FLAG VALUE` inside one argument); the last one wins, as in argparse."""
+    found: str | None = None
+    for i, arg in enumerate(argv):
+        if arg in flags:
+            if i + 1 < len(argv):
+                found = argv[i + 1]
+            continue
+        for m in re.finditer(r"(?<!\S)(--[A-Za-z0-9-]+)(=|\s+)(\S+)", arg):
+            if m.group(1) in flags:
+                found = m.group(3)
+    return found
 
 
 def _same(issues: list[ValidationIssue], path: str, captured: Any, restore: Any) -> None:

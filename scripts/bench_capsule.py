@@ -2,7 +2,8 @@
 
     scripts/bench capsule [--gib 1.0] [--rounds 3] [--src host-0] [--dst host-1]
 
-Per round, on the dev cluster (scripts/dev-cluster up, scripts/build-test-capsule):
+Per round, on the dev cluster (started with Docker and the test capsule when it is not running,
+and then stopped again at the end; a running one is used as it is):
   cold start  on SRC: container start -> engine warm-up -> validation prompt answered
   capture     on SRC: quiesce, cuda-checkpoint (simulated), CRIU dump, commit + save
   staging     SRC -> controller -> DST over SSH, docker load on DST (reported, not targeted)
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, emit, log
+from bench_common import REPO, cluster_inventory, emit, log
 
 from coldsnap.capsule import (
     CapsuleHost,
@@ -44,6 +45,7 @@ from coldsnap.capsule import (
     commit,
     create_restore_container,
     criu_restore,
+    deliver_placement,
     device_map,
     dump,
     load_capsule,
@@ -93,17 +95,38 @@ async def put_model(target: CapsuleHost, payload: int, tmp: Path) -> str:
     return remote
 
 
+ENGINE_PORT = 8000
+
+
+def interface(entry: HostEntry) -> str:
+    """The dev cluster names host-N's network interface ensN."""
+    return "ens" + entry.name.rsplit("-", 1)[-1]
+
+
 def spec_for(ref: str, unit_id: str, entry: HostEntry, model_dir: str,
              warmup_rounds: int | None) -> UnitSpec:
     extra = ("--warmup-rounds", str(warmup_rounds)) if warmup_rounds else ()
     return UnitSpec(
         unit_id=unit_id, image=ref, image_digest=ref.split("@", 1)[1],
-        command=("python3", "/opt/coldsnap-test/engine.py", "serve", "--model-dir", "/models",
-                 *extra),
+        command=("test-engine", "serve", "--api", "vllm", "--host", "0.0.0.0",
+                 "--port", str(ENGINE_PORT), "--model-dir", "/models",
+                 "--master-addr", entry.address, "--master-port", "29500", *extra),
         devices=gpus(entry)[:1],
-        workers=(WorkerSpec(f"{unit_id}-w0", 0, 1, 0, (0,)),),
+        workers=(WorkerSpec(f"{unit_id}-w0", 0, 1, 0, (0,),
+                            payload_path=f"{model_dir}/shard-00000-of-00001.bin"),),
         validation=Validation(PROMPT, EXPECTED),
-        mounts=(Mount(model_dir, "/models", read_only=True),))
+        environment={"NCCL_SOCKET_IFNAME": interface(entry)},
+        mounts=(Mount(model_dir, "/models", read_only=True),),
+        address=entry.address)
+
+
+def placement(spec: UnitSpec, entry: HostEntry, captured: tuple[str, ...]) -> dict[str, Any]:
+    return {"format": "coldsnap-placement/1", "unit_id": spec.unit_id, "host": entry.name,
+            "host_address": entry.address, "port": ENGINE_PORT, "master_addr": entry.address,
+            "master_port": 29500, "environment": {"NCCL_SOCKET_IFNAME": interface(entry)},
+            "device_map": dict(zip(captured, spec.devices, strict=True)),
+            "workers": [{"id": w.id, "global_rank": w.global_rank, "unit": spec.unit_id,
+                         "host_address": entry.address} for w in spec.workers]}
 
 
 async def stage(src: CapsuleSession, dst: CapsuleSession, capsule: CapsuleImage,
@@ -164,6 +187,7 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
         marks.append(time.monotonic())
         await restore_gpus(dst, rh, device_map(capsule.captured_devices, spec1.devices))
         marks.append(time.monotonic())
+        await deliver_placement(dst, rh, placement(spec1, dst_entry, capsule.captured_devices))
         await release(dst, rh)
         marks.append(time.monotonic())
         await validate(dst, rh)
@@ -206,14 +230,13 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
     return r
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    inv_path = REPO / ".dev-cluster" / "inventory.yaml"
-    ref_path = REPO / ".dev-cluster" / "test-capsule.ref"
-    needs = ((inv_path, "scripts/dev-cluster up 2"), (ref_path, "scripts/build-test-capsule"))
-    for p, fix in needs:
-        if not p.exists():
-            log(f"bench capsule: {p} missing; run {fix}")
-            return 2
+async def main_async(args: argparse.Namespace, inv_path: Path) -> int:
+    # The dev cluster's `up` builds the test capsule and records its reference beside the
+    # inventory.
+    ref_path = inv_path.parent / "test-capsule.ref"
+    if not ref_path.exists():
+        log(f"bench capsule: {ref_path} missing; run scripts/build-test-capsule")
+        return 2
     ref = ref_path.read_text().strip()
     inv = load_inventory(inv_path)
     e0, e1 = inv.get(args.src), inv.get(args.dst)
@@ -272,7 +295,8 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="scripts/bench capsule")
+    p = argparse.ArgumentParser(prog="scripts/bench capsule", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0, help="warm state (weight shard) in GiB")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--src", default="host-0")
@@ -282,7 +306,8 @@ def main() -> int:
                         "default 4)")
     args = p.parse_args()
     configure_logs()  # structured logs on stderr: stdout carries only the result line
-    return asyncio.run(main_async(args))
+    with cluster_inventory(None, [args.src, args.dst], docker=True) as inv_path:
+        return asyncio.run(main_async(args, inv_path))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coldsnap.logs import configure as _configure_logging  # noqa: E402
+from devtools.layout import UsageError, host_index  # noqa: E402
+from devtools.session import ClusterUnfit, dev_cluster  # noqa: E402
 
 # stdout carries exactly one JSON line; logs go to stderr.
 _configure_logging(stream=sys.stderr)
@@ -46,3 +50,25 @@ def emit(name: str, doc: dict[str, Any]) -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def cluster_inventory(
+    inventory: Path | None, host_names: list[str], *, docker: bool
+) -> Iterator[Path]:
+    """The inventory to benchmark against. An explicit `inventory` is used as it is. Otherwise
+    the dev cluster: when it is not running, enough hosts for `host_names` are started (with
+    Docker and the test capsule when `docker`) and stopped again at the end; a running one is
+    used and left running."""
+    if inventory is not None:
+        yield inventory
+        return
+    try:
+        hosts = max(host_index(n) for n in host_names) + 1
+    except UsageError as exc:
+        raise SystemExit(f"{exc}: without --inventory the hosts are the dev cluster's") from None
+    try:
+        with dev_cluster(hosts, docker=docker) as path:
+            yield path
+    except ClusterUnfit as exc:
+        raise SystemExit(f"bench: {exc}") from None

@@ -3,8 +3,9 @@
     scripts/bench probe [--hosts 16] [--rounds 5] [--inventory FILE] [--keep]
 
 Without --inventory it starts its own cluster of --hosts simulated hosts without Docker
-(scripts/dev-cluster, state in .cache/bench-cluster, sshd on port 2222 so it can run next
-to the shared dev cluster) and stops it afterwards unless --keep. Target: ratio <= 2.
+(scripts/dev-cluster, state in .cache/bench-cluster, network slots from 128 on, i.e. hosts on
+198.18.0.130 and up, and sshd on port 2222, so it can run next to the shared dev cluster) and
+stops it afterwards unless --keep. Target: ratio <= 2.
 """
 
 from __future__ import annotations
@@ -25,11 +26,17 @@ from coldsnap.hosts.probe import probe_pool
 
 BENCH_DIR = REPO / ".cache" / "bench-cluster"
 BENCH_PORT = "2222"
+# host-N of the bench cluster is network slot 128 + N (namespace csd-host-{128+N}, address
+# 198.18.0.{130+N}): clear of the shared dev cluster's slots 0, 1, 2, ...
+BENCH_NET_BASE = "128"
 
 
 def cluster(*args: str) -> str:
     env = dict(
-        os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(BENCH_DIR), COLDSNAP_DEV_SSH_PORT=BENCH_PORT
+        os.environ,
+        COLDSNAP_DEV_CLUSTER_DIR=str(BENCH_DIR),
+        COLDSNAP_DEV_SSH_PORT=BENCH_PORT,
+        COLDSNAP_DEV_NET_BASE=BENCH_NET_BASE,
     )
     r = subprocess.run(
         [str(REPO / "scripts" / "dev-cluster"), *args],

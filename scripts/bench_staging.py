@@ -2,6 +2,9 @@
 
     scripts/bench staging [--inventory FILE] [--host NAME] [--size-mib 1024] [--rounds 5]
 
+Without --inventory it runs against the dev cluster; when that is not running it starts one
+without Docker (enough hosts for --host) and stops it again at the end.
+
 Both sides include their connection setup (a fresh SSH connection per round), so the ratio
 is what a user sees. coldsnapd verifies the sha256 on the far side; scp verifies nothing.
 `scp_seconds` uses scp's default cipher; `scp_aes128gcm_seconds` forces the cipher coldsnapd
@@ -19,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_common import REPO, emit, log
+from bench_common import REPO, cluster_inventory, emit, log
 
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
@@ -84,28 +87,14 @@ def rm(entry: HostEntry, path: str) -> None:
     del entry
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--inventory", type=Path, default=REPO / ".dev-cluster" / "inventory.yaml")
-    ap.add_argument("--host", default="host-0")
-    ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--no-scp-aes", action="store_true", help="skip the scp -c aes128-gcm runs")
-    ap.add_argument(
-        "--transport",
-        choices=["auto", "openssh", "asyncssh"],
-        default="auto",
-        help="coldsnapd's data path for put (default: what coldsnapd uses)",
-    )
-    args = ap.parse_args()
-
-    entry = load_inventory(args.inventory).get(args.host)
+def run_rounds(args: argparse.Namespace, entry: HostEntry) -> dict[str, list[float]]:
     size = args.size_mib * 1024 * 1024
     src = make_source(size)
     want = "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
     dest_c = f"{entry.data_dir}/bench-staging-coldsnapd.bin"
     dest_s = f"{entry.data_dir}/bench-staging-scp.bin"
-    local_dev = entry.address.startswith("127.")
+    # The dev cluster's hosts keep their data_dir on this machine.
+    local_dev = entry.simulated
 
     times: dict[str, list[float]] = {"coldsnapd": [], "scp": [], "scp_aes": []}
     for r in range(args.rounds):
@@ -135,6 +124,35 @@ def main() -> None:
         rm(entry, dest_c)
         rm(entry, dest_s)
 
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        prog="scripts/bench staging",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--inventory",
+        type=Path,
+        help="hosts to use as they are (default: the dev cluster, started when not running)",
+    )
+    ap.add_argument("--host", default="host-0")
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-scp-aes", action="store_true", help="skip the scp -c aes128-gcm runs")
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "openssh", "asyncssh"],
+        default="auto",
+        help="coldsnapd's data path for put (default: what coldsnapd uses)",
+    )
+    args = ap.parse_args()
+
+    with cluster_inventory(args.inventory, [args.host], docker=False) as inventory:
+        times = run_rounds(args, load_inventory(inventory).get(args.host))
+    size = args.size_mib * 1024 * 1024
     c = statistics.median(times["coldsnapd"])
     s = statistics.median(times["scp"])
     doc = {

@@ -12,16 +12,18 @@ Setup (one per host, shared by all units there)::
 
 `UnitSpec` describes the unit as placed on that host: unit_id, image (+ image_digest), command,
 environment, mounts (host source -> capsule target), devices (that host's GPU UUIDs by slot),
-workers (`WorkerSpec`: id, global_rank, world_size, process_slot, device_slots, optional host
-payload_path), validation (prompt, expected), api (`EngineApi`: how to reach the engine from
-inside the capsule: endpoint, in-capsule client argv, health/status/quiesce/resume/completion
-paths), gpu_mode ("simulated" | "nvidia").
+workers (`WorkerSpec`: id, global_rank, world_size, process_slot, device_slots, host
+payload_path located from the request), validation (prompt, expected, health_path), engine
+(`launch.engine`: the adapter in coldsnap.engines that speaks its public HTTP surface), address
+(the host's address: the unit shares its host's network and the engine is reached from the host
+itself over a direct-tcpip channel), gpu_mode ("simulated" | "nvidia").
 
 Capture, in this order (the operations layer's barriers go between the lines)::
 
     h = await start_unit(s, spec)            # pull by digest + verify, quiet container, engine
-    await wait_ready(s, h)                   # health 200; fills h.worker_pids {worker: pid}
-    await quiesce(s, h)                      # intake closed, in-flight drained
+    await wait_ready(s, h)                   # ready 200; h.worker_pids {worker: pid} from the
+                                             # host's view of the unit's processes
+    await quiesce(s, h)                      # engine asleep: drained, KV released, peers closed
     await checkpoint_gpus(s, h)              # cuda-checkpoint lock + checkpoint per worker
     d = await dump(s, h)                     # criu dump --leave-running -> DumpResult
     c = await commit(s, h, capture_id, d)    # docker commit + save -> CapsuleImage
@@ -48,7 +50,8 @@ Restore, in this order::
     await criu_restore(s, h)                  # restored-stopped: PIDs preserved, GPUs still
                                               # checkpointed, intake still closed
     await restore_gpus(s, h, device_map(capsule.captured_devices, spec.devices))
-    await release(s, h)                       # intake reopened
+    await deliver_placement(s, h, placement)  # the new hosts, master, transport variables
+    await release(s, h)                       # engine woken: reads the placement, rebuilds
     v = await validate(s, h)                  # health + validation prompt -> expected text
 Rollback: `remove_unit(s, h)`.
 
@@ -93,6 +96,7 @@ from coldsnap.capsule.restore import (
     ValidationResult,
     create_restore_container,
     criu_restore,
+    deliver_placement,
     device_map,
     load_capsule,
     probe_criu,
@@ -104,10 +108,9 @@ from coldsnap.capsule.restore import (
     validate,
 )
 from coldsnap.capsule.runtime import UnitHandle
-from coldsnap.capsule.session import CapsuleSession, HttpAnswer, open_session
+from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import (
     CapsuleHost,
-    EngineApi,
     Mount,
     UnitSpec,
     Validation,
@@ -124,11 +127,9 @@ __all__ = [
     "CriuProbeFailed",
     "DumpFailed",
     "DumpResult",
-    "EngineApi",
     "EngineNotReady",
     "GpuCheckpointFailed",
     "HostFile",
-    "HttpAnswer",
     "ImageDigestMismatch",
     "Mount",
     "QuiesceFailed",
@@ -147,6 +148,7 @@ __all__ = [
     "commit",
     "create_restore_container",
     "criu_restore",
+    "deliver_placement",
     "device_map",
     "discard_capsule",
     "dump",

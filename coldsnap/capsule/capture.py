@@ -8,7 +8,7 @@ import contextlib
 import json
 import posixpath
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ from coldsnap.capsule.runtime import (
     criu_errors,
     cuda_sequence,
     discover_workers,
+    endpoint,
     fail,
     gpu_return_to_running,
     pids_alive,
@@ -41,10 +42,12 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
-    Mount,
     UnitSpec,
+    WorkerSpec,
+    container_path_for,
     docker_name,
 )
+from coldsnap.engines import EngineCallFailed, adapter_for
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -183,14 +186,16 @@ async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) ->
 async def wait_ready(
     s: CapsuleSession, handle: UnitHandle, *, timeout_s: float = 600.0, interval: float = 0.2
 ) -> dict[str, int]:
-    """Wait until the engine answers its health path, then map its workers to PIDs."""
+    """Wait until the engine's readiness probe answers 200 on its host, then map its workers
+    to PIDs from the host's view of the unit's processes."""
     step = "wait-ready"
     spec = handle.spec
+    adapter, ep = endpoint(s, handle)
     container = await s.container(handle.container_id, handle.unit, step)
     deadline = time.monotonic() + timeout_s
     assert handle.engine_pid is not None
     while True:
-        ans = await s.http(container, spec.api, "GET", spec.api.health_path, timeout_s=10)
+        ans = await adapter.ready(ep, spec.validation.health_path)
         if ans.status == 200:
             break
         if not await pids_alive(s, container, [handle.engine_pid]):
@@ -198,36 +203,33 @@ async def wait_ready(
                        + await engine_log_tail(s, container), EngineNotReady)
         if time.monotonic() > deadline:
             raise fail(s, handle.unit, step,
-                       f"not healthy after {timeout_s:.0f}s (last: {ans.status} {ans.error})",
-                       EngineNotReady)
+                       f"{ep}{spec.validation.health_path} not ready after {timeout_s:.0f}s "
+                       f"(last: {ans.describe()})", EngineNotReady)
         await asyncio.sleep(interval)
     handle.worker_pids = await discover_workers(s, handle, step)
     return dict(handle.worker_pids)
 
 
-async def quiesce(s: CapsuleSession, handle: UnitHandle, *, timeout_s: float = 60.0) -> None:
-    """Stop request intake and wait for in-flight requests to finish (no-op without a
-    quiesce endpoint)."""
-    api = handle.spec.api
-    if not api.quiesce_path:
-        return
-    container = await s.container(handle.container_id, handle.unit, "quiesce")
-    ans = await s.http(container, api, "POST", api.quiesce_path, {"timeout": timeout_s},
-                       timeout_s=timeout_s + 5)
-    if ans.status != 200:
-        raise fail(s, handle.unit, "quiesce",
-                   f"engine answered {ans.status} {ans.body or ans.error}", QuiesceFailed)
+async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Put the engine to sleep through its own surface: requests drained, KV cache (and with
+    `release_weights` the weights) released, cross-worker connections closed."""
+    adapter, ep = endpoint(s, handle)
+    try:
+        await adapter.quiesce(ep, release_weights=handle.spec.release_weights)
+    except EngineCallFailed as exc:
+        raise fail(s, handle.unit, "quiesce", f"{ep}: {exc}", QuiesceFailed) from None
 
 
 async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:
-    """Reopen request intake (after a failed capture, or to release a restored unit)."""
-    api = handle.spec.api
-    if not api.resume_path:
-        return
-    container = await s.container(handle.container_id, handle.unit, step)
-    ans = await s.http(container, api, "POST", api.resume_path, {})
-    if ans.status != 200:
-        raise fail(s, handle.unit, step, f"engine answered {ans.status} {ans.body or ans.error}")
+    """Wake the engine (after a failed capture, or to release a restored unit): it reads any
+    new placement, rebuilds its cross-worker connections and reloads released weights."""
+    spec = handle.spec
+    adapter, ep = endpoint(s, handle)
+    model_dir = adapter.model_dir(spec.command) if spec.release_weights else None
+    try:
+        await adapter.resume(ep, model_dir=model_dir)
+    except EngineCallFailed as exc:
+        raise fail(s, handle.unit, step, f"{ep}: {exc}") from None
 
 
 async def checkpoint_gpus(
@@ -352,46 +354,28 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
         base_image_digest=spec.image_digest)
 
 
-def host_path_for(mounts: Sequence[Mount], container_path: str) -> str | None:
-    """Map a path inside the capsule back to the host through the unit's bind mounts."""
-    best: Mount | None = None
-    for m in mounts:
-        t = m.target.rstrip("/") or "/"
-        if (container_path == t or container_path.startswith(t + "/")) and (
-            best is None or len(t) > len(best.target)
-        ):
-            best = m
-    if best is None:
-        return None
-    rel = posixpath.relpath(container_path, best.target)
-    return posixpath.normpath(posixpath.join(best.source, rel))
-
-
 async def collect_worker_objects(
     s: CapsuleSession, handle: UnitHandle, capture_id: str
 ) -> list[WorkerObjects]:
-    """Per worker: its weight payload (content-addressed where it lies on the host) and a
-    replay plan (how to re-create the worker natively), written next to the capsule tar."""
+    """Per worker: its weight payload (content-addressed where it lies on the host, at the
+    path the request located) and a replay plan (how to re-create the worker natively),
+    written next to the capsule tar."""
     step = "collect"
     spec = handle.spec
-    reported: dict[str, str] = {}
-    if spec.api.status_path and any(w.payload_path is None for w in spec.workers):
-        container = await s.container(handle.container_id, handle.unit, step)
-        ans = await s.http(container, spec.api, "GET", spec.api.status_path)
-        if ans.status == 200:
-            reported = {str(w["id"]): str(w.get("weights_path", ""))
-                        for w in ans.json().get("workers", [])}
     out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
     await s.target.host.run(["mkdir", "-p", out_dir])
+    model_dir = adapter_for(spec.engine).model_dir(spec.command)
 
-    async def one(w: Any) -> WorkerObjects:
-        path = w.payload_path or host_path_for(spec.mounts, reported.get(w.id, ""))
-        if not path:
-            raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload path known")
-        sha, size = await host_sha256(s, path)
+    async def one(w: WorkerSpec) -> WorkerObjects:
+        if not w.payload_path:
+            raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload located (set "
+                       "policy.weights.native.files_by_worker)")
+        sha, size = await host_sha256(s, w.payload_path)
+        container_path = container_path_for(spec.mounts, w.payload_path)
         plan = {
             "format": REPLAY_PLAN_FORMAT,
             "unit_id": spec.unit_id,
+            "engine": spec.engine,
             "worker": {"id": w.id, "global_rank": w.global_rank, "world_size": w.world_size,
                        "process_slot": w.process_slot, "device_slots": list(w.device_slots)},
             "image": spec.image,
@@ -399,15 +383,15 @@ async def collect_worker_objects(
             "command": list(spec.command),
             "environment": dict(spec.environment),
             "mounts": [asdict(m) for m in spec.mounts],
-            "payload": {"sha256": sha, "bytes": size,
-                        "container_path": reported.get(w.id) or None},
+            "model_dir": model_dir,
+            "payload": {"sha256": sha, "bytes": size, "container_path": container_path},
             "validation": asdict(spec.validation),
         }
         data = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
         plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"
         await s.target.host.run(["dd", f"of={plan_path}", "status=none"], input=data)
         plan_sha, plan_size = await host_sha256(s, plan_path)
-        return WorkerObjects(w.id, HostFile(s.host, path, sha, size),
+        return WorkerObjects(w.id, HostFile(s.host, w.payload_path, sha, size),
                              HostFile(s.host, plan_path, plan_sha, plan_size), data)
 
     return list(await asyncio.gather(*(one(w) for w in spec.workers)))

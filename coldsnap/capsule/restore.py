@@ -7,7 +7,10 @@ Order for one unit: probe_criu -> load_capsule -> start_restore_container -> cri
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from typing import Any
 import docker.errors
 import structlog
 
+from coldsnap.admission import criu_inet_refusal
 from coldsnap.capsule.capture import CapsuleImage, resume
 from coldsnap.capsule.errors import (
     CriuProbeFailed,
@@ -29,6 +33,7 @@ from coldsnap.capsule.runtime import (
     create_container,
     criu_errors,
     cuda_sequence,
+    endpoint,
     fail,
     start_container,
 )
@@ -37,9 +42,12 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
     CRIU_SECURITY_OPT,
+    PLACEMENT_FILE,
+    RUNTIME_DIR,
     UNMASKED_PATHS,
     UnitSpec,
 )
+from coldsnap.engines import EngineCallFailed
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -49,6 +57,7 @@ class CriuProbe:
     host: str
     image: str
     output: str
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,11 +81,24 @@ def device_map(captured: Sequence[str], destination: Sequence[str]) -> dict[str,
     return dict(zip(captured, destination, strict=True))
 
 
+_PROBE = 'criu --version; criu check'
+
+
+def criu_version(output: str) -> str | None:
+    """The version `criu --version` printed ("Version: 4.2.1")."""
+    for line in output.splitlines():
+        if line.strip().startswith("Version:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
 async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
-                     timeout_s: float = 120.0) -> CriuProbe:
+                     kernel: str | None = None, timeout_s: float = 120.0) -> CriuProbe:
     """Run `criu check` from `image` (the capsule or its base image, which pins the same
-    CRIU) on this host, with the capsule's capabilities: the kernel-capability admission."""
+    CRIU) on this host, with the capsule's capabilities: the kernel-capability admission.
+    With the host's `kernel`, the CRIU version floor for TCP-serving engines applies too."""
     step = "criu-probe"
+    created_id: str | None = None
     try:
         try:
             await s.call(s.client.images.get, image)
@@ -87,11 +109,15 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
             network_mode="none", cap_add=list(CRIU_CAPABILITIES),
             security_opt=list(CRIU_SECURITY_OPT))
         host_config.update(UNMASKED_PATHS)
-        created = await s.call(api.create_container, image, command=["criu", "check"],
+        created = await s.call(api.create_container, image, command=["sh", "-c", _PROBE],
                                host_config=host_config, labels={LABEL_ROLE: "probe"})
-        container = await s.call(s.client.containers.get, created["Id"])
+        created_id = str(created["Id"])
+        container = await s.call(s.client.containers.get, created_id)
         await s.call(container.start)
     except docker.errors.DockerException as exc:
+        if created_id is not None:
+            with contextlib.suppress(docker.errors.DockerException):
+                await s.call(s.client.api.remove_container, created_id, force=True)
         raise fail(s, unit, step, f"cannot run criu check from {image}: {exc}",
                    CriuProbeFailed) from exc
     try:
@@ -104,7 +130,12 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
     if code != 0 or "Looks good" not in output:
         raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
                    CriuProbeFailed)
-    return CriuProbe(s.host, image, output)
+    version = criu_version(output)
+    if kernel is not None and version is not None:
+        why = criu_inet_refusal(kernel, version)
+        if why:
+            raise fail(s, unit, step, why, CriuProbeFailed)
+    return CriuProbe(s.host, image, output, version)
 
 
 async def load_capsule(s: CapsuleSession, capsule: CapsuleImage, staged_tar: str) -> str:
@@ -235,49 +266,69 @@ async def restore_gpus(s: CapsuleSession, handle: UnitHandle,
             raise r
 
 
+async def deliver_placement(s: CapsuleSession, handle: UnitHandle,
+                            placement: Mapping[str, Any]) -> None:
+    """Write the restore placement into the unit's runtime directory, where the engine reads
+    it on wake (CRIU brought back the captured argv and environment, which name the old hosts).
+    """
+    step = "placement"
+    container = await s.container(handle.container_id, handle.unit, step)
+    data = json.dumps(placement, sort_keys=True, indent=1).encode() + b"\n"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        d = tarfile.TarInfo(RUNTIME_DIR.lstrip("/"))
+        d.type, d.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(d)
+        f = tarfile.TarInfo(f"{RUNTIME_DIR.lstrip('/')}/{PLACEMENT_FILE}")
+        f.size, f.mode, f.mtime = len(data), 0o600, int(time.time())
+        tar.addfile(f, io.BytesIO(data))
+    try:
+        ok = await s.call(container.put_archive, "/", buf.getvalue())
+    except docker.errors.DockerException as exc:
+        raise fail(s, handle.unit, step, f"cannot write the placement: {exc}",
+                   RestoreFailed) from exc
+    if not ok:
+        raise fail(s, handle.unit, step, "docker refused the placement file", RestoreFailed)
+
+
 async def release(s: CapsuleSession, handle: UnitHandle) -> None:
-    """Reopen the restored engine's request intake."""
+    """Wake the restored engine: it reads the placement, rebuilds its cross-worker
+    connections and reopens intake."""
     await resume(s, handle, step="release")
 
 
 async def validate(s: CapsuleSession, handle: UnitHandle, *,
                    timeout_s: float = 120.0) -> ValidationResult:
-    """Health path answers 200, then the validation prompt gets the expected text."""
+    """The readiness probe answers 200, then the validation prompt gets the expected text;
+    both sent from the unit's own host to its engine's port."""
     step = "validate"
     spec = handle.spec
-    container = await s.container(handle.container_id, handle.unit, step)
+    adapter, ep = endpoint(s, handle)
     t0 = time.monotonic()
-    # One exec: the in-capsule client waits for health 200, then sends the prompt.
-    ans = await s.http(container, spec.api, "POST", spec.api.completion_path,
-                       {"prompt": spec.validation.prompt, "max_tokens": 32, "temperature": 0},
-                       timeout_s=timeout_s, wait_ok=spec.api.health_path)
-    if ans.status is None:
-        raise fail(s, handle.unit, step, f"not healthy: {ans.error}", ValidationFailed)
-    text = completion_text(ans.body) if ans.status == 200 else None
-    if text is None or text.strip() != spec.validation.expected.strip():
-        raise fail(s, handle.unit, step,
-                   f"validation prompt got {ans.status} {text if text is not None else ans.body}"
-                   f"; expected {spec.validation.expected!r}", ValidationFailed)
+    deadline = t0 + timeout_s
+    while True:
+        ans = await adapter.ready(ep, spec.validation.health_path)
+        if ans.status == 200:
+            break
+        if time.monotonic() > deadline:
+            raise fail(s, handle.unit, step, f"{ep}{spec.validation.health_path} not ready: "
+                       f"{ans.describe()}", ValidationFailed)
+        await asyncio.sleep(0.1)
+    left = max(5.0, deadline - time.monotonic())
+    try:
+        text = await adapter.complete(ep, spec.validation.prompt, timeout=left)
+    except EngineCallFailed as exc:
+        raise fail(s, handle.unit, step, f"{ep}: validation prompt: {exc}; expected "
+                   f"{spec.validation.expected!r}", ValidationFailed) from None
+    if text.strip() != spec.validation.expected.strip():
+        raise fail(s, handle.unit, step, f"{ep}: validation prompt got {text!r}; expected "
+                   f"{spec.validation.expected!r}", ValidationFailed)
     return ValidationResult(handle.unit, text, time.monotonic() - t0)
 
 
-def completion_text(body: str) -> str | None:
-    try:
-        data: Any = json.loads(body)
-    except ValueError:
-        return None
-    if isinstance(data, dict):
-        if isinstance(data.get("text"), str):
-            return str(data["text"])
-        choices = data.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            t = choices[0].get("text")
-            return t if isinstance(t, str) else None
-    return None
-
-
 async def restore_unit(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage, staged_tar: str
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage, staged_tar: str, *,
+    placement: Mapping[str, Any] | None = None,
 ) -> tuple[UnitHandle, ValidationResult]:
     """All restore steps for a lone unit, in order (tests, benchmarks). On failure the
     container it started is removed."""
@@ -289,6 +340,8 @@ async def restore_unit(
     try:
         await criu_restore(s, handle)
         await restore_gpus(s, handle, device_map(capsule.captured_devices, spec.devices))
+        if placement is not None:
+            await deliver_placement(s, handle, placement)
         await release(s, handle)
         result = await validate(s, handle)
     except BaseException:

@@ -20,13 +20,14 @@ from coldsnap.capsule.spec import (
     UnitSpec,
     docker_name,
 )
+from coldsnap.engines import EngineAdapter, EngineEndpoint, adapter_for, discovery
 
 CUDA_CHECKPOINT = "cuda-checkpoint"
 LABEL_UNIT = "org.coldsnap.unit"
 LABEL_ROLE = "org.coldsnap.role"
 LABEL_OPERATION = "org.coldsnap.operation"
 
-# CRIU prints these on every run in a --network none container without CAP_SYS_RESOURCE;
+# CRIU prints these on every run in a container without CAP_SYS_RESOURCE;
 # they never decide success, so they are left out of error messages.
 _HARMLESS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE", "Can't keep kdat cache")
 
@@ -68,9 +69,9 @@ async def create_container(
     name = f"coldsnap-{docker_name(spec.unit_id)}-{role}-{secrets.token_hex(4)}"
     api = s.client.api
     host_config: dict[str, Any] = api.create_host_config(
-        # The engine's API is reached by exec'ing a client inside the container, so the unit
-        # needs no network; none also means nothing in a snapshot depends on host addresses.
-        network_mode="none",
+        # Engines serve on TCP and their workers talk across hosts, as on real machines: the
+        # unit shares its host's network. Its listen ports are checked free at admission.
+        network_mode="host",
         cap_add=list(CRIU_CAPABILITIES),
         security_opt=list(CRIU_SECURITY_OPT),
         mounts=[
@@ -118,32 +119,6 @@ async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> 
     return [int(x) for x in out.stdout.split()]
 
 
-async def process_tree(s: CapsuleSession, container: Any, root: int) -> list[int]:
-    """PIDs of `root` and all its descendants (threads excluded), read from /proc."""
-    out = await s.exec(
-        container,
-        ["sh", "-c", 'for f in /proc/[0-9]*/stat; do read -r l < "$f" 2>/dev/null && '
-         'echo "$l"; done; true'],
-    )
-    children: dict[int, list[int]] = {}
-    for line in out.stdout.splitlines():
-        head, sep, rest = line.rpartition(")")
-        if not sep:
-            continue
-        fields = rest.split()
-        try:
-            pid, ppid = int(head.split(" (", 1)[0]), int(fields[1])
-        except (ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return sorted(tree)
-
-
 async def cuda(
     s: CapsuleSession, container: Any, args: Sequence[str]
 ) -> ExecOutput:
@@ -169,34 +144,40 @@ async def cuda_state(s: CapsuleSession, container: Any, pid: int) -> str | None:
     return out.stdout.strip() if out.ok else None
 
 
-async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:
-    """Map every worker of the unit to its PID inside the container.
+async def container_host_pids(s: CapsuleSession, container: Any, unit: str,
+                              step: str) -> list[int]:
+    """The host PIDs of every process in the container (`docker top`)."""
+    try:
+        top = await s.call(container.top)
+    except docker.errors.DockerException as exc:
+        raise fail(s, unit, step, f"cannot list the container's processes: {exc}") from exc
+    titles = [str(t) for t in top.get("Titles") or []]
+    if "PID" not in titles:
+        raise fail(s, unit, step, f"docker top gave no PID column: {titles}")
+    col = titles.index("PID")
+    return [int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()]
 
-    Engines with a status endpoint report it; otherwise the CUDA processes of the engine tree
-    (those cuda-checkpoint knows) are taken in PID order as process slots 0, 1, ...
-    """
+
+async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:
+    """Map every worker of the unit to its PID inside the container, from the host's view of
+    the unit's processes (coldsnap.engines.discovery); never from the engine's own word."""
     spec = handle.spec
     container = await s.container(handle.container_id, handle.unit, step)
-    want = {w.id for w in spec.workers}
-    if spec.api.status_path:
-        ans = await s.http(container, spec.api, "GET", spec.api.status_path)
-        if ans.status == 200:
-            reported = {str(w["id"]): int(w["pid"]) for w in ans.json().get("workers", [])}
-            if set(reported) != want:
-                raise fail(s, handle.unit, step,
-                           f"engine reports workers {sorted(reported)}, the unit declares "
-                           f"{sorted(want)}", EngineNotReady)
-            return reported
-    assert handle.engine_pid is not None
-    tree = await process_tree(s, container, handle.engine_pid)
-    states = await asyncio.gather(*(cuda_state(s, container, p) for p in tree))
-    gpu_pids = [p for p, st in zip(tree, states, strict=True) if st is not None]
-    if len(gpu_pids) != len(spec.workers):
-        raise fail(s, handle.unit, step,
-                   f"{len(gpu_pids)} CUDA processes in the engine tree, the unit declares "
-                   f"{len(spec.workers)} workers", EngineNotReady)
-    slots = sorted(spec.workers, key=lambda w: w.process_slot)
-    return {w.id: p for w, p in zip(slots, gpu_pids, strict=True)}
+    pids = await container_host_pids(s, container, handle.unit, step)
+    try:
+        return await discovery.discover_workers(
+            s.target.host, pids, spec.workers, handle.devices,
+            simulated=spec.gpu_mode == "simulated")
+    except discovery.DiscoveryError as exc:
+        raise fail(s, handle.unit, step, str(exc), EngineNotReady) from None
+
+
+def endpoint(s: CapsuleSession, handle: UnitHandle) -> tuple[EngineAdapter, EngineEndpoint]:
+    """The unit's engine adapter and where its engine serves, reached from its own host."""
+    spec = handle.spec
+    adapter = adapter_for(spec.engine)
+    return adapter, EngineEndpoint(s.target.host, spec.address,
+                                   adapter.serving_port(spec.command))
 
 
 async def gpu_return_to_running(

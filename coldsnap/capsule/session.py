@@ -7,7 +7,6 @@ and hosts proceed concurrently on one event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +20,7 @@ import docker.errors
 import structlog
 
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.spec import CapsuleHost, EngineApi
+from coldsnap.capsule.spec import CapsuleHost
 from coldsnap.hosts.base import Host
 
 T = TypeVar("T")
@@ -42,16 +41,6 @@ class ExecOutput:
     def tail(self, limit: int = 1500) -> str:
         text = (self.stderr.strip() + "\n" + self.stdout.strip()).strip()
         return text[-limit:]
-
-
-@dataclass(frozen=True)
-class HttpAnswer:
-    status: int | None  # None: no HTTP answer at all (engine not listening)
-    body: str
-    error: str = ""
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 class CapsuleSession:
@@ -96,31 +85,6 @@ class CapsuleSession:
             )
 
         return await asyncio.wait_for(self.call(run), timeout_s)
-
-    async def http(
-        self,
-        container: Any,
-        api: EngineApi,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        timeout_s: float = 30.0,
-        wait_ok: str | None = None,
-    ) -> HttpAnswer:
-        """One HTTP request to the engine from inside the capsule. With `wait_ok`, the client
-        first polls that path until it answers 200 (bounded by `timeout_s`)."""
-        first = ["--wait-ok", wait_ok] if wait_ok else []
-        argv = [*api.client, *first, api.endpoint, method, path,
-                json.dumps(body) if body is not None else "", str(timeout_s)]
-        out = await self.exec(container, argv, timeout_s=timeout_s + 15)
-        try:
-            parsed = json.loads(out.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return HttpAnswer(None, "", f"client failed ({out.exit_code}): {out.tail()}")
-        if "status" not in parsed:
-            return HttpAnswer(None, "", str(parsed.get("error", "no answer")))
-        return HttpAnswer(int(parsed["status"]), str(parsed.get("body", "")))
 
     async def host_docker(self, *args: str, timeout_s: float | None = None) -> bytes:
         """The docker CLI on the host itself, for what must stay on the host (save/load)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,11 @@ UNMASKED_PATHS: dict[str, list[str]] = {"MaskedPaths": [], "ReadonlyPaths": []}
 # Paths inside the capsule. They live in the container's rootfs, so a commit carries them.
 CAPSULE_STATE_DIR = "/var/lib/coldsnap"
 CRIU_IMAGES_DIR = f"{CAPSULE_STATE_DIR}/images"
+# The unit's runtime directory: where the controller hands the engine what only it knows, such
+# as the placement after a restore (CRIU brings back the captured argv and environment).
+RUNTIME_DIR = f"{CAPSULE_STATE_DIR}/runtime"
+PLACEMENT_FILE = "placement.json"
+RUNTIME_DIR_ENV = "COLDSNAP_RUNTIME_DIR"
 ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
 ENGINE_LOG = "/var/log/coldsnap/engine.log"
 # The engine tree is started above this PID so that the helpers a fresh container runs at
@@ -57,6 +63,45 @@ class Mount:
     read_only: bool = False
 
 
+def _within(path: str, root: str) -> bool:
+    root = root.rstrip("/") or "/"
+    return path == root or path.startswith(root + "/") or root == "/"
+
+
+def host_path_for(mounts: Sequence[Mount], container_path: str) -> str | None:
+    """Where a path inside the capsule lies on the host, through the unit's bind mounts (the
+    deepest mount wins). A path that `..` would take outside its mount maps to nothing."""
+    if not container_path.startswith("/"):
+        return None
+    path = posixpath.normpath(container_path)
+    best: Mount | None = None
+    for m in mounts:
+        target = posixpath.normpath(m.target)
+        if _within(path, target) and (best is None or len(target) > len(best.target)):
+            best = m
+    if best is None:
+        return None
+    rel = posixpath.relpath(path, posixpath.normpath(best.target))
+    source = posixpath.normpath(best.source)
+    out = posixpath.normpath(posixpath.join(source, rel))
+    return out if _within(out, source) else None
+
+
+def container_path_for(mounts: Sequence[Mount], host_path: str) -> str | None:
+    """Where a host file appears inside the unit's container, through its bind mounts."""
+    path = posixpath.normpath(host_path)
+    best: Mount | None = None
+    for m in mounts:
+        source = posixpath.normpath(m.source)
+        if _within(path, source) and (
+                best is None or len(source) > len(posixpath.normpath(best.source))):
+            best = m
+    if best is None:
+        return None
+    rel = posixpath.relpath(path, posixpath.normpath(best.source))
+    return posixpath.normpath(posixpath.join(best.target, rel))
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     id: str
@@ -64,29 +109,16 @@ class WorkerSpec:
     world_size: int
     process_slot: int
     device_slots: tuple[int, ...]
-    # Host path of the worker's weight payload. None: ask the engine's status endpoint for the
-    # path it loaded and map it back through the unit's mounts.
+    # Host path of the worker's weight payload, located from the request (mounts and
+    # policy.weights.native), never from a path the engine reports. None: not known.
     payload_path: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineApi:
-    """How the controller talks to the engine: through `client` exec'd inside the capsule."""
-
-    endpoint: str = "unix:@coldsnap-engine"
-    client: tuple[str, ...] = ("capsule-http",)
-    health_path: str = "/health"
-    completion_path: str = "/v1/completions"
-    # Optional: engines without them are snapshotted without draining / identity checks.
-    status_path: str | None = "/status"
-    quiesce_path: str | None = "/admin/quiesce"
-    resume_path: str | None = "/admin/resume"
 
 
 @dataclass(frozen=True)
 class Validation:
     prompt: str
     expected: str
+    health_path: str = "/health"
 
 
 @dataclass(frozen=True)
@@ -102,7 +134,13 @@ class UnitSpec:
     validation: Validation
     environment: Mapping[str, str] = field(default_factory=dict)
     mounts: tuple[Mount, ...] = ()
-    api: EngineApi = EngineApi()
+    # `launch.engine`: selects the adapter that speaks the engine's public HTTP surface.
+    engine: str = "vllm"
+    # The host's address: units share their host's network, so the engine serves there and
+    # the controller reaches it from the host itself (coldsnap.hosts.http).
+    address: str = "127.0.0.1"
+    # Quiesce releases the weights too (they come back from the model directory on resume).
+    release_weights: bool = False
     # "simulated": devices go only into the environment (test capsule, cuda-checkpoint
     # simulator); "nvidia": a Docker device request for exactly these UUIDs.
     gpu_mode: Literal["simulated", "nvidia"] = "simulated"
@@ -131,6 +169,7 @@ class UnitSpec:
         devs = list(self.devices if devices is None else devices)
         env = dict(self.environment)
         env[MANIFEST_ENV] = json.dumps(self.manifest(devs), sort_keys=True)
+        env[RUNTIME_DIR_ENV] = RUNTIME_DIR
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(devs)
         if self.gpu_mode == "simulated":
             env[SIMULATED_GPUS_ENV] = ",".join(devs)

@@ -16,6 +16,25 @@ from typing import Protocol, runtime_checkable
 ProgressCallback = Callable[[int, int], None]
 
 
+class ByteReader(Protocol):
+    """The read half of a byte stream (asyncio's StreamReader, asyncssh's SSHReader)."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+class ByteWriter(Protocol):
+    """The write half of a byte stream (asyncio's StreamWriter, asyncssh's SSHWriter)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+TcpStream = tuple[ByteReader, ByteWriter]
+
+
 class HostError(Exception):
     """Base of every transport failure; `host` names the host it happened on."""
 
@@ -116,6 +135,14 @@ class Host(Protocol):
     def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:
         """Forward a unix socket of the host (e.g. its Docker socket) to a local unix socket
         path, yielded while the context is open."""
+        ...
+
+    def open_tcp(
+        self, address: str, port: int, *, timeout: float = 10.0
+    ) -> AbstractAsyncContextManager[TcpStream]:
+        """A TCP connection made FROM the host to `address:port` (for SSH: a direct-tcpip
+        channel), so that a service on the host's own network, such as an engine's HTTP
+        port, is reached exactly as a client on that host would reach it."""
         ...
 
     async def close(self) -> None: ...

@@ -15,7 +15,9 @@ from coldsnap.hosts.base import (
     CommandFailed,
     CommandResult,
     CommandTimeout,
+    HostError,
     ProgressCallback,
+    TcpStream,
     TransferError,
     TransferResult,
 )
@@ -115,6 +117,22 @@ class LocalHost:
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
         # The socket is already local; nothing to carry.
         yield remote_path
+
+    @asynccontextmanager
+    async def open_tcp(
+        self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
+    ) -> AsyncIterator[TcpStream]:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(address, port)
+        except (OSError, TimeoutError) as exc:
+            raise HostError(self.name, f"cannot connect to {address}:{port}: {exc}") from None
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
     async def close(self) -> None:
         return None

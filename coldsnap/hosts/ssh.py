@@ -41,6 +41,7 @@ from coldsnap.hosts.base import (
     HostKeyRejected,
     HostUnreachable,
     ProgressCallback,
+    TcpStream,
     TransferResult,
 )
 from coldsnap.hosts.inventory import HostEntry
@@ -526,6 +527,25 @@ class SSHHost:
             listener.close()
             await listener.wait_closed()
             shutil.rmtree(tmp, ignore_errors=True)
+
+    @asynccontextmanager
+    async def open_tcp(
+        self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
+    ) -> AsyncIterator[TcpStream]:
+        """A direct-tcpip channel: sshd on the host connects to `address:port`."""
+        conn = await self.connection()
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await conn.open_connection(address, port, encoding=None)
+        except (OSError, TimeoutError, asyncssh.Error) as exc:
+            if isinstance(exc, asyncssh.DisconnectError):
+                self._drop()
+            raise HostError(self.name, f"cannot connect to {address}:{port} from the host: "
+                            f"{_describe(exc)}") from None
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
 
 
 def _describe(exc: BaseException | None) -> str:

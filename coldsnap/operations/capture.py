@@ -58,6 +58,7 @@ from coldsnap.formats.request import Request
 from coldsnap.hosts.base import Host, HostError, ProgressCallback
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
@@ -95,19 +96,34 @@ async def phase(
     name: str,
     runs: Sequence[R],
     fn: Callable[[R], Awaitable[T]],
+    *,
+    fail_fast: bool = False,
 ) -> list[T]:
     """Run one step on every unit concurrently and wait for all of them (the barrier).
 
     Every unit's outcome is gathered before deciding, so a failure never leaves a sibling
-    half-way through a step that rollback does not know about."""
+    half-way through a step that rollback does not know about. With `fail_fast` (only for
+    steps that merely wait, such as readiness: cancelling them changes nothing), the first
+    failure cancels the siblings instead: a unit that died cannot hold the others' waits."""
 
     async def one(run: R) -> T:
         with ctx.span(f"{ctx.operation}.{name}", host=run.placed.host, unit=run.placed.unit_id):
             return await fn(run)
 
-    results = await asyncio.gather(*(one(r) for r in runs), return_exceptions=True)
+    tasks = [asyncio.ensure_future(one(r)) for r in runs]
+    try:
+        if fail_fast and tasks:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
     errors = [(r, res) for r, res in zip(runs, results, strict=True)
-              if isinstance(res, BaseException)]
+              if isinstance(res, BaseException)
+              and not (fail_fast and isinstance(res, asyncio.CancelledError))]
     for _, err in errors:
         if not isinstance(err, Exception):
             raise err  # cancellation and interrupts are not step failures
@@ -167,9 +183,11 @@ async def capture(
         facts = await hosts.facts(topology.hosts)
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
-                             ctx.operation_id)
+                             ctx.operation_id, weights=request.policy.weights)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
+    with ctx.span("capture.ports"):
+        await check_ports_free(hosts, unit_ports(launch, topology))
 
     async with hosts.sessions(topology.hosts) as sessions:
         runs = [UnitRun(p, sessions[p.host]) for p in placed]
@@ -195,7 +213,8 @@ async def _capture_units(
         r.handle = await start_unit(r.session, r.placed.spec)
 
     await phase(ctx, "start", runs, start)
-    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, r.started))
+    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, r.started),
+                fail_fast=True)
     await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
     await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
     dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))

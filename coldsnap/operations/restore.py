@@ -21,6 +21,7 @@ from coldsnap.capsule.capture import CapsuleImage, start_unit, wait_ready
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.restore import (
     criu_restore,
+    deliver_placement,
     device_map,
     load_capsule,
     probe_criu,
@@ -44,13 +45,14 @@ from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase, rollback_units
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
 from coldsnap.operations.staging import (
     HostStaging,
     objects_by_host,
     remote_object_path,
     stage_host,
 )
-from coldsnap.operations.units import PlacementError, place_units
+from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
@@ -143,17 +145,23 @@ async def restore(
             [i for unit_issues in refusals.values() for i in unit_issues]))
 
     per_host = objects_by_host(artifact, topology)
-    with ctx.span("restore.stage"):
-        outcome.staging = await _stage(hosts, store, per_host, ctx)
-
     async with hosts.sessions(topology.hosts) as sessions:
+        if not prepare_only:
+            with ctx.span("restore.ports"):
+                # Ports held by the earlier instance of a unit that this restore replaces
+                # are freed by that replacement, not a conflict.
+                replaced = await _replaced_units(placed, sessions)
+                await check_ports_free(hosts, unit_ports(launch, topology), exempt=replaced)
+        with ctx.span("restore.stage"):
+            outcome.staging = await _stage(hosts, store, per_host, ctx)
+
         runs = [RestoreRun(p, sessions[p.host]) for p in placed]
         for r in runs:
             r.capsule_meta = _capsule_meta(store, artifact, r.placed.unit_id)
             if r.placed.unit_id in replay_units:
                 r.replay_reason = _issues_text(refusals[r.placed.unit_id])
 
-        await _load_and_probe(ctx, hosts, runs, kernel_policy=policy.compatibility.kernel,
+        await _load_and_probe(ctx, hosts, runs, facts, kernel_policy=policy.compatibility.kernel,
                               fallback=fallback)
         outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
         for r in runs:
@@ -165,7 +173,8 @@ async def restore(
         if prepare_only:
             return outcome
         try:
-            outcome.validated = await _restore_units(ctx, hosts, store, artifact, topology, runs)
+            outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
+                                                     topology, runs)
         except BaseException:
             await _rollback(ctx, hosts, runs)
             raise
@@ -208,7 +217,24 @@ async def _stage(hosts: HostSet, store: LocalStore,
     return [r for r in results if isinstance(r, HostStaging)]
 
 
-async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[RestoreRun], *,
+async def _replaced_units(placed: Sequence[PlacedUnit],
+                          sessions: dict[str, CapsuleSession]) -> list[str]:
+    """Units that already run restored (or replayed) on their destination host."""
+
+    async def one(p: PlacedUnit) -> str | None:
+        s = sessions[p.host]
+        for role in ("restore", "replay"):
+            found = await s.call(s.client.containers.list, filters={
+                "label": [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"]})
+            if found:
+                return p.unit_id
+        return None
+
+    return [u for u in await asyncio.gather(*(one(p) for p in placed)) if u]
+
+
+async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[RestoreRun],
+                          facts: dict[str, HostFacts], *,
                           kernel_policy: str, fallback: Fallback) -> None:
     """Load each capsule on its destination and run its pinned CRIU's probe there. A failing
     probe makes the unit's snapshot inadmissible: refused, or replayed with --fallback."""
@@ -222,7 +248,8 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[Rest
         await load_capsule(r.session, r.capsule_meta, tar)
         if kernel_policy == "capability":
             try:
-                await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id)
+                await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id,
+                                 kernel=facts[r.placed.host].kernel)
             except CapsuleError as exc:
                 if fallback != "replay":
                     raise
@@ -247,7 +274,7 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
 
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
-                         artifact: Artifact, topology: Topology,
+                         artifact: Artifact, launch: Launch, topology: Topology,
                          runs: list[RestoreRun]) -> list[str]:
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
@@ -281,6 +308,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                            device_map(r.capsule_meta.captured_devices, r.placed.spec.devices))
 
     await phase(ctx, "gpu-restore", snap, gpus)
+    maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
+            for r in snap if r.capsule_meta is not None}
+    placements = placement_documents(launch, topology, hosts.entries, maps)
+    await phase(ctx, "placement", snap,
+                lambda r: deliver_placement(r.session, r.started, placements[r.placed.unit_id]))
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
         await phase(ctx, "replay", native, start_native)

@@ -1,19 +1,81 @@
 #!/usr/bin/env python3
 """ColdSnap test engine: a small stand-in for vLLM/SGLang inside the test capsule.
 
-Shape of a real engine, at MiB-to-GiB scale and without a GPU:
-- one API process plus one child process per worker (like vLLM's multiprocessing executor);
-- each worker warms up for real: reads its weight shard from the mounted model directory into
-  memory, derives a digest table from it (CPU time proportional to the shard), closes the file,
-  "initialises CUDA" by registering with the simulated driver (see cuda_checkpoint_sim.py) and
-  counts the warm-up in a file in the container rootfs (so a second warm-up after a restore
-  would show, even though the counter file travels in the capsule);
-- /v1/completions answers the validation prompt with the text stored in the weights only while
-  the in-memory weights still match the digests taken at warm-up and every worker's simulated
-  GPU is running (locked or checkpointed GPUs are never served);
-- /status reports each worker's identity (from the COLDSNAP_UNIT manifest the controller passes),
-  pid, the devices as the simulated driver sees them, and the warm-up counters;
-- /admin/quiesce and /admin/resume drain and reopen request intake around a snapshot.
+    engine.py serve [--api vllm|sglang] [--host 0.0.0.0] [--port P] --model-dir D
+                    [--served-model-name NAME] [--master-addr A] [--master-port P2]
+                    [--warmup-rounds N] [--hold-undumpable]
+    engine.py make-shards --out D --world-size W --bytes N --prompt P --answer A [--seed S]
+
+--api defaults to vllm; --port to 8000 (vllm) or 30000 (sglang); --master-addr to
+$MASTER_ADDR else 127.0.0.1 and --master-port to $MASTER_PORT else 29500 (as torch);
+--served-model-name to the model dir. --hold-undumpable makes the API process open a perf event
+fd at start and keep it: CRIU has no dumper for it, so a dump of the tree is refused (a test
+knob).
+
+Processes, shaped like a real engine at MiB-to-GiB scale and without a GPU:
+- one API process serving HTTP on TCP (--host, --port), plus one EXEC'd worker process per
+  manifest worker (`engine.py worker ...`), started with RANK (global rank), LOCAL_RANK
+  (process slot) and WORLD_SIZE in its environment, talking to the API process over an
+  inherited socketpair. The API process reaps its workers and forks nothing after start
+  (CRIU restores PIDs). A worker exits when the API process goes away.
+- each worker warms up for real: reads its weight shard from the model dir into memory,
+  derives a digest table (CPU time proportional to the shard), closes the file, allocates a
+  few MiB of "KV cache", "initialises CUDA" by registering with the simulated driver (see
+  cuda_checkpoint_sim.py) and counts the warm-up in a file under TEST_ENGINE_STATE_DIR
+  (default /var/lib/test-engine), so a second warm-up after a restore would show.
+- the workers of one world group form a group over TCP like NCCL/Gloo's bootstrap
+  (engine_group.py): local address from the interface NCCL_SOCKET_IFNAME selects (NCCL's
+  syntax; else GLOO_SOCKET_IFNAME, exact names; unset: the interface whose subnet holds the
+  master address, else the first non-loopback one, else lo); rank 0 listens on (local
+  address, master port), the others bind their local address and connect to (master addr,
+  master port), retrying every 100 ms. A world of one opens no group socket (as vLLM TP1).
+  Every completion is one all-reduce across ALL ranks, run by the rank-0 worker in the unit
+  that holds global rank 0 (the driver): each rank answers only while its weights match the
+  digests taken at warm-up and its simulated GPU is `running`; a rank that is gone fails the
+  completion at once, a silent one within TEST_ENGINE_STEP_TIMEOUT (10 s). A unit without
+  rank 0 answers completions with an error naming the driver, and serves /health and
+  sleep/wake for its own workers.
+
+Surfaces (HTTP/1.1, one request per connection, always Content-Length; errors in the engine's
+own error JSON):
+- --api vllm: GET /health (200/503, empty body), GET /v1/models, POST /v1/completions,
+  POST /v1/chat/completions (the prompt is the last user message), POST /sleep?level=1|2,
+  POST /wake_up[?tags=...], GET /is_sleeping -> {"is_sleeping": bool}, and the dev-mode
+  POST /collective_rpc {"method": "reload_weights"} -> {"results": [null per worker]}.
+  Errors: {"error": {"message", "type", "param", "code"}}.
+- --api sglang: GET /health, GET /health_generate (one tiny generation through the
+  all-reduce on the driver), POST /generate {"text", "sampling_params"} -> {"text",
+  "meta_info"}, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+  POST /release_memory_occupation, POST /resume_memory_occupation ({} bodies, `null`
+  answers), POST /update_weights_from_disk {"model_path"?} -> {"success", "message",
+  "num_paused_requests"}. Errors: {"error": {"message"}} natively, {"object": "error",
+  "message", "type", "param", "code"} on /v1.
+Completion bodies may carry "full_check": true (an extra field, as vLLM accepts): every rank
+then re-verifies all of its weight chunks instead of a sample.
+/health is 200 only when every local worker is warm, awake, its GPU `running` and its group
+connection up (rank 0: every peer connected).
+
+Sleep (vLLM /sleep, SGLang release) closes intake (new completions get 503), waits for the
+ones in flight (60 s at most), then every local worker closes ALL its group sockets (rank 0 its
+listener too) and drops its KV cache; level 2 and SGLang's release also drop the weights
+(the digest table stays): they come back only through reload_weights/update_weights_from_disk,
+which re-read the shard from the model dir and check it against the warm-up digests.
+Wake (vLLM /wake_up, SGLang resume) first reads $COLDSNAP_RUNTIME_DIR/placement.json (default
+dir /var/lib/coldsnap/runtime; format coldsnap-placement/1, written by the controller after a
+restore; its unit_id must be this unit's, else the wake is refused with 400 and the engine
+stays asleep): its master_addr/master_port replace the command line's and its `environment`
+(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, ...; null unsets) overrides the process environment
+for choosing interfaces, since a restored process keeps its captured environment. The last
+placement read is kept when a later wake finds no file. Host addresses, `port` and
+`device_map` in the file are informational here. Wake then reallocates the KV cache and
+rebuilds the group in the background (200 at once; /health is 503 until the group is up) and
+logs one line with the master address used.
+
+Sockets and snapshots: the HTTP listener binds --host (0.0.0.0 by default, which CRIU restores
+on any host without a rewrite); every HTTP connection closes after its response; group sockets
+are bound to a host's own address and exist only while awake, so a sleeping engine holds no
+established TCP connection and no host-specific socket. Logging is quiet: nothing is written
+while sleeping or serving; only warm-up failures, wake lines and group problems (each once).
 
 Identity: COLDSNAP_UNIT is a JSON object
     {"unit_id": str, "devices": [uuid, ...],
@@ -23,7 +85,8 @@ Without it the engine runs one worker, rank 0 of 1, on no devices.
 Shard files: <model-dir>/shard-<rank>-of-<world>.bin, a one-line JSON header followed by the
 payload bytes; `engine.py make-shards` writes them.
 
-Python 3 standard library only: it runs inside the capsule.
+Python 3 standard library only: it runs inside the capsule, with engine_group.py (the group),
+engine_http.py (the HTTP surfaces) and cuda_checkpoint_sim.py next to it.
 """
 
 from __future__ import annotations
@@ -31,27 +94,42 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import http.server
+import itertools
 import json
 import os
 import platform
 import random
 import socket
-import socketserver
 import struct
+import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cuda_checkpoint_sim as gpu_sim
+# The capsule runs this file through a symlink (/usr/local/bin/test-engine).
+HERE = os.path.realpath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+import cuda_checkpoint_sim as gpu_sim  # noqa: E402
+import engine_group  # noqa: E402
+import engine_http  # noqa: E402
 
 SHARD_FORMAT = "coldsnap-test-shard/1"
+PLACEMENT_FORMAT = "coldsnap-placement/1"
 CHUNK = 1 << 20
 DEFAULT_STATE_DIR = "/var/lib/test-engine"
+DEFAULT_RUNTIME_DIR = "/var/lib/coldsnap/runtime"
 # Chunks re-verified per completion: enough to notice lost pages, cheap at GiB scale.
 SAMPLED_CHUNKS = 8
+KV_CACHE_BYTES = 4 << 20
+DRAIN_TIMEOUT = 60.0
+CONTROL_TIMEOUT = 15.0  # sleep/wake in one worker (a group stop joins its threads)
+RELOAD_TIMEOUT = 600.0
+DEFAULT_PORTS = {"vllm": 8000, "sglang": 30000}
+log = engine_group.log
+
+
+# ---- shards and counters -----------------------------------------------------------------
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -90,15 +168,14 @@ def state_dir() -> str:
     return os.environ.get("TEST_ENGINE_STATE_DIR", DEFAULT_STATE_DIR)
 
 
+def runtime_dir() -> str:
+    return os.environ.get("COLDSNAP_RUNTIME_DIR", DEFAULT_RUNTIME_DIR)
+
+
 def bump_warmup_counter(worker_id: str) -> int:
     os.makedirs(state_dir(), exist_ok=True)
     path = os.path.join(state_dir(), f"warmups-{worker_id}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            n = int(f.read().strip() or 0)
-    except FileNotFoundError:
-        n = 0
-    n += 1
+    n = read_warmup_counter(worker_id) + 1
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(f"{n}\n")
     os.replace(path + ".tmp", path)
@@ -113,272 +190,6 @@ def read_warmup_counter(worker_id: str) -> int:
         return 0
 
 
-class Worker:
-    """Runs in the worker child process."""
-
-    def __init__(self, ident: dict[str, Any], devices: list[str], model_dir: str,
-                 rounds: int) -> None:
-        self.ident = ident
-        self.devices = [devices[s] for s in ident.get("device_slots", []) if s < len(devices)]
-        self.model_dir = model_dir
-        self.rounds = rounds
-        self.weights = bytearray()
-        self.table: list[bytes] = []
-        self.root = ""
-        self.header: dict[str, Any] = {}
-        self.warmups_in_process = 0
-        self.warmup_seconds = 0.0
-        self.weights_path = ""
-        self.served = 0
-
-    def warm_up(self) -> None:
-        t0 = time.monotonic()
-        rank, world = self.ident["global_rank"], self.ident["world_size"]
-        self.weights_path = os.path.join(self.model_dir, shard_name(rank, world))
-        # The file is closed before serving: a snapshot must not depend on the model mount.
-        with open(self.weights_path, "rb") as f:
-            self.header = json.loads(f.readline())
-            if self.header.get("format") != SHARD_FORMAT or self.header.get("rank") != rank:
-                raise RuntimeError(f"{self.weights_path}: not the shard of rank {rank}")
-            size = int(self.header["payload_bytes"])
-            self.weights = bytearray(size)
-            view = memoryview(self.weights)
-            got = 0
-            while got < size:
-                n = f.readinto(view[got:got + (64 << 20)])
-                if not n:
-                    raise RuntimeError(f"{self.weights_path}: truncated shard")
-                got += n
-        view = memoryview(self.weights)
-        self.table = [chunk_digest(view[i:i + CHUNK], self.rounds)
-                      for i in range(0, len(self.weights), CHUNK)]
-        self.root = hashlib.sha256(b"".join(self.table)).hexdigest()
-        gpu_sim.register(os.getpid(), self.devices)
-        self.warmups_in_process += 1
-        bump_warmup_counter(self.ident["id"])
-        self.warmup_seconds = time.monotonic() - t0
-
-    def gpu(self) -> dict[str, Any]:
-        with gpu_sim.driver_lock():
-            try:
-                return gpu_sim.read_state(os.getpid())
-            except gpu_sim.SimError as exc:
-                return {"state": "absent", "devices": [], "error": str(exc)}
-
-    def intact(self, full: bool) -> bool:
-        if hashlib.sha256(b"".join(self.table)).hexdigest() != self.root:
-            return False
-        n = len(self.table)
-        if full:
-            picks = range(n)
-        else:
-            rng = random.Random(self.served)
-            picks = sorted({rng.randrange(n) for _ in range(min(SAMPLED_CHUNKS, n))}) if n else []
-        view = memoryview(self.weights)
-        return all(chunk_digest(view[i * CHUNK:(i + 1) * CHUNK], self.rounds) == self.table[i]
-                   for i in picks)
-
-    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if op == "status":
-            g = self.gpu()
-            return {**self.ident, "pid": os.getpid(), "devices": g.get("devices", []),
-                    "gpu_state": g.get("state"), "warmups_total": read_warmup_counter(
-                        self.ident["id"]), "warmups_in_process": self.warmups_in_process,
-                    "warmup_seconds": self.warmup_seconds, "weights_path": self.weights_path,
-                    "weights_bytes": len(self.weights), "weights_root": self.root,
-                    "served": self.served}
-        if op == "complete":
-            g = self.gpu()
-            if g.get("state") != "running":
-                return {"ok": False, "error": f"GPU state is {g.get('state')}, not running"}
-            self.served += 1
-            if not self.intact(full=bool(req.get("full_check"))):
-                return {"ok": False, "error": "warm state damaged: weights digest mismatch"}
-            if req.get("prompt") == self.header.get("prompt"):
-                text = self.header["answer"]
-            else:
-                text = "echo:" + hashlib.sha256(
-                    (self.root + str(req.get("prompt"))).encode()).hexdigest()[:16]
-            return {"ok": True, "text": text}
-        return {"ok": False, "error": f"unknown op {op!r}"}
-
-    def loop(self, sock: socket.socket) -> None:
-        f = sock.makefile("rwb")
-        for line in f:
-            try:
-                resp = self.handle(json.loads(line))
-            except Exception as exc:  # a worker must answer, never die on one bad request
-                resp = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            f.write(json.dumps(resp).encode() + b"\n")
-            f.flush()
-
-
-class Channel:
-    def __init__(self, ident: dict[str, Any], sock: socket.socket, pid: int) -> None:
-        self.ident = ident
-        self.sock = sock
-        self.pid = pid
-        self.file = sock.makefile("rwb")
-        self.lock = threading.Lock()
-
-    def call(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self.lock:
-            self.file.write(json.dumps(req).encode() + b"\n")
-            self.file.flush()
-            line = self.file.readline()
-        if not line:
-            return {"ok": False, "error": f"worker {self.ident['id']} is gone"}
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-
-class Engine:
-    def __init__(self, manifest: dict[str, Any], channels: list[Channel]) -> None:
-        self.manifest = manifest
-        self.channels = channels
-        self.cond = threading.Condition()
-        self.draining = False
-        self.in_flight = 0
-        self.undumpable: int | None = None
-
-    def status(self) -> dict[str, Any]:
-        workers = [c.call({"op": "status"}) for c in self.channels]
-        return {"unit_id": self.manifest.get("unit_id"), "pid": os.getpid(),
-                "draining": self.draining, "in_flight": self.in_flight,
-                "holds_undumpable": self.undumpable is not None, "workers": workers}
-
-    def healthy(self) -> bool:
-        if self.draining:
-            return False
-        return all(w.get("gpu_state") == "running" for w in self.status()["workers"])
-
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        with self.cond:
-            if self.draining:
-                return 503, {"error": "engine is quiesced"}
-            self.in_flight += 1
-        try:
-            answers = [c.call({"op": "complete", "prompt": body.get("prompt"),
-                               "full_check": body.get("full_check", False)})
-                       for c in self.channels]
-        finally:
-            with self.cond:
-                self.in_flight -= 1
-                self.cond.notify_all()
-        bad = [a["error"] for a in answers if not a.get("ok")]
-        if bad:
-            return 503, {"error": "; ".join(bad)}
-        texts = [a["text"] for a in answers]
-        # Every shard carries the whole trained answer; other prompts get each rank's part.
-        text = texts[0] if len(set(texts)) == 1 else "/".join(texts)
-        return 200, {"text": text, "workers": len(answers)}
-
-    def quiesce(self, timeout: float) -> tuple[int, dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            self.draining = True
-            while self.in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return 504, {"error": "in-flight requests did not drain",
-                                 "in_flight": self.in_flight}
-                self.cond.wait(left)
-        return 200, {"draining": True, "in_flight": 0}
-
-    def resume(self) -> tuple[int, dict[str, Any]]:
-        with self.cond:
-            self.draining = False
-        return 200, {"draining": False}
-
-    def hold_undumpable(self) -> tuple[int, dict[str, Any]]:
-        # Test knob: a perf event fd is a kernel object CRIU has no dumper for ("Can't dump
-        # file ... anon_inode:[perf_event]"), so a dump of this tree is refused while it is open.
-        if self.undumpable is None:
-            try:
-                self.undumpable = open_perf_event()
-            except OSError as exc:
-                return 500, {"error": f"perf_event_open: {exc}"}
-        return 200, {"holds_undumpable": True}
-
-    def release_undumpable(self) -> tuple[int, dict[str, Any]]:
-        if self.undumpable is not None:
-            os.close(self.undumpable)
-            self.undumpable = None
-        return 200, {"holds_undumpable": False}
-
-
-PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
-
-
-def open_perf_event() -> int:
-    """perf_event_open(software CPU clock, this process): needs no PMU, works in containers."""
-    nr = PERF_EVENT_OPEN.get(platform.machine())
-    if nr is None:
-        raise OSError(f"perf_event_open: unknown syscall number on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = ctypes.create_string_buffer(128)
-    # struct perf_event_attr: type=PERF_TYPE_SOFTWARE(1), size=128, config=CPU_CLOCK(0)
-    attr[0:16] = struct.pack("<IIQ", 1, 128, 0)
-    fd = int(libc.syscall(nr, attr, 0, -1, -1, 0))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
-
-
-def make_handler(engine: Engine) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.0"
-
-        def address_string(self) -> str:
-            return "local"  # unix peers have no address tuple
-
-        def log_message(self, format: str, *args: Any) -> None:
-            # Quiet on purpose: nothing may grow the engine's stdio files around a snapshot.
-            pass
-
-        def reply(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def body(self) -> dict[str, Any]:
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b"{}"
-            out: dict[str, Any] = json.loads(raw or b"{}")
-            return out
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                ok = engine.healthy()
-                self.reply(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
-            elif self.path == "/status":
-                self.reply(200, engine.status())
-            else:
-                self.reply(404, {"error": "not found"})
-
-        def do_POST(self) -> None:
-            body = self.body()
-            if self.path == "/v1/completions":
-                self.reply(*engine.complete(body))
-            elif self.path == "/admin/quiesce":
-                self.reply(*engine.quiesce(float(body.get("timeout", 30))))
-            elif self.path == "/admin/resume":
-                self.reply(*engine.resume())
-            elif self.path == "/admin/hold-undumpable":
-                self.reply(*engine.hold_undumpable())
-            elif self.path == "/admin/release-undumpable":
-                self.reply(*engine.release_undumpable())
-            else:
-                self.reply(404, {"error": "not found"})
-
-    return Handler
-
-
 def load_manifest() -> dict[str, Any]:
     raw = os.environ.get("COLDSNAP_UNIT")
     if not raw:
@@ -389,72 +200,532 @@ def load_manifest() -> dict[str, Any]:
     return manifest
 
 
-def serve(args: argparse.Namespace) -> int:
-    manifest = load_manifest()
-    workers = sorted(manifest["workers"], key=lambda w: w["process_slot"])
-    channels = []
-    for ident in workers:
-        parent_end, child_end = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            parent_end.close()
-            for c in channels:
-                c.sock.close()
-            code = 0
+# ---- the worker process ----------------------------------------------------------------------
+
+
+class Worker:
+    """One worker's warm state and its group membership (runs in the worker process)."""
+
+    def __init__(self, ident: dict[str, Any], devices: list[str], model_dir: str,
+                 rounds: int) -> None:
+        self.ident = ident
+        self.rank, self.world_size = int(ident["global_rank"]), int(ident["world_size"])
+        self.who = f"worker {ident['id']} (rank {self.rank} of {self.world_size})"
+        self.devices = [devices[s] for s in ident.get("device_slots", []) if s < len(devices)]
+        self.model_dir = model_dir
+        self.rounds = rounds
+        self.header: dict[str, Any] = {}
+        self.weights: bytearray | None = None
+        self.table: list[bytes] = []
+        self.root = ""
+        self.kv: bytearray | None = None
+        self.sleeping = False
+        self.served = 0
+        self.lock = threading.Lock()  # warm state
+        self.group_lock = threading.Lock()  # group rebuilds
+        self.group: engine_group.Group | None = None
+        self.config: tuple[Any, ...] | None = None
+
+    def read_shard(self, model_dir: str) -> tuple[str, dict[str, Any], bytearray, list[bytes]]:
+        path = os.path.join(model_dir, shard_name(self.rank, self.world_size))
+        # The file is closed before serving: a snapshot must not depend on the model mount.
+        with open(path, "rb") as f:
+            header = json.loads(f.readline())
+            if header.get("format") != SHARD_FORMAT or header.get("rank") != self.rank:
+                raise RuntimeError(f"{path}: not the shard of rank {self.rank}")
+            size = int(header["payload_bytes"])
+            weights = bytearray(size)
+            view = memoryview(weights)
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:got + (64 << 20)])
+                if not n:
+                    raise RuntimeError(f"{path}: truncated shard")
+                got += n
+        table = [chunk_digest(view[i:i + CHUNK], self.rounds) for i in range(0, size, CHUNK)]
+        return path, header, weights, table
+
+    def warm_up(self) -> None:
+        _, self.header, self.weights, self.table = self.read_shard(self.model_dir)
+        self.root = hashlib.sha256(b"".join(self.table)).hexdigest()
+        self.kv = bytearray(b"\x5a") * KV_CACHE_BYTES
+        gpu_sim.register(os.getpid(), self.devices)
+        bump_warmup_counter(self.ident["id"])
+
+    def reload(self, model_dir: str) -> dict[str, Any]:
+        path, header, weights, table = self.read_shard(model_dir)
+        if table != self.table:
+            raise RuntimeError(f"{path}: weights do not match the digests taken at warm-up")
+        with self.lock:
+            self.header, self.weights = header, weights
+        return {"ok": True}
+
+    def gpu_state(self) -> str:
+        with gpu_sim.driver_lock():
             try:
-                w = Worker(ident, manifest.get("devices", []), args.model_dir,
-                           args.warmup_rounds)
-                w.warm_up()
-                child_end.sendall(b"ready\n")
-                w.loop(child_end)
-            except BaseException as exc:
-                print(f"worker {ident['id']}: {type(exc).__name__}: {exc}", file=sys.stderr,
-                      flush=True)
-                code = 1
-            os._exit(code)
-        child_end.close()
-        channels.append(Channel(ident, parent_end, pid))
+                return str(gpu_sim.read_state(os.getpid())["state"])
+            except gpu_sim.SimError:
+                return "absent"
+
+    def intact(self, weights: bytearray, full: bool) -> bool:
+        if hashlib.sha256(b"".join(self.table)).hexdigest() != self.root:
+            return False
+        n = len(self.table)
+        if full:
+            picks: Any = range(n)
+        else:
+            rng = random.Random(self.served)
+            picks = sorted({rng.randrange(n) for _ in range(min(SAMPLED_CHUNKS, n))}) if n else []
+        view = memoryview(weights)
+        return all(chunk_digest(view[i * CHUNK:(i + 1) * CHUNK], self.rounds) == self.table[i]
+                   for i in picks)
+
+    def contribute(self, step: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of one all-reduce step."""
+        def no(why: str) -> dict[str, Any]:
+            return {"ok": False, "rank": self.rank, "error": f"{self.who}: {why}"}
+
+        state = self.gpu_state()
+        if state != "running":
+            return no(f"GPU state is {state}, not running")
+        with self.lock:
+            if self.sleeping:
+                return no("asleep")
+            if self.weights is None:
+                return no("weights were released by a discarding sleep; reload them from disk "
+                          "(reload_weights / update_weights_from_disk)")
+            if self.kv is None:
+                return no("no KV cache")
+            self.served += 1
+            if not self.intact(self.weights, full=bool(step.get("full_check"))):
+                return no("warm state damaged: weights digest mismatch")
+            prompt = step.get("prompt")
+            if prompt == self.header.get("prompt"):
+                text = str(self.header["answer"])
+            else:
+                text = "echo:" + hashlib.sha256(
+                    (self.root + str(prompt)).encode()).hexdigest()[:16]
+        return {"ok": True, "rank": self.rank, "text": text}
+
+    def complete(self, step: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 only: the all-reduce of one completion across every rank."""
+        group = self.group
+        if not isinstance(group, engine_group.MasterGroup):
+            return {"ok": False, "error": f"{self.who}: not rank 0, or asleep"}
+        try:
+            parts = group.all_reduce(step, self.contribute(step))
+        except engine_group.GroupError as exc:
+            return {"ok": False, "error": str(exc)}
+        bad = [p.get("error") or f"rank {p.get('rank')} failed" for p in parts if not p.get("ok")]
+        if bad:
+            return {"ok": False, "error": "; ".join(bad)}
+        texts = [p["text"] for p in parts]
+        # Every shard carries the whole trained answer; other prompts get each rank's part.
+        return {"ok": True, "text": texts[0] if len(set(texts)) == 1 else "/".join(texts),
+                "ranks": len(parts)}
+
+    def health(self) -> dict[str, Any]:
+        group = self.group
+        return {"ok": True, "sleeping": self.sleeping, "gpu_state": self.gpu_state(),
+                "group_ready": group is not None and group.ready(),
+                "group_problem": group.problem if group is not None else None,
+                "weights_loaded": self.weights is not None}
+
+    def sleep(self, level: int) -> dict[str, Any]:
+        with self.lock:
+            self.sleeping = True
+        with self.group_lock:
+            if self.group is not None:
+                self.group.stop()
+                self.group = None
+        with self.lock:
+            self.kv = None
+            if level >= 2:
+                self.weights = None
+        return {"ok": True}
+
+    def wake(self, master_addr: str, master_port: int, overlay: dict[str, Any]) -> dict[str, Any]:
+        env = dict(os.environ)
+        for key, value in overlay.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = str(value)
+        config = (master_addr, int(master_port), sorted(overlay.items()))
+        with self.group_lock:
+            with self.lock:
+                rebuild = self.sleeping or self.group is None or config != self.config
+                self.config = config
+                if self.kv is None:
+                    self.kv = bytearray(b"\x5a") * KV_CACHE_BYTES
+                self.sleeping = False
+            if rebuild:
+                if self.group is not None:
+                    self.group.stop()
+                self.group = engine_group.make_group(
+                    self.who, self.rank, self.world_size, master_addr, int(master_port), env,
+                    self.contribute)
+                self.group.start()
+        return {"ok": True, "rebuilt": rebuild}
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "health":
+            return self.health()
+        if op == "complete":
+            return self.complete(req.get("step") or {})
+        if op == "sleep":
+            return self.sleep(int(req.get("level", 1)))
+        if op == "wake":
+            return self.wake(req["master_addr"], req["master_port"], req.get("env") or {})
+        if op == "reload":
+            return self.reload(req.get("model_dir") or self.model_dir)
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    chan = socket.socket(fileno=args.channel_fd)
+    send_lock = threading.Lock()
+
+    def send(obj: dict[str, Any]) -> None:
+        try:
+            with send_lock:
+                chan.sendall(json.dumps(obj).encode() + b"\n")
+        except OSError:
+            pass  # the API process is gone; the read loop below ends too
+
+    manifest = load_manifest()
+    ident = next(w for w in manifest["workers"] if w["process_slot"] == args.slot)
+    worker = Worker(ident, manifest.get("devices", []), args.model_dir, args.warmup_rounds)
+    try:
+        worker.warm_up()
+    except Exception as exc:
+        print(f"worker {ident['id']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    worker.wake(args.master_addr, args.master_port, {})
+    send({"ready": True, "pid": os.getpid()})
+
+    def serve_one(req: dict[str, Any]) -> None:
+        try:
+            out = worker.handle(req)
+        except Exception as exc:  # a worker must answer, never die on one bad request
+            out = {"ok": False, "error": f"{worker.who}: {type(exc).__name__}: {exc}"}
+        send({**out, "id": req.get("id")})
+
+    for line in chan.makefile("rb"):
+        threading.Thread(target=serve_one, args=(json.loads(line),), daemon=True).start()
+    os._exit(0)  # the API process went away: so does this worker
+
+
+# ---- the API process -------------------------------------------------------------------------
+
+
+class Channel:
+    """The API process's end of one worker's socketpair: concurrent calls matched by id."""
+
+    def __init__(self, ident: dict[str, Any], sock: socket.socket,
+                 proc: subprocess.Popen[bytes]) -> None:
+        self.ident = ident
+        self.sock = sock
+        self.proc = proc
+        self.reader = sock.makefile("rb")
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.pending: dict[int, list[Any]] = {}
+        self.ids = itertools.count(1)
+        self.gone: str | None = None
+
+    def wait_ready(self) -> dict[str, Any]:
+        line = self.reader.readline()
+        if not line:
+            return {"ready": False, "error": "exited during warm-up"}
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.reader:
+            msg = json.loads(line)
+            with self.lock:
+                slot = self.pending.pop(msg.get("id"), None)
+            if slot is not None:
+                slot[1] = msg
+                slot[0].set()
+        with self.lock:
+            self.gone = f"worker {self.ident['id']} (pid {self.proc.pid}) is gone"
+            for slot in self.pending.values():
+                slot[0].set()
+            self.pending.clear()
+        self.proc.wait()  # reap it
+
+    def call(self, op: str, timeout: float, **kw: Any) -> dict[str, Any]:
+        rid = next(self.ids)
+        slot: list[Any] = [threading.Event(), None]
+        with self.lock:
+            if self.gone:
+                return {"ok": False, "error": self.gone}
+            self.pending[rid] = slot
+        try:
+            with self.send_lock:
+                self.sock.sendall(json.dumps({"id": rid, "op": op, **kw}).encode() + b"\n")
+        except OSError as exc:
+            with self.lock:
+                self.pending.pop(rid, None)
+            return {"ok": False, "error": f"worker {self.ident['id']}: {exc}"}
+        if not slot[0].wait(timeout):
+            with self.lock:
+                self.pending.pop(rid, None)
+            return {"ok": False,
+                    "error": f"worker {self.ident['id']} did not answer {op} within {timeout:.0f}s"}
+        return slot[1] or {"ok": False, "error": self.gone}
+
+
+class PlacementError(Exception):
+    pass
+
+
+class Engine:
+    """The API process's state: intake, sleep/wake, placement, and calls into the workers."""
+
+    def __init__(self, args: argparse.Namespace, manifest: dict[str, Any],
+                 channels: list[Channel]) -> None:
+        self.args = args
+        self.unit_id = str(manifest.get("unit_id"))
+        self.channels = channels
+        self.driver = next((c for c in channels if c.ident["global_rank"] == 0), None)
+        self.model_dir = args.model_dir
+        self.cond = threading.Condition()
+        self.sleeping = False
+        self.in_flight = 0
+        self.control = threading.Lock()  # one sleep/wake/reload at a time
+        self.placement: dict[str, Any] | None = None
+        self.placement_digest: str | None = None
+        self.undumpable: int | None = None  # the perf event fd of --hold-undumpable
+
+    def call_all(self, op: str, timeout: float, **kw: Any) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{} for _ in self.channels]
+
+        def one(i: int) -> None:
+            out[i] = self.channels[i].call(op, timeout, **kw)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(self.channels))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    def healthy(self) -> bool:
+        with self.cond:
+            if self.sleeping:
+                return False
+        return all(h.get("ok") and not h.get("sleeping") and h.get("gpu_state") == "running"
+                   and h.get("group_ready") for h in self.call_all("health", 5.0))
+
+    def transport(self) -> tuple[str, int, dict[str, Any]]:
+        p = self.placement or {}
+        return (str(p.get("master_addr") or self.args.master_addr),
+                int(p.get("master_port") or self.args.master_port),
+                dict(p.get("environment") or {}))
+
+    def driver_hint(self) -> str:
+        for w in (self.placement or {}).get("workers") or []:
+            if w.get("global_rank") == 0:
+                return f"unit {w.get('unit')} at {w.get('host_address')}"
+        addr, port, _ = self.transport()
+        return f"the unit that holds global rank 0 (master {addr}:{port})"
+
+    def generate(self, prompt: str, full_check: bool = False) -> tuple[int, str]:
+        """(200, text) or (status, error message)."""
+        if self.driver is None:
+            return 400, (f"unit {self.unit_id} holds no global rank 0 and does not serve "
+                         f"completions: send them to {self.driver_hint()}")
+        with self.cond:
+            if self.sleeping:
+                return 503, "the engine is sleeping: wake it up first"
+            self.in_flight += 1
+        try:
+            r = self.driver.call("complete", engine_group.STEP_TIMEOUT + 5.0,
+                                 step={"prompt": prompt, "full_check": full_check})
+        finally:
+            with self.cond:
+                self.in_flight -= 1
+                self.cond.notify_all()
+        if not r.get("ok"):
+            return 503, str(r.get("error"))
+        return 200, str(r["text"])
+
+    def sleep(self, level: int) -> tuple[int, str | None]:
+        with self.control:
+            with self.cond:
+                was, self.sleeping = self.sleeping, True
+                deadline = time.monotonic() + DRAIN_TIMEOUT
+                while self.in_flight:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.sleeping = was
+                        return 503, (f"{self.in_flight} requests still in flight after "
+                                     f"{DRAIN_TIMEOUT:.0f}s; not sleeping")
+                    self.cond.wait(left)
+            bad = [r.get("error") for r in self.call_all("sleep", CONTROL_TIMEOUT, level=level)
+                   if not r.get("ok")]
+            return (500, "; ".join(map(str, bad))) if bad else (200, None)
+
+    def read_placement(self) -> str:
+        path = os.path.join(runtime_dir(), "placement.json")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return "no placement file" + (", keeping the last placement" if self.placement
+                                          else "")
+        except OSError as exc:
+            raise PlacementError(f"{path}: {exc}") from exc
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest == self.placement_digest:
+            return f"placement {path} unchanged"
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise PlacementError(f"{path}: not JSON: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
+            raise PlacementError(f"{path}: not a {PLACEMENT_FORMAT} document")
+        if data.get("unit_id") not in (None, self.unit_id):
+            raise PlacementError(f"{path} is for unit {data.get('unit_id')}, "
+                                 f"this is unit {self.unit_id}")
+        env = data.get("environment") or {}
+        port = data.get("master_port")
+        if not isinstance(env, dict) or not all(
+                isinstance(v, (str, type(None))) for v in env.values()):
+            raise PlacementError(f"{path}: environment must map names to strings")
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise PlacementError(f"{path}: bad master_port {port!r}")
+        self.placement, self.placement_digest = data, digest
+        return f"placement {path} applied"
+
+    def wake(self) -> tuple[int, str | None]:
+        with self.control:
+            try:
+                note = self.read_placement()
+            except PlacementError as exc:
+                return 400, str(exc)
+            addr, port, env = self.transport()
+            bad = [r.get("error") for r in self.call_all(
+                "wake", CONTROL_TIMEOUT, master_addr=addr, master_port=port, env=env)
+                if not r.get("ok")]
+            if bad:
+                return 500, "; ".join(map(str, bad))
+            with self.cond:
+                self.sleeping = False
+            ifname = env.get("NCCL_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+            log(f"unit {self.unit_id} wakes up: master {addr}:{port}, "
+                f"NCCL_SOCKET_IFNAME={ifname or '(unset)'}; {note}")
+            return 200, None
+
+    def reload(self, model_dir: str | None) -> tuple[int, list[Any] | str]:
+        with self.control:
+            results = self.call_all("reload", RELOAD_TIMEOUT, model_dir=model_dir or self.model_dir)
+            bad = [r.get("error") for r in results if not r.get("ok")]
+            if bad:
+                return 500, "; ".join(map(str, bad))
+            if model_dir:
+                self.model_dir = model_dir
+            return 200, [None for _ in results]
+
+
+PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+
+
+def open_perf_event() -> int:
+    """perf_event_open(software CPU clock, this process): needs no PMU, works in containers.
+    CRIU has no dumper for it ("Can't dump file ... anon_inode:[perf_event]")."""
+    nr = PERF_EVENT_OPEN.get(platform.machine())
+    if nr is None:
+        raise OSError(f"perf_event_open: unknown syscall number on {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    # struct perf_event_attr: type=PERF_TYPE_SOFTWARE(1), size=128, config=CPU_CLOCK(0)
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", 1, 128, 0), 128)
+    fd = int(libc.syscall(nr, attr, 0, -1, -1, 0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def start_workers(args: argparse.Namespace, manifest: dict[str, Any]) -> list[Channel]:
+    channels = []
+    for ident in sorted(manifest["workers"], key=lambda w: w["process_slot"]):
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "RANK": str(ident["global_rank"]),
+               "LOCAL_RANK": str(ident["process_slot"]), "WORLD_SIZE": str(ident["world_size"])}
+        proc = subprocess.Popen(
+            [sys.executable, HERE, "worker",
+             "--channel-fd", str(theirs.fileno()), "--slot", str(ident["process_slot"]),
+             "--model-dir", args.model_dir, "--warmup-rounds", str(args.warmup_rounds),
+             "--master-addr", args.master_addr, "--master-port", str(args.master_port)],
+            env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        channels.append(Channel(ident, mine, proc))
+    return channels
+
+
+def serve(args: argparse.Namespace) -> int:
+    port = args.port if args.port is not None else DEFAULT_PORTS[args.api]
+    # Opened before the workers start (they do not inherit it) and kept for the process's life.
+    undumpable = open_perf_event() if args.hold_undumpable else None
+    manifest = load_manifest()
+    channels = start_workers(args, manifest)
     # Workers warm up in parallel; the API opens only once all of them are ready.
     for c in channels:
-        if c.file.readline() != b"ready\n":
-            print(f"worker {c.ident['id']} failed to warm up", file=sys.stderr, flush=True)
+        ready = c.wait_ready()
+        if not ready.get("ready"):
+            print(f"worker {c.ident['id']} failed to warm up: {ready.get('error')}",
+                  file=sys.stderr, flush=True)
+            for other in channels:
+                other.proc.kill()
+                other.proc.wait()
             return 1
-    engine = Engine(manifest, channels)
-    server = make_server(args.listen, make_handler(engine))
-    print(f"test engine serving on {args.listen}", flush=True)
+    for c in channels:
+        c.start()
+    engine = Engine(args, manifest, channels)
+    engine.undumpable = undumpable
+    surface_cls = engine_http.VllmSurface if args.api == "vllm" else engine_http.SglangSurface
+    surface = surface_cls(engine, args.served_model_name or args.model_dir)
+    engine_http.Server.address_family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    server = engine_http.Server((args.host, port), engine_http.make_handler(surface))
+    print(f"test engine ({args.api}) serving on {args.host}:{port}", flush=True)
     server.serve_forever()
     return 0
-
-
-class UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
-
-
-def make_server(listen: str, handler: type[http.server.BaseHTTPRequestHandler]
-                ) -> socketserver.BaseServer:
-    # Default is an abstract unix socket: CRIU 4.1.1 cannot dump an AF_INET socket on Linux
-    # >= 6.16 (SO_PASSCRED now fails there with EOPNOTSUPP), and the abstract namespace leaves
-    # no socket file in the rootfs to collide with at restore.
-    if listen.startswith("unix:"):
-        addr = listen[len("unix:"):]
-        return UnixHTTPServer("\0" + addr[1:] if addr.startswith("@") else addr, handler)
-    if listen.startswith("tcp:"):
-        host, _, port = listen[len("tcp:"):].rpartition(":")
-        srv = http.server.ThreadingHTTPServer((host, int(port)), handler)
-        srv.daemon_threads = True
-        return srv
-    raise SystemExit(f"--listen: expected unix:@name, unix:/path or tcp:HOST:PORT, not {listen}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="test-engine")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--listen", default="unix:@coldsnap-engine",
-                   help="unix:@abstract-name, unix:/path or tcp:HOST:PORT")
+    s.add_argument("--api", choices=sorted(DEFAULT_PORTS), default="vllm")
+    s.add_argument("--host", default="0.0.0.0")  # noqa: S104 (restorable on any host)
+    s.add_argument("--port", type=int, default=None,
+                   help="default 8000 for vllm, 30000 for sglang")
     s.add_argument("--model-dir", default="/models")
+    s.add_argument("--served-model-name", default=None, help="default: the model dir")
+    s.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR") or "127.0.0.1",
+                   help="default: $MASTER_ADDR, else 127.0.0.1")
+    s.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT") or 29500),
+                   help="default: $MASTER_PORT, else 29500")
     s.add_argument("--warmup-rounds", type=int, default=4,
                    help="digest rounds per weight chunk: the CPU cost of warm-up")
+    s.add_argument("--hold-undumpable", action="store_true",
+                   help="keep a perf event fd open so that a CRIU dump is refused (tests)")
+    w = sub.add_parser("worker", help="internal: one worker process, started by serve")
+    w.add_argument("--channel-fd", type=int, required=True)
+    w.add_argument("--slot", type=int, required=True)
+    w.add_argument("--model-dir", required=True)
+    w.add_argument("--warmup-rounds", type=int, required=True)
+    w.add_argument("--master-addr", required=True)
+    w.add_argument("--master-port", type=int, required=True)
     m = sub.add_parser("make-shards")
     m.add_argument("--out", required=True)
     m.add_argument("--world-size", type=int, required=True)
@@ -465,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "serve":
         return serve(args)
+    if args.cmd == "worker":
+        return worker_main(args)
     for path in make_shards(args.out, args.world_size, args.bytes, args.prompt, args.answer,
                             args.seed):
         print(path)

@@ -40,7 +40,8 @@ DEV = REPO / ".dev-cluster"
 ENGINE_PY = REPO / "deploy" / "test-capsule" / "engine.py"
 PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
 EXPECTED = "coldsnap-cuda-snapshot-ok"
-ENGINE_COMMAND = ("python3", "/opt/coldsnap-test/engine.py", "serve", "--model-dir", "/models")
+ENGINE_PORT = 8000
+MASTER_PORT = 29500
 
 
 def _engine_module() -> Any:
@@ -88,6 +89,15 @@ class ClusterHost:
     def gpus(self) -> tuple[str, ...]:
         return tuple(g.uuid for g in self.entry.simulated_gpus or [])
 
+    @property
+    def address(self) -> str:
+        return self.entry.address
+
+    @property
+    def interface(self) -> str:
+        """The dev cluster names host-N's network interface ensN."""
+        return "ens" + self.name.rsplit("-", 1)[-1]
+
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def capsule_cluster(capsule_inventory: Inventory) -> AsyncIterator[dict[str, ClusterHost]]:
@@ -130,31 +140,61 @@ async def put_shards(host: ClusterHost, world_size: int, payload_bytes: int,
     return remote_dir
 
 
+def engine_command(host: ClusterHost, *extra: str) -> tuple[str, ...]:
+    return ("test-engine", "serve", "--api", "vllm", "--host", "0.0.0.0",
+            "--port", str(ENGINE_PORT), "--model-dir", "/models",
+            "--master-addr", host.address, "--master-port", str(MASTER_PORT), *extra)
+
+
 def unit_spec(capsule_ref: str, host: ClusterHost, unit_id: str, workers: int, model_dir: str,
-              *, image: str | None = None, image_digest: str | None = None) -> UnitSpec:
+              *, image: str | None = None, image_digest: str | None = None,
+              extra_args: tuple[str, ...] = ()) -> UnitSpec:
+    """One unit holding a whole world of `workers` on `host`, serving vLLM's surface."""
     digest = capsule_ref.split("@", 1)[1]
     return UnitSpec(
         unit_id=unit_id,
         image=image or capsule_ref,
         image_digest=image_digest or digest,
-        command=ENGINE_COMMAND,
+        command=engine_command(host, *extra_args),
         devices=host.gpus[:workers],
         workers=tuple(
             WorkerSpec(id=f"{unit_id}-w{i}", global_rank=i, world_size=workers, process_slot=i,
-                       device_slots=(i,))
+                       device_slots=(i,),
+                       payload_path=f"{model_dir}/{shard_file(i, workers)}")
             for i in range(workers)
         ),
         validation=Validation(PROMPT, EXPECTED),
+        environment={"NCCL_SOCKET_IFNAME": host.interface},
         mounts=(Mount(source=model_dir, target="/models", read_only=True),),
+        address=host.address,
     )
 
 
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.bin"
+
+
 def for_host(spec: UnitSpec, host: ClusterHost, model_dir: str) -> UnitSpec:
-    """The same unit placed on another host: its GPUs and its copy of the model."""
+    """The same unit placed on another host: its GPUs, address, interface and its copy of
+    the model (the placement values a restore request may change)."""
     from dataclasses import replace
 
-    return replace(spec, devices=host.gpus[: len(spec.devices)],
+    return replace(spec, devices=host.gpus[: len(spec.devices)], address=host.address,
+                   command=engine_command(host), environment={"NCCL_SOCKET_IFNAME":
+                                                              host.interface},
                    mounts=(Mount(source=model_dir, target="/models", read_only=True),))
+
+
+def placement_for(spec: UnitSpec, host: ClusterHost, captured_devices: tuple[str, ...]
+                  ) -> dict[str, Any]:
+    """The placement a restore of this lone unit onto `host` hands the engine."""
+    return {"format": "coldsnap-placement/1", "unit_id": spec.unit_id, "host": host.name,
+            "host_address": host.address, "port": ENGINE_PORT, "master_addr": host.address,
+            "master_port": MASTER_PORT,
+            "environment": {"NCCL_SOCKET_IFNAME": host.interface},
+            "device_map": dict(zip(captured_devices, spec.devices, strict=True)),
+            "workers": [{"id": w.id, "global_rank": w.global_rank, "unit": spec.unit_id,
+                         "host_address": host.address} for w in spec.workers]}
 
 
 async def stage(src: ClusterHost, dst: ClusterHost, capsule: CapsuleImage) -> str:
@@ -217,9 +257,12 @@ __all__ = [
     "cleanup_capsule",
     "cleanup_paths",
     "cleanup_unit",
+    "engine_command",
     "for_host",
+    "placement_for",
     "put_shards",
     "sha256_text",
+    "shard_file",
     "stage",
     "unique",
     "unit_containers",

@@ -1,4 +1,5 @@
-"""Integration fixtures: the dev cluster of real sshd (+ dockerd) hosts on loopback.
+"""Integration fixtures: the dev cluster of real sshd (+ dockerd) hosts, each in its own network
+namespace on the bridge csd-br0 (198.18.0.0/24).
 
 The cluster is started by `scripts/test` (or by hand: `scripts/dev-cluster up 4`). When it is
 not up these fixtures FAIL with that instruction; they never skip, so a missing cluster can
@@ -68,11 +69,13 @@ async def pool(dev_hosts: Inventory) -> AsyncIterator[HostPool]:
 
 
 class ClusterControl:
-    """Stops and starts one simulated host's sshd through scripts/dev-cluster."""
+    """Stops and starts one simulated host's sshd, or cuts and restores its network link (a
+    partition: the host's processes keep running), through scripts/dev-cluster."""
 
     def __init__(self, inventory_path: Path) -> None:
         self.env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(inventory_path.parent))
         self.stopped: set[str] = set()
+        self.partitioned: set[str] = set()
 
     def _run(self, *args: str) -> None:
         subprocess.run(
@@ -101,6 +104,24 @@ class ClusterControl:
         finally:
             self.start_host(name)
 
+    def partition_host(self, name: str) -> None:
+        self.partitioned.add(name)
+        self._run("partition-host", name)
+
+    def heal_host(self, name: str) -> None:
+        self._run("heal-host", name)
+        self.partitioned.discard(name)
+
+    @contextmanager
+    def host_partitioned(self, name: str) -> Iterator[None]:
+        """The host's link is down inside the block (it is unreachable, its sshd, dockerd and
+        containers keep running) and always back up after it."""
+        self.partition_host(name)
+        try:
+            yield
+        finally:
+            self.heal_host(name)
+
 
 @pytest.fixture(scope="session")
 def cluster(dev_inventory: Path) -> Iterator[ClusterControl]:
@@ -108,6 +129,29 @@ def cluster(dev_inventory: Path) -> Iterator[ClusterControl]:
     try:
         yield control
     finally:
-        # Other engineers share the cluster: never leave a host down behind us.
+        # Other engineers share the cluster: never leave a host down or cut off behind us.
+        for name in sorted(control.partitioned):
+            control.heal_host(name)
         for name in sorted(control.stopped):
             control.start_host(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_units() -> None:
+    """Units share their host's network, so a unit left running by `scripts/demo` or an
+    aborted run would hold the ports the tests' units need: the suite starts without them.
+    (Only containers coldsnap labelled as units are touched.)"""
+    path = _inventory_path()
+    if not path.exists():
+        return
+    import docker
+
+    for entry in load_inventory(path).hosts:
+        if not entry.docker_socket or not Path(entry.docker_socket).exists():
+            continue
+        client = docker.DockerClient(base_url=f"unix://{entry.docker_socket}", timeout=60)
+        try:
+            for c in client.containers.list(all=True, filters={"label": "org.coldsnap.unit"}):
+                c.remove(force=True)
+        finally:
+            client.close()

@@ -105,14 +105,6 @@ class Ops:
                 for p in objs.iterdir():
                     p.unlink()
 
-    def engine_status(self, host: str, container: Any) -> dict[str, Any]:
-        code, out = container.exec_run(["capsule-http", "unix:@coldsnap-engine", "GET",
-                                        "/status"])
-        assert code == 0, out
-        answer = json.loads(out.decode().strip().splitlines()[-1])
-        body: dict[str, Any] = json.loads(answer["body"])
-        return body
-
 
 @pytest.fixture(scope="session")
 def dev_requests(dev_inventory: Path) -> Path:

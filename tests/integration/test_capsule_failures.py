@@ -22,8 +22,10 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.hosts.http import http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
+    ENGINE_PORT,
     EXPECTED,
     ClusterHost,
     cleanup_paths,
@@ -35,6 +37,7 @@ from tests.integration.capsule_fixtures import (
     unit_containers,
     unit_spec,
 )
+from tests.integration.engine_view import engine_view
 
 pytestmark = pytest.mark.integration
 
@@ -49,13 +52,12 @@ async def test_dump_refused_by_criu_leaves_original_serving(
     models = None
     try:
         models = await put_shards(h0, 2, 1024 * 1024)
-        spec = unit_spec(capsule_ref, h0, unit_id, 2, models)
+        # The engine holds a perf event fd: a kernel object CRIU has no dumper for.
+        spec = unit_spec(capsule_ref, h0, unit_id, 2, models,
+                         extra_args=("--hold-undumpable",))
         h = await start_unit(s, spec)
         await wait_ready(s, h)
         c = await s.container(h.container_id, unit_id, "test")
-        # The engine opens a perf event fd: a kernel object CRIU has no dumper for.
-        held = await s.http(c, spec.api, "POST", "/admin/hold-undumpable", {})
-        assert held.status == 200, held
         await quiesce(s, h)
         await checkpoint_gpus(s, h)
         with pytest.raises(DumpFailed) as err:
@@ -65,10 +67,12 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         assert "host-0" in str(e) and unit_id in str(e)
         assert "perf_event" in e.detail, e.detail  # CRIU's own reason is passed on
 
-        # the original keeps serving: GPUs running again, intake open, right answer
-        status = (await s.http(c, spec.api, "GET", "/status")).json()
-        assert {w["gpu_state"] for w in status["workers"]} == {"running"}
-        assert status["draining"] is False
+        # the original keeps serving: GPUs running again, awake, right answer
+        view = await engine_view(s, c)
+        assert [w["gpu_state"] for w in view["workers"]] == ["running", "running"]
+        sleeping = await http_request(h0.target.host, h0.address, ENGINE_PORT, "GET",
+                                      "/is_sleeping")
+        assert sleeping.status == 200 and sleeping.json() == {"is_sleeping": False}
         v = await validate(s, h)
         assert v.text == EXPECTED
         # no half-written capsule: no CRIU images in the container, no capsule image or tar

@@ -27,21 +27,26 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.capture import capsule_dir
+from coldsnap.capsule.restore import deliver_placement
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.hosts.http import HttpAnswer, http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
+    ENGINE_PORT,
     EXPECTED,
     ClusterHost,
     cleanup_capsule,
     cleanup_paths,
     cleanup_unit,
     for_host,
+    placement_for,
     put_shards,
     stage,
     unique,
     unit_containers,
     unit_spec,
 )
+from tests.integration.engine_view import engine_view
 
 pytestmark = pytest.mark.integration
 
@@ -51,9 +56,13 @@ SHARD_BYTES = 3 * 1024 * 1024 + 12345
 async def status(host: ClusterHost, handle) -> dict:  # type: ignore[no-untyped-def]
     s = host.session
     c = await s.container(handle.container_id, handle.unit, "test")
-    ans = await s.http(c, handle.spec.api, "GET", "/status")
-    assert ans.status == 200, ans
-    return ans.json()
+    return await engine_view(s, c)
+
+
+async def ask(host: ClusterHost, body: dict) -> HttpAnswer:  # type: ignore[type-arg]
+    """A completion sent from the host itself to the engine's port, as a local client."""
+    return await http_request(host.target.host, host.address, ENGINE_PORT, "POST",
+                              "/v1/completions", body)
 
 
 @pytest.mark.parametrize(("workers", "lazy"), [(1, True), (2, True), (1, False)])
@@ -76,10 +85,16 @@ async def test_capture_on_host0_restore_on_host1(
         pids = await wait_ready(s0, h)
         assert sorted(pids) == sorted(w.id for w in spec0.workers)
         before = await status(h0, h)
-        assert [w["warmups_total"] for w in before["workers"]] == [1] * workers
-        assert {w["id"]: w["devices"] for w in before["workers"]} == {
-            f"{unit_id}-w{i}": [h0.gpus[i]] for i in range(workers)}
-        assert before["pid"] > 9999, "engine tree must live above the PID floor"
+        assert before["warmups"] == {f"{unit_id}-w{i}": 1 for i in range(workers)}
+        assert [(w["rank"], w["devices"]) for w in before["workers"]] == [
+            (i, [h0.gpus[i]]) for i in range(workers)]
+        assert {pids[f"{unit_id}-w{w['rank']}"] for w in before["workers"]} == {
+            w["pid"] for w in before["workers"]}, "discovery maps each rank to its process"
+        assert h.engine_pid is not None and h.engine_pid > 9999, \
+            "engine tree must live above the PID floor"
+        served = await ask(h0, {"prompt": spec0.validation.prompt})
+        assert served.status == 200, served
+        assert served.json()["choices"][0]["text"] == EXPECTED
         await quiesce(s0, h)
         await checkpoint_gpus(s0, h)
         st = await status(h0, h)
@@ -91,19 +106,21 @@ async def test_capture_on_host0_restore_on_host1(
         assert capsule.image_id.startswith("sha256:")
         assert capsule.tar_path.startswith(h0.entry.data_dir + "/capsules/")
         assert capsule.captured_devices == h0.gpus[:workers]
-        assert capsule.engine_pid == before["pid"]
+        assert capsule.engine_pid == h.engine_pid
         assert len(objects) == workers
-        for obj, w in zip(sorted(objects, key=lambda o: o.worker_id), before["workers"],
-                          strict=True):
+        for obj in objects:
             assert obj.payload.path.startswith(models0)
             assert obj.payload.bytes > SHARD_BYTES
             plan = json.loads(obj.replay_plan_json)
-            assert plan["worker"]["id"] == w["id"]
+            assert plan["worker"]["id"] == obj.worker_id
             assert plan["payload"]["sha256"] == obj.payload.sha256
+            assert plan["payload"]["container_path"].startswith("/models/")
 
-        # --- the original is gone before the restore starts
+        # --- the original is gone before the restore starts, and so is its listener
         await remove_unit(s0, h)
         assert await unit_containers(h0, unit_id) == []
+        gone = await ask(h0, {"prompt": spec0.validation.prompt})
+        assert gone.status is None, gone
 
         # --- restore on host-1 from the staged capsule
         staged = await stage(h0, h1, capsule)
@@ -119,36 +136,33 @@ async def test_capture_on_host0_restore_on_host1(
         # restored-stopped: processes back, GPUs still checkpointed, requests refused
         st = await status(h1, r)
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
-        refused = await s1.http(c1, spec1.api, "POST", "/v1/completions",
-                                {"prompt": spec1.validation.prompt})
-        assert refused.status == 503
+        # the restored listener serves on host-1's address, but the engine is still asleep
+        refused = await ask(h1, {"prompt": spec1.validation.prompt})
+        assert refused.status == 503, refused
         dmap = device_map(capsule.captured_devices, spec1.devices)
         await restore_gpus(s1, r, dmap)
+        # the captured argv names host-0 as master and ens0 as interface: only the placement
+        # lets the engine form its group on host-1
+        await deliver_placement(s1, r, placement_for(spec1, h1, capsule.captured_devices))
         await release(s1, r)
         v = await validate(s1, r)
         assert v.text == EXPECTED
 
         after = await status(h1, r)
         # PIDs inside the container are the captured ones
-        assert after["pid"] == before["pid"]
-        assert {w["id"]: w["pid"] for w in after["workers"]} == {
-            w["id"]: w["pid"] for w in before["workers"]}
-        # warm-up did not run again: the counter file travelled in the capsule and still says 1,
-        # and the in-memory digests are the ones taken at warm-up
-        assert [w["warmups_total"] for w in after["workers"]] == [1] * workers
-        assert [w["warmups_in_process"] for w in after["workers"]] == [1] * workers
-        assert [w["weights_root"] for w in after["workers"]] == [
-            w["weights_root"] for w in before["workers"]]
+        assert [(w["rank"], w["pid"]) for w in after["workers"]] == [
+            (w["rank"], w["pid"]) for w in before["workers"]]
+        # warm-up did not run again: the counter files travelled in the capsule, still 1
+        assert after["warmups"] == before["warmups"]
         # simulated GPU UUIDs were remapped to host-1's
         for w in after["workers"]:
-            slot = w["device_slots"][0]
+            slot = w["rank"]
             assert w["devices"] == [h1.gpus[slot]]
             assert w["devices"] != [h0.gpus[slot]]
             assert w["gpu_state"] == "running"
         # a full check of every weight chunk, not just the sampled one of validate()
-        full = await s1.http(c1, spec1.api, "POST", "/v1/completions",
-                             {"prompt": spec1.validation.prompt, "full_check": True})
-        assert full.status == 200 and full.json()["text"] == EXPECTED
+        full = await ask(h1, {"prompt": spec1.validation.prompt, "full_check": True})
+        assert full.status == 200 and full.json()["choices"][0]["text"] == EXPECTED
     finally:
         await cleanup_unit(h0, unit_id)
         await cleanup_unit(h1, unit_id)

@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
+from tests.integration.engine_view import engine_view_sync
 from tests.integration.ops_fixtures import Ops, dev_requests, edited_inventory, ops
 
 pytestmark = pytest.mark.integration
@@ -103,13 +107,12 @@ def test_tp2_restore_same_hosts_then_warm_cache(ops: Ops, tp2: dict[str, Any]) -
                                                   if o["role"] == "oci-capsule"}
     assert ops.staged("host-2") == set() and ops.staged("host-3") == set()
 
-    # Restored, not re-warmed: the engines carry their capture-time warm-up and PIDs.
+    # Restored, not re-warmed: the engines carry their capture-time warm-up.
     for host in ("host-0", "host-1"):
         (container,) = ops.unit_containers(host)
-        status = ops.engine_status(host, container)
-        for worker in status["workers"]:
-            assert worker["warmups_in_process"] == 1
-            assert worker["gpu_state"] == "running"
+        view = engine_view_sync(container)
+        assert list(view["warmups"].values()) == [1]
+        assert [w["gpu_state"] for w in view["workers"]] == ["running"]
 
     # Same placement again: reconcile-replace, and nothing is sent twice.
     second = ops.coldsnapd("restore", "--artifact", tp2["capture_id"]).ok()
@@ -124,6 +127,7 @@ def test_tp4_restore_moved_to_other_hosts(ops: Ops, tp4: dict[str, Any]) -> None
     request = ops.request("tp4-two-hosts-restore-moved", suffix="e2e",
                           artifact=tp4["capture_id"])
     ops.coldsnapd("restore", "--request", str(request)).ok()
+    assert _complete(ops, "host-2", 8000) == EXPECTED
     want = _owned_by_host(tp4, {"unit-0": "host-2", "unit-1": "host-3"})
     assert ops.staged("host-2") == want["host-2"] and len(want["host-2"]) == 5
     assert ops.staged("host-3") == want["host-3"]
@@ -131,13 +135,119 @@ def test_tp4_restore_moved_to_other_hosts(ops: Ops, tp4: dict[str, Any]) -> None
     gpus = {h: [g["uuid"] for g in ops.hosts[h]["simulated_gpus"]] for h in ops.hosts}
     for host in ("host-2", "host-3"):
         (container,) = ops.unit_containers(host)
-        status = ops.engine_status(host, container)
-        assert len(status["workers"]) == 2
-        for worker in status["workers"]:
+        view = engine_view_sync(container)
+        assert len(view["workers"]) == 2
+        for worker in view["workers"]:
             # The GPUs the simulated driver holds are the destination's, not the captured.
-            assert worker["devices"] == [gpus[host][worker["process_slot"]]]
-            assert worker["warmups_in_process"] == 1
+            assert worker["devices"] == [gpus[host][worker["local_rank"]]]
+        assert list(view["warmups"].values()) == [1, 1]
     ops.remove_units()
+
+
+def _complete(ops: Ops, host: str, port: int, path: str = "/v1/completions") -> str:
+    """The validation prompt sent from the control node to http://<host address>:port."""
+    address = ops.hosts[host]["address"]
+    body: dict[str, Any] = ({"prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+                            if path == "/v1/completions" else
+                            {"text": PROMPT, "sampling_params": {"max_new_tokens": 32}})
+    req = urllib.request.Request(f"http://{address}:{port}{path}", method="POST",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        answer = json.loads(resp.read())
+    return str(answer["choices"][0]["text"] if "choices" in answer else answer["text"])
+
+
+def _port_answers(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _established(container: Any) -> set[tuple[str, int, str, int]]:
+    """ESTABLISHED IPv4 TCP connections in the container's (= its host's) network."""
+    code, out = container.exec_run(["cat", "/proc/net/tcp"])
+    assert code == 0
+
+    def endpoint(text: str) -> tuple[str, int]:
+        addr, port = text.split(":")
+        return socket.inet_ntoa(int(addr, 16).to_bytes(4, "little")), int(port, 16)
+
+    conns = set()
+    for line in out.decode().splitlines()[1:]:
+        f = line.split()
+        if len(f) > 3 and f[3] == "01":
+            conns.add((*endpoint(f[1]), *endpoint(f[2])))
+    return conns
+
+
+def test_tp2_moved_to_other_hosts_talks_over_the_new_addresses(
+        ops: Ops, tp2: dict[str, Any]) -> None:
+    """Captured on host-0/host-1 (master 198.18.0.2, interfaces ens0/ens1), restored onto
+    host-2/host-3 with the master moved and NCCL_SOCKET_IFNAME changed to ens2/ens3: the
+    engine answers on the new hosts, its all-reduce crosses the new addresses, and the old
+    hosts' ports are free."""
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="net", artifact=tp2["capture_id"])
+    doc = yaml.safe_load(request.read_text())
+    old = {u["host"]: u for u in tp2["launch"]["units"]}
+    new = {u["host"]: u for u in doc["launch"]["units"]}
+    assert old["host-0"]["environment"]["NCCL_SOCKET_IFNAME"] == "ens0"
+    assert new["host-2"]["environment"]["NCCL_SOCKET_IFNAME"] == "ens2"
+    addr = {h: ops.hosts[h]["address"] for h in ops.hosts}
+    assert addr["host-2"] in new["host-3"]["command"]
+    ops.coldsnapd("restore", "--request", str(request)).ok()
+    try:
+        assert _complete(ops, "host-2", 8000) == EXPECTED
+        for host in ("host-0", "host-1"):
+            assert not _port_answers(addr[host], 8000), f"{host}:8000 still answers"
+        # rank 1 (host-3) holds its group connection to rank 0's rendezvous on host-2
+        (c3,) = ops.unit_containers("host-3")
+        links = {(la, ra, rp) for la, _, ra, rp in _established(c3)}
+        assert (addr["host-3"], addr["host-2"], 29500) in links, links
+        assert not any(ra in (addr["host-0"], addr["host-1"]) for _, ra, _ in links)
+    finally:
+        ops.remove_units()
+
+
+def test_restore_onto_a_taken_port_is_refused_before_any_container(
+        ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="port",
+                          artifact=tp2["capture_id"])
+    address = ops.hosts["host-3"]["address"]
+    squatter = subprocess.Popen(
+        ["ip", "netns", "exec", "csd-host-3", sys.executable, "-c",
+         "import socket, sys, time\n"
+         "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+         "s.bind((sys.argv[1], 8000)); s.listen(); print('up', flush=True)\n"
+         "time.sleep(120)", address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "up"
+        run = ops.coldsnapd("restore", "--request", str(request))
+        _refused(ops, run, "host host-3: port 8000 is already in use", "unit-1")
+        assert run.receipt is not None and "restore.start-restore" not in {
+            s["name"] for s in run.receipt["timing"]["spans"]}
+        assert ops.staged("host-2") == set() and ops.staged("host-3") == set()
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_sglang_surface_captured_and_restored(ops: Ops) -> None:
+    run = ops.coldsnapd("capture", "--request",
+                        str(ops.request("tp2-two-hosts-sglang", suffix="e2e"))).ok()
+    assert run.receipt is not None
+    capture_id = run.receipt["result"]["artifact"]
+    request = ops.request("tp2-two-hosts-sglang-restore-moved", suffix="e2e",
+                          artifact=capture_id)
+    ops.coldsnapd("restore", "--request", str(request)).ok()
+    try:
+        assert _complete(ops, "host-2", 30000, "/generate") == EXPECTED
+        assert _complete(ops, "host-2", 30000) == EXPECTED
+    finally:
+        ops.remove_units()
 
 
 def _refused(ops: Ops, run: Any, *needles: str) -> None:
@@ -160,8 +270,8 @@ def test_driver_floors(ops: Ops, tp2: dict[str, Any]) -> None:
                           artifact=tp2["capture_id"],
                           policy={"compatibility": {"enforce_captured_driver_floor": False}})
     doc = yaml.safe_load(relaxed.read_text())
-    for unit, host in zip(doc["launch"]["units"], ("host-0", "host-1"), strict=True):
-        unit["host"] = host
+    # Back on the captured hosts, with their placement values (master, interfaces).
+    doc["launch"]["units"] = tp2["launch"]["units"]
     relaxed.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = ops.coldsnapd("restore", "--request", str(relaxed), inventory=too_old)
     _refused(ops, run, "nvidia_driver_min", "580.95.05")
@@ -313,7 +423,8 @@ def test_fallback_replay_recreates_an_inadmissible_unit(ops: Ops, tp2: dict[str,
                    if o["owner"] == "worker/worker-1" and o["role"] == "model-weight-payload")
     sources = {m["Source"] for m in native.attrs["Mounts"]}
     assert f"{ops.hosts['host-1']['data_dir']}/objects/sha256/{payload[7:]}" in sources
-    status = ops.engine_status("host-1", native)
-    assert [w["id"] for w in status["workers"]] == ["worker-1"]
-    assert status["workers"][0]["global_rank"] == 1
+    view = engine_view_sync(native)
+    assert [w["rank"] for w in view["workers"]] == [1]
+    assert view["warmups"] == {"worker-1": 1}  # a fresh container: warmed up natively
+    assert _complete(ops, "host-0", 8000) == EXPECTED  # the all-reduce spans both kinds
     ops.remove_units()

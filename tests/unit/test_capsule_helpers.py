@@ -7,9 +7,9 @@ import json
 import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
-from coldsnap.capsule.capture import host_path_for, split_reference
-from coldsnap.capsule.restore import completion_text
-from coldsnap.capsule.spec import CRIU_CAPABILITIES, docker_name
+from coldsnap.capsule.capture import split_reference
+from coldsnap.capsule.restore import criu_version
+from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -39,6 +39,20 @@ def test_host_path_for_maps_through_the_longest_mount() -> None:
     assert host_path_for(mounts, "/etc/passwd") is None
 
 
+def test_host_path_for_never_leaves_its_mount() -> None:
+    mounts = (Mount("/data/models", "/models", True),)
+    assert host_path_for(mounts, "/models/../../../../etc/shadow") is None
+    assert host_path_for(mounts, "/models/a/../b.bin") == "/data/models/b.bin"
+    assert host_path_for(mounts, "models/a.bin") is None
+
+
+def test_container_path_for_is_the_inverse_through_the_deepest_mount() -> None:
+    mounts = (Mount("/data/models", "/models", True), Mount("/data/models/fast", "/fast", True))
+    assert container_path_for(mounts, "/data/models/a.bin") == "/models/a.bin"
+    assert container_path_for(mounts, "/data/models/fast/s0.bin") == "/fast/s0.bin"
+    assert container_path_for(mounts, "/data/modelsX/a.bin") is None
+
+
 def test_device_map_is_by_slot_and_refuses_a_different_count() -> None:
     assert device_map(["GPU-a", "GPU-b"], ["GPU-x", "GPU-y"]) == {"GPU-a": "GPU-x",
                                                                   "GPU-b": "GPU-y"}
@@ -52,11 +66,9 @@ def test_docker_name_is_safe_for_names_repositories_and_tags() -> None:
     assert len(docker_name("a" * 300)) == 100
 
 
-def test_completion_text_reads_plain_and_openai_shapes() -> None:
-    assert completion_text('{"text": "ok"}') == "ok"
-    assert completion_text('{"choices": [{"text": "ok"}]}') == "ok"
-    assert completion_text("not json") is None
-    assert completion_text('{"choices": []}') is None
+def test_criu_version_is_read_from_the_probe_output() -> None:
+    assert criu_version("Version: 4.2.1\nLooks good.") == "4.2.1"
+    assert criu_version("Looks good.") is None
 
 
 def test_unit_environment_carries_identity_and_devices() -> None:
@@ -72,6 +84,7 @@ def test_unit_environment_carries_identity_and_devices() -> None:
                                       "process_slot": 1, "device_slots": [1]}
     assert env["COLDSNAP_SIMULATED_GPUS"] == env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
     assert env["RANK_HINT"] == "x"
+    assert env["COLDSNAP_RUNTIME_DIR"] == "/var/lib/coldsnap/runtime"
     moved = spec.container_environment(["GPU-x", "GPU-y"])
     assert json.loads(moved["COLDSNAP_UNIT"])["devices"] == ["GPU-x", "GPU-y"]
     real = UnitSpec(**{**spec.__dict__, "gpu_mode": "nvidia"}).container_environment()

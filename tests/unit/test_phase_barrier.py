@@ -56,3 +56,28 @@ async def test_results_come_back_in_unit_order() -> None:
 
     runs = [_run("unit-0", "host-0"), _run("unit-1", "host-1")]
     assert await phase(ctx, "criu-restore", runs, step) == ["unit-0", "unit-1"]
+
+
+async def test_fail_fast_phase_cancels_the_waits_a_dead_unit_would_hold() -> None:
+    """A unit whose engine died never lets its peers become ready: their waits end at once."""
+    ctx = OperationContext("capture")
+    cancelled: list[str] = []
+
+    async def wait(r: UnitRun) -> None:
+        if r.placed.unit_id == "unit-1":
+            await asyncio.sleep(0.01)
+            raise RuntimeError("engine exited before it was healthy")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(r.placed.unit_id)
+            raise
+
+    runs = [_run("unit-0", "host-0"), _run("unit-1", "host-1")]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(OperationFailed) as err:
+        await phase(ctx, "wait-ready", runs, wait, fail_fast=True)
+    assert loop.time() - t0 < 5
+    assert cancelled == ["unit-0"]
+    assert "unit unit-1" in err.value.message and "(and" not in err.value.message

@@ -1,15 +1,20 @@
-"""The test engine as local processes: one API process plus one child per worker, real warm-up
-from tiny shards, answers only with intact warm state and running (simulated) GPUs."""
+"""The test engine as local processes on 127.0.0.1: an API process plus one exec'd worker per
+manifest worker, vLLM's and SGLang's HTTP surfaces on TCP, and a world group whose ranks talk
+over TCP (one all-reduce per completion), torn down on sleep and rebuilt on wake from the
+placement file."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
-import secrets
+import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,162 +22,570 @@ import pytest
 
 CAPSULE = Path(__file__).resolve().parents[2] / "deploy" / "test-capsule"
 ENGINE = CAPSULE / "engine.py"
-CLIENT = CAPSULE / "capsule_http.py"
 SIM = CAPSULE / "cuda_checkpoint_sim.py"
 PROMPT, ANSWER = "say the word", "the-word"
 DEVICES = ["GPU-0000", "GPU-1111"]
+TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
+# The engine's interpreter: the capsule runs it with Debian's python3 (3.13); set this to check.
+PYTHON = os.environ.get("TEST_ENGINE_PYTHON") or sys.executable
+
+sys.path.insert(0, str(CAPSULE))
+import engine as engine_mod  # noqa: E402
+import engine_group  # noqa: E402
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def request(port: int, method: str, path: str, body: Any = None,
+            timeout: float = 20.0) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data,
+                     headers={"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        raw = resp.read()
+        assert resp.getheader("Content-Length") == str(len(raw))
+        return resp.status, json.loads(raw) if raw else None
+    finally:
+        conn.close()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, int, str, int]]:
+    """(state, local port, remote address, remote port) of every TCP socket the process holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                if f[9] in inodes:
+                    local, remote = f[1].split(":"), f[2].split(":")
+                    raddr = socket.inet_ntoa(bytes.fromhex(remote[0])[::-1]) \
+                        if len(remote[0]) == 8 else remote[0]
+                    out.append((f[3], int(local[1], 16), raddr, int(remote[1], 16)))
+    return out
 
 
 class Engine:
-    def __init__(self, tmp: Path, workers: int, model_dir: Path) -> None:
-        self.endpoint = f"unix:@coldsnap-test-{secrets.token_hex(6)}"
+    """One unit: `engine.py serve` with a COLDSNAP_UNIT manifest."""
+
+    def __init__(self, tmp: Path, name: str, workers: list[dict[str, Any]], model: Path,
+                 port: int, master_port: int, api: str = "vllm",
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.port, self.tmp = name, port, tmp
+        self.runtime = tmp / f"runtime-{name}"
         self.env = {
             **os.environ,
             "CUDA_SIM_STATE_DIR": str(tmp / "cuda-sim"),
             "TEST_ENGINE_STATE_DIR": str(tmp / "engine-state"),
+            "COLDSNAP_RUNTIME_DIR": str(self.runtime),
+            "COLDSNAP_SIMULATED_GPUS": ",".join(DEVICES),
+            "NCCL_SOCKET_IFNAME": "lo",
+            "MASTER_ADDR": "127.0.0.1",
             "COLDSNAP_UNIT": json.dumps({
-                "unit_id": "u0",
-                "devices": DEVICES[:workers],
-                "workers": [{"id": f"w{i}", "global_rank": i, "world_size": workers,
-                             "process_slot": i, "device_slots": [i]} for i in range(workers)],
-            }),
+                "unit_id": name, "devices": [DEVICES[w["global_rank"]] for w in workers],
+                "workers": [{**w, "device_slots": [slot]} for slot, w in enumerate(workers)]}),
+            **(env or {}),
         }
-        self.log = open(tmp / "engine.log", "ab")  # noqa: SIM115
+        self.log_path = tmp / f"{name}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE), "serve", "--listen", self.endpoint, "--model-dir",
-             str(model_dir), "--warmup-rounds", "2"],
+            [PYTHON, str(ENGINE), "serve", "--api", api, "--host", "127.0.0.1",
+             "--port", str(port), "--model-dir", str(model), "--served-model-name", "tiny",
+             "--master-port", str(master_port), "--warmup-rounds", "2"],
             env=self.env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+        self.workers: list[int] = []
 
-    def http(self, method: str, path: str, body: Any = None) -> tuple[int | None, Any]:
-        r = subprocess.run(
-            [sys.executable, str(CLIENT), self.endpoint, method, path,
-             json.dumps(body) if body is not None else "", "10"],
-            capture_output=True, text=True, check=False)
-        out = json.loads(r.stdout)
-        if "status" not in out:
-            return None, out["error"]
-        return out["status"], json.loads(out["body"])
+    def http(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return request(self.port, method, path, body)
 
-    def wait_healthy(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "engine exited during warm-up"
-            if self.http("GET", "/health")[0] == 200:
-                return
-            time.sleep(0.05)
-        raise AssertionError("engine never became healthy")
+    def health(self) -> int:
+        try:
+            return request(self.port, "GET", "/health", timeout=10)[0]
+        except OSError:
+            return 0
+
+    def wait_up(self) -> None:
+        """Listening (its workers warmed up) and its worker processes known."""
+        def up() -> bool:
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.read_log()}"
+            try:
+                request(self.port, "GET", "/v1/models", timeout=5)
+                return True
+            except OSError:
+                return False
+        wait_for(f"{self.name} to listen", up)
+        self.workers = children(self.proc.pid)
+
+    def wait_healthy(self, timeout: float = 15.0) -> None:
+        wait_for(f"{self.name} to be healthy", lambda: self.health() == 200, timeout)
+
+    def read_log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def sim(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(SIM), *args], env=self.env,
+        return subprocess.run([PYTHON, str(SIM), *args], env=self.env,
                               capture_output=True, text=True, check=False)
 
+    def place(self, **fields: Any) -> None:
+        self.runtime.mkdir(exist_ok=True)
+        doc = {"format": "coldsnap-placement/1", "unit_id": self.name,
+               "host_address": "127.0.0.1", "master_addr": "127.0.0.1", "port": self.port,
+               "environment": {"NCCL_SOCKET_IFNAME": "lo"}, "device_map": {}, **fields}
+        (self.runtime / "placement.json").write_text(json.dumps(doc))
+
     def stop(self) -> None:
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait(10)
+        # The workers follow their API process (they see their channel close).
+        for pid in self.workers:
+            with contextlib.suppress(AssertionError):
+                wait_for(f"worker {pid} to exit", lambda pid=pid: not alive(pid), 5)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.log.close()
 
 
-def make_model(tmp: Path, workers: int, payload: int = 300_000) -> Path:
-    sys.path.insert(0, str(CAPSULE))
-    import engine as engine_mod
+def worker(i: int, rank: int, world: int) -> dict[str, Any]:
+    return {"id": f"w{rank}", "global_rank": rank, "world_size": world, "process_slot": i}
 
+
+def make_model(tmp: Path, world: int, payload: int = 300_000) -> Path:
     out = tmp / "models"
-    engine_mod.make_shards(str(out), workers, payload, PROMPT, ANSWER)
+    engine_mod.make_shards(str(out), world, payload, PROMPT, ANSWER)
     return out
 
 
 @pytest.fixture
-def engine2(tmp_path: Path) -> Iterator[Engine]:
-    e = Engine(tmp_path, 2, make_model(tmp_path, 2))
+def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    started: list[Engine] = []
+
+    def start(*args: Any, **kw: Any) -> Engine:
+        e = Engine(tmp_path, *args, **kw)
+        started.append(e)
+        return e
+
     try:
-        e.wait_healthy()
-        yield e
+        yield start
     finally:
-        e.stop()
-
-
-def test_status_reports_identity_pids_devices_and_one_warmup(engine2: Engine) -> None:
-    code, st = engine2.http("GET", "/status")
-    assert code == 200
-    assert st["unit_id"] == "u0" and st["pid"] == engine2.proc.pid
-    workers = st["workers"]
-    assert [(w["id"], w["global_rank"], w["world_size"], w["process_slot"]) for w in workers] == [
-        ("w0", 0, 2, 0), ("w1", 1, 2, 1)]
-    pids = {w["pid"] for w in workers}
-    assert len(pids) == 2 and engine2.proc.pid not in pids  # one child process per worker
-    for w in workers:
-        ppid = int(Path(f"/proc/{w['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert ppid == engine2.proc.pid
-    assert [w["devices"] for w in workers] == [[DEVICES[0]], [DEVICES[1]]]
-    assert [w["gpu_state"] for w in workers] == ["running", "running"]
-    assert [w["warmups_total"] for w in workers] == [1, 1]
-    assert all(w["weights_bytes"] == 300_000 for w in workers)
-    # the shard files are closed once warm: a snapshot must not depend on the model mount
-    for w in workers:
-        fds = os.listdir(f"/proc/{w['pid']}/fd")
-        targets = {os.readlink(f"/proc/{w['pid']}/fd/{fd}") for fd in fds}
-        assert not any("shard-" in t for t in targets)
-
-
-def test_answers_validation_prompt_from_weights(engine2: Engine) -> None:
-    assert engine2.http("POST", "/v1/completions", {"prompt": PROMPT}) == (
-        200, {"text": ANSWER, "workers": 2})
-    code, body = engine2.http("POST", "/v1/completions", {"prompt": "other", "full_check": True})
-    assert code == 200 and body["text"] != ANSWER and body["text"].startswith("echo:")
-
-
-def test_locked_or_checkpointed_gpu_is_never_served(engine2: Engine) -> None:
-    _, st = engine2.http("GET", "/status")
-    w1 = str(st["workers"][1]["pid"])
-    assert engine2.sim("--action", "lock", "--pid", w1).returncode == 0
-    code, body = engine2.http("POST", "/v1/completions", {"prompt": PROMPT})
-    assert code == 503 and "locked" in body["error"]
-    assert engine2.http("GET", "/health")[0] == 503
-    assert engine2.sim("--action", "checkpoint", "--pid", w1).returncode == 0
-    code, body = engine2.http("POST", "/v1/completions", {"prompt": PROMPT})
-    assert code == 503 and "checkpointed" in body["error"]
-    assert engine2.sim("--action", "restore", "--pid", w1).returncode == 0
-    assert engine2.sim("--action", "unlock", "--pid", w1).returncode == 0
-    assert engine2.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 200
-
-
-def test_quiesce_closes_intake_until_resume(engine2: Engine) -> None:
-    assert engine2.http("POST", "/admin/quiesce", {"timeout": 5}) == (
-        200, {"draining": True, "in_flight": 0})
-    code, body = engine2.http("POST", "/v1/completions", {"prompt": PROMPT})
-    assert code == 503 and "quiesced" in body["error"]
-    assert engine2.http("GET", "/health")[0] == 503
-    assert engine2.http("POST", "/admin/resume", {})[0] == 200
-    assert engine2.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 200
-
-
-def test_warmup_counter_counts_every_warmup(tmp_path: Path) -> None:
-    model = make_model(tmp_path, 1)
-    for expected in (1, 2):
-        e = Engine(tmp_path, 1, model)
-        try:
-            e.wait_healthy()
-            _, st = e.http("GET", "/status")
-            assert st["workers"][0]["warmups_total"] == expected
-            assert st["workers"][0]["warmups_in_process"] == 1
-        finally:
+        for e in started:
             e.stop()
 
 
-def test_wrong_shard_fails_warmup(tmp_path: Path) -> None:
+@pytest.fixture
+def tp2(tmp_path: Path, make_engine: Callable[..., Engine]) -> tuple[Engine, Engine]:
+    """Two units of one TP2 world: u0 holds rank 0 (the driver), u1 holds rank 1."""
+    model = make_model(tmp_path, 2)
+    p0, p1, master = free_ports(3)
+    u0 = make_engine("u0", [worker(0, 0, 2)], model, p0, master)
+    u1 = make_engine("u1", [worker(0, 1, 2)], model, p1, master)
+    for e in (u0, u1):
+        e.wait_up()
+    for e in (u0, u1):
+        e.wait_healthy()
+    return u0, u1
+
+
+def test_driver_answers_with_vllm_shapes(tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    code, body = u0.http("POST", "/v1/completions", {"model": "tiny", "prompt": PROMPT,
+                                                     "max_tokens": 8})
+    assert code == 200, body
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    assert body["id"].startswith("cmpl-") and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": ANSWER, "logprobs": None,
+                                "finish_reason": "stop", "stop_reason": None,
+                                "prompt_logprobs": None}]
+    assert {"prompt_tokens", "completion_tokens", "total_tokens"} <= set(body["usage"])
+
+    code, body = u0.http("POST", "/v1/chat/completions", {"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]})
+    assert code == 200, body
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"] == ANSWER
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+    # other prompts: every rank contributes its part
+    code, body = u0.http("POST", "/v1/completions", {"prompt": "other", "full_check": True})
+    assert code == 200 and body["choices"][0]["text"].count("echo:") == 2
+
+    code, body = u0.http("GET", "/v1/models")
+    assert code == 200 and body["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [
+        ("tiny", "model", "vllm")]
+    code, body = u0.http("POST", "/v1/completions", {"model": "nope", "prompt": PROMPT})
+    assert code == 404 and body["error"]["type"] == "NotFoundError"
+    assert u0.http("GET", "/admin/quiesce")[0] == 404
+    assert u0.http("GET", "/status")[0] == 404
+
+    # the unit without rank 0 names the driver instead of answering
+    code, body = u1.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 400 and "holds no global rank 0" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_dead_peer_fails_the_next_completion_quickly(tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    [w1] = u1.workers
+    u1.proc.kill()
+    u1.proc.wait(10)
+    wait_for("rank 1's worker to exit with its engine", lambda: not alive(w1), 5)
+    t0 = time.monotonic()
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert time.monotonic() - t0 < 3
+    assert code == 503 and "rank 1" in body["error"]["message"], body
+    assert u0.health() == 503
+
+
+def test_frozen_peer_fails_the_completion_within_the_step_timeout(
+        tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
+    model = make_model(tmp_path, 2)
+    p0, p1, master = free_ports(3)
+    env = {"TEST_ENGINE_STEP_TIMEOUT": "1"}
+    u0 = make_engine("u0", [worker(0, 0, 2)], model, p0, master, env=env)
+    u1 = make_engine("u1", [worker(0, 1, 2)], model, p1, master, env=env)
+    for e in (u0, u1):
+        e.wait_up()
+        e.wait_healthy()
+    [w1] = u1.workers
+    os.kill(w1, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+        assert time.monotonic() - t0 < 4
+        assert code == 503 and "rank 1 did not answer" in body["error"]["message"], body
+    finally:
+        os.kill(w1, signal.SIGCONT)
+    # the dropped peer reconnects and the group answers again
+    u0.wait_healthy()
+    assert u0.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 200
+
+
+def test_workers_are_execd_with_rank_environment(tmp_path: Path,
+                                                 make_engine: Callable[..., Engine]) -> None:
+    # one unit holding both ranks: the group still forms over TCP
+    model = make_model(tmp_path, 2)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 2), worker(1, 1, 2)], model, port, master)
+    u.wait_up()
+    u.wait_healthy()
+    assert len(u.workers) == 2
+    by_rank = {}
+    for pid in u.workers:
+        env = dict(item.split("=", 1) for item in
+                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        assert "worker" in cmdline  # exec'd, not a fork of the API process
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == env["RANK"]
+        by_rank[int(env["RANK"])] = pid
+        # the shard file is closed once warm: a snapshot must not depend on the model mount
+        targets = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        assert not any("shard-" in t for t in targets)
+    assert sorted(by_rank) == [0, 1]
+    # registered with the simulated driver, on the manifest's devices, warmed up once
+    for rank, pid in by_rank.items():
+        state = json.loads((tmp_path / "cuda-sim" / f"{pid}.json").read_text())
+        assert state["state"] == "running" and state["devices"] == [DEVICES[rank]]
+        assert (tmp_path / "engine-state" / f"warmups-w{rank}").read_text().strip() == "1"
+    assert u.http("POST", "/v1/completions", {"prompt": PROMPT})[1]["choices"][0]["text"] \
+        == ANSWER
+
+
+def test_locked_or_checkpointed_gpu_is_never_served(tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    w1 = str(u1.workers[0])
+    assert u1.sim("--action", "lock", "--pid", w1).returncode == 0
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "locked" in body["error"]["message"]
+    assert u1.health() == 503
+    assert u1.sim("--action", "checkpoint", "--pid", w1).returncode == 0
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "checkpointed" in body["error"]["message"]
+    assert u1.sim("--action", "restore", "--pid", w1).returncode == 0
+    assert u1.sim("--action", "unlock", "--pid", w1).returncode == 0
+    assert u0.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 200
+    assert u1.health() == 200
+
+
+def test_sleep_closes_intake_and_every_group_socket(tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    # awake: rank 0 listens on the master port and holds rank 1's connection
+    assert any(s[0] == TCP_LISTEN for s in tcp_sockets(u0.workers[0]))
+    assert any(s[0] == TCP_ESTABLISHED for s in tcp_sockets(u1.workers[0]))
+    for e in (u0, u1):
+        assert e.http("POST", "/sleep?level=1") == (200, None)
+        assert e.http("POST", "/sleep?level=1") == (200, None)  # idempotent
+        assert e.http("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+        assert e.health() == 503
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "sleeping" in body["error"]["message"]
+
+    def quiet(pid: int, http_port: int) -> bool:
+        socks = tcp_sockets(pid)
+        # only the HTTP listener on --host stays; no connection, no group listener
+        return all(s[0] == TCP_LISTEN and s[1] == http_port for s in socks)
+
+    for e in (u0, u1):
+        for pid in (e.proc.pid, *e.workers):
+            wait_for(f"{e.name} pid {pid} to hold no group socket",
+                     lambda pid=pid, e=e: quiet(pid, e.port), 5)
+        assert not tcp_sockets(e.workers[0])
+    # level 1 keeps the weights: a plain wake answers again
+    for e in (u0, u1):
+        assert e.http("POST", "/wake_up") == (200, None)
+    for e in (u0, u1):
+        e.wait_healthy()
+        assert e.http("GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    assert u0.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 200
+    assert "wakes up: master 127.0.0.1:" in u0.read_log()
+
+
+def test_wake_rebuilds_the_group_where_the_placement_says(
+        tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    [new_master] = free_ports(1)
+    for e in (u0, u1):
+        assert e.http("POST", "/sleep?level=1")[0] == 200
+    # the controller writes the placement after the restore, then wakes each unit
+    for e in (u0, u1):
+        e.place(master_port=new_master, workers=[
+            {"id": "w0", "global_rank": 0, "unit": "u0", "host_address": "127.0.0.1"},
+            {"id": "w1", "global_rank": 1, "unit": "u1", "host_address": "127.0.0.1"}])
+    for e in (u1, u0):  # any order: rank 1 retries until rank 0 listens
+        assert e.http("POST", "/wake_up?tags=weights")[0] == 200
+    for e in (u0, u1):
+        e.wait_healthy()
+    assert u0.http("POST", "/v1/completions", {"prompt": PROMPT})[1]["choices"][0]["text"] \
+        == ANSWER
+    assert (TCP_LISTEN, new_master, "0.0.0.0", 0) in tcp_sockets(u0.workers[0])
+    conns = [s for s in tcp_sockets(u1.workers[0]) if s[0] == TCP_ESTABLISHED]
+    assert [(s[2], s[3]) for s in conns] == [("127.0.0.1", new_master)]
+    assert f"master 127.0.0.1:{new_master}" in u1.read_log()
+    code, body = u1.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert "unit u0 at 127.0.0.1" in body["error"]["message"]  # the placement names the driver
+
+    # a later wake without a file keeps the last placement
+    for e in (u0, u1):
+        assert e.http("POST", "/sleep?level=1")[0] == 200
+        (e.runtime / "placement.json").unlink()
+        assert e.http("POST", "/wake_up")[0] == 200
+    for e in (u0, u1):
+        e.wait_healthy()
+    conns = [s for s in tcp_sockets(u1.workers[0]) if s[0] == TCP_ESTABLISHED]
+    assert [s[3] for s in conns] == [new_master]
+
+    # a placement for another unit is refused, and the unit stays asleep
+    assert u1.http("POST", "/sleep")[0] == 200
+    u1.place(unit_id="u7")
+    code, body = u1.http("POST", "/wake_up")
+    assert code == 400 and "unit u7" in body["error"]["message"]
+    assert u1.http("GET", "/is_sleeping")[1] == {"is_sleeping": True}
+
+
+def test_level_2_sleep_needs_a_weight_reload(tp2: tuple[Engine, Engine]) -> None:
+    u0, u1 = tp2
+    for e in (u0, u1):
+        assert e.http("POST", "/sleep?level=2")[0] == 200
+    for e in (u0, u1):
+        assert e.http("POST", "/wake_up")[0] == 200
+    for e in (u0, u1):
+        e.wait_healthy()
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "reload" in body["error"]["message"]
+    assert u0.http("POST", "/collective_rpc", {"method": "reload_weights"}) == (
+        200, {"results": [None]})
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "w1" in body["error"]["message"]  # rank 1 has not reloaded yet
+    assert u1.http("POST", "/collective_rpc", {"method": "reload_weights"})[0] == 200
+    code, body = u0.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 200 and body["choices"][0]["text"] == ANSWER
+    assert u0.http("POST", "/collective_rpc", {})[0] == 400
+
+
+def test_reload_refuses_weights_that_differ_from_the_warm_up(
+        tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
+    model = make_model(tmp_path, 1)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 1)], model, port, master)
+    u.wait_up()
+    u.wait_healthy()
+    assert u.http("POST", "/sleep?level=2")[0] == 200
+    assert u.http("POST", "/wake_up")[0] == 200
+    engine_mod.make_shards(str(model), 1, 300_000, PROMPT, ANSWER, seed=1)
+    code, body = u.http("POST", "/collective_rpc", {"method": "reload_weights"})
+    assert code == 500 and "do not match the digests" in body["error"]["message"]
+    assert u.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 503
+
+
+def test_sglang_surface(tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
+    model = make_model(tmp_path, 2)
+    p0, p1, master = free_ports(3)
+    u0 = make_engine("u0", [worker(0, 0, 2)], model, p0, master, api="sglang")
+    u1 = make_engine("u1", [worker(0, 1, 2)], model, p1, master, api="sglang")
+    for e in (u0, u1):
+        e.wait_up()
+    for e in (u0, u1):
+        e.wait_healthy()
+    assert u0.http("GET", "/health_generate") == (200, None)
+    code, body = u0.http("POST", "/generate", {"text": PROMPT,
+                                               "sampling_params": {"max_new_tokens": 8}})
+    assert code == 200 and body["text"] == ANSWER
+    assert body["meta_info"]["finish_reason"]["type"] == "stop"
+    assert {"id", "prompt_tokens", "completion_tokens"} <= set(body["meta_info"])
+    code, body = u0.http("POST", "/v1/completions", {"model": "tiny", "prompt": PROMPT})
+    assert code == 200 and body["choices"][0]["text"] == ANSWER
+    assert body["object"] == "text_completion"
+    assert u0.http("POST", "/sleep")[0] == 404  # vLLM's calls are not SGLang's
+
+    for e in (u0, u1):
+        assert e.http("POST", "/release_memory_occupation", {}) == (200, None)
+        assert e.health() == 503
+    code, body = u0.http("POST", "/generate", {"text": PROMPT})
+    assert code == 503 and "sleeping" in body["error"]["message"]
+    assert not tcp_sockets(u1.workers[0])
+    for e in (u0, u1):
+        assert e.http("POST", "/resume_memory_occupation", {}) == (200, None)
+    for e in (u0, u1):
+        e.wait_healthy()
+    # the release dropped the weights: they come back from disk
+    code, body = u0.http("POST", "/generate", {"text": PROMPT})
+    assert code == 503 and "reload" in body["error"]["message"]
+    assert u0.http("GET", "/health_generate")[0] == 503
+    for e in (u0, u1):
+        assert e.http("POST", "/update_weights_from_disk", {"model_path": str(model)}) == (
+            200, {"success": True, "message": "Succeeded to update model weights.",
+                  "num_paused_requests": 0})
+    assert u0.http("POST", "/generate", {"text": PROMPT})[1]["text"] == ANSWER
+    assert u0.http("GET", "/health_generate") == (200, None)
+    code, body = u0.http("POST", "/update_weights_from_disk",
+                         {"model_path": str(tmp_path / "nowhere")})
+    assert code == 400 and body["success"] is False
+
+
+def test_missing_interface_keeps_health_503_with_one_log_line(
+        tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
+    model = make_model(tmp_path, 2)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 2), worker(1, 1, 2)], model, port, master,
+                    env={"NCCL_SOCKET_IFNAME": "=nosuch0"})
+    u.wait_up()
+    message = "NCCL_SOCKET_IFNAME==nosuch0 matches no interface"
+    wait_for("the interface error", lambda: u.read_log().count(message) == 2, 5)
+    time.sleep(1.5)  # the workers keep looking, quietly
+    assert u.read_log().count(message) == 2  # once per worker
+    assert u.health() == 503
+    code, body = u.http("POST", "/v1/completions", {"prompt": PROMPT})
+    assert code == 503 and "the all-reduce cannot run" in body["error"]["message"]
+    assert not tcp_sockets(u.workers[0]) and not tcp_sockets(u.workers[1])
+
+
+def test_hold_undumpable_keeps_a_perf_event_open(tmp_path: Path) -> None:
+    model = make_model(tmp_path, 1)
+    [port] = free_ports(1)
+    env = {**os.environ, "CUDA_SIM_STATE_DIR": str(tmp_path / "sim"),
+           "TEST_ENGINE_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        [PYTHON, str(ENGINE), "serve", "--api", "vllm", "--host", "127.0.0.1",
+         "--port", str(port), "--model-dir", str(model), "--hold-undumpable"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def perf() -> bool:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            targets = set()
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    targets.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
+            return any("perf_event" in t for t in targets)
+        wait_for("the perf event fd", perf, 10)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_warmup_counter_counts_every_warmup(tmp_path: Path,
+                                            make_engine: Callable[..., Engine]) -> None:
+    model = make_model(tmp_path, 1)
+    for expected in (1, 2):
+        port, master = free_ports(2)
+        e = make_engine(f"u{expected}", [worker(0, 0, 1)], model, port, master)
+        e.wait_up()
+        e.wait_healthy()
+        assert (tmp_path / "engine-state" / "warmups-w0").read_text().strip() == str(expected)
+        e.stop()
+
+
+def test_wrong_shard_fails_warmup(tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
     model = make_model(tmp_path, 2)
     # rank 1's file holding rank 0's shard: the worker must refuse it
     (model / "shard-00001-of-00002.bin").write_bytes(
         (model / "shard-00000-of-00002.bin").read_bytes())
-    e = Engine(tmp_path, 2, model)
-    try:
-        assert e.proc.wait(30) == 1
-    finally:
-        e.log.close()
-    assert "not the shard of rank 1" in (tmp_path / "engine.log").read_text()
+    port, master = free_ports(2)
+    e = make_engine("u0", [worker(0, 0, 2), worker(1, 1, 2)], model, port, master)
+    assert e.proc.wait(30) == 1
+    assert "not the shard of rank 1" in e.read_log()
 
 
-def test_client_reports_no_answer_when_nothing_listens(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(CLIENT), "unix:@nothing-here-" + secrets.token_hex(4),
-                        "GET", "/health"], capture_output=True, text=True, check=False)
-    assert r.returncode == 2 and "error" in json.loads(r.stdout)
+def test_interface_selection_follows_nccl_syntax() -> None:
+    match = engine_group._matcher
+    assert match("eth,ens")("ens1") and not match("eth,ens")("lo")
+    assert match("^docker,lo")("ens0") and not match("^docker,lo")("docker0")
+    assert match("=ens1")("ens1") and not match("=ens1")("ens10")
+    assert not match("^=ens1")("ens1") and match("^=ens1")("ens10")
+    assert match("ens1", exact_only=True)("ens1") and not match("ens1", exact_only=True)("ens10")
+    assert engine_group.select_interface({"NCCL_SOCKET_IFNAME": "=lo"}, "198.18.0.9") == (
+        "lo", "127.0.0.1")
+    assert engine_group.select_interface({"GLOO_SOCKET_IFNAME": "lo"}, "198.18.0.9") == (
+        "lo", "127.0.0.1")
+    # unset: the interface whose subnet holds the master address
+    assert engine_group.select_interface({}, "127.0.0.1") == ("lo", "127.0.0.1")
+    with pytest.raises(engine_group.GroupError, match="matches no interface"):
+        engine_group.select_interface({"NCCL_SOCKET_IFNAME": "=nosuch0"}, "127.0.0.1")

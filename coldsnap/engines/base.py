@@ -1,0 +1,137 @@
+"""The engine adapter protocol: what coldsnapd needs from an inference engine, spoken only
+through the engine's public HTTP surface.
+
+An adapter knows one engine's surface (vLLM, SGLang): how to tell it is ready, how to quiesce
+it before a checkpoint and resume it after, how to send the validation prompt, which TCP ports
+it listens on (admission checks they are free), and where its command line says the model
+lies (payload files are found from the request, never from a path the engine reports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from coldsnap.hosts.base import Host
+from coldsnap.hosts.http import HttpAnswer, http_request
+from coldsnap.identity import flag_value
+
+
+class EngineCallFailed(Exception):
+    """The engine answered a lifecycle or validation call with something other than success
+    (or did not answer); the message says which call and what came back."""
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """Where one unit's engine serves: `address:port` as seen from `host` itself."""
+
+    host: Host
+    address: str
+    port: int
+
+    async def call(self, method: str, target: str, body: Any = None, *,
+                   timeout: float = 30.0) -> HttpAnswer:  # noqa: ASYNC109
+        return await http_request(self.host, self.address, self.port, method, target, body,
+                                  timeout=timeout)
+
+    def __str__(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+
+def port_flag(command: Sequence[str], default: int) -> int:
+    """The engine's serving port from `--port`, or the engine's default."""
+    value = flag_value(command, ("--port",))
+    if value is None:
+        return default
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"--port {value!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port} is out of range")
+    return port
+
+
+def master_port(command: Sequence[str], environment: dict[str, str] | None = None) -> int | None:
+    """The rendezvous port the world's rank 0 listens on (`--master-port`, else MASTER_PORT)."""
+    value = flag_value(command, ("--master-port",))
+    if value is None and environment:
+        value = environment.get("MASTER_PORT")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--master-port {value!r} is not a port number") from None
+
+
+def master_addr(command: Sequence[str], environment: dict[str, str] | None = None) -> str | None:
+    value = flag_value(command, ("--master-addr", "--master-address"))
+    if value is None and environment:
+        value = environment.get("MASTER_ADDR")
+    return value
+
+
+def expect_ok(answer: HttpAnswer, what: str) -> None:
+    if answer.status is None or not 200 <= answer.status < 300:
+        raise EngineCallFailed(f"{what}: {answer.describe()}")
+
+
+class HttpEngine:
+    """What both engine surfaces share: the serving port from `--port` (else the engine's
+    default), the rendezvous port on the unit that holds rank 0, and the readiness probe."""
+
+    default_port: int
+
+    def serving_port(self, command: Sequence[str]) -> int:
+        return port_flag(command, self.default_port)
+
+    def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,
+                     holds_rank0: bool) -> list[int]:
+        ports = {self.serving_port(command)}
+        rendezvous = master_port(command, environment)
+        if holds_rank0 and rendezvous is not None:
+            ports.add(rendezvous)
+        return sorted(ports)
+
+    async def ready(self, ep: EngineEndpoint, health_path: str) -> HttpAnswer:
+        return await ep.call("GET", health_path, timeout=10)
+
+
+class EngineAdapter(Protocol):
+    """One engine's public surface. Implementations are stateless."""
+
+    name: str
+
+    def serving_port(self, command: Sequence[str]) -> int:
+        """The HTTP port the unit's engine serves on."""
+        ...
+
+    def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,
+                     holds_rank0: bool) -> list[int]:
+        """Every TCP port the unit's engine listens on (admission checks they are free)."""
+        ...
+
+    def model_dir(self, command: Sequence[str]) -> str | None:
+        """The model directory inside the container, from the command line."""
+        ...
+
+    async def ready(self, ep: EngineEndpoint, health_path: str) -> HttpAnswer:
+        """One readiness probe; status 200 means ready to serve."""
+        ...
+
+    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False) -> None:
+        """Drain requests and release the accelerators (KV cache always; the weights too when
+        `release_weights`), closing the engine's cross-worker connections."""
+        ...
+
+    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
+        """Undo `quiesce`: the engine reads any new placement, rebuilds its cross-worker
+        connections and reloads released weights from `model_dir`."""
+        ...
+
+    async def complete(self, ep: EngineEndpoint, prompt: str, *, timeout: float) -> str:  # noqa: ASYNC109
+        """Send one prompt (greedy, short); return the generated text."""
+        ...

@@ -1,0 +1,78 @@
+"""vLLM's public surface: the OpenAI-compatible server plus its sleep mode.
+
+Sleep mode (`POST /sleep?level=N`, `POST /wake_up`, `GET /is_sleeping`) and the weight reload
+(`POST /collective_rpc {"method": "reload_weights"}`) are served when the server runs in dev
+mode (VLLM_SERVER_DEV_MODE=1) with `--enable-sleep-mode`, as a ColdSnap capsule does.
+Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops both, so
+the weights must be reloaded from disk after the wake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coldsnap.engines.base import (
+    EngineCallFailed,
+    EngineEndpoint,
+    HttpEngine,
+    expect_ok,
+)
+from coldsnap.identity import flag_value
+
+DEFAULT_PORT = 8000
+
+
+class VllmAdapter(HttpEngine):
+    name = "vllm"
+    default_port = DEFAULT_PORT
+
+    def model_dir(self, command: Sequence[str]) -> str | None:
+        found = flag_value(command, ("--model", "--model-dir"))
+        if found is None and "serve" in command:
+            # `vllm serve MODEL ...`: the model is the first argument after `serve`.
+            i = list(command).index("serve")
+            if i + 1 < len(command) and not command[i + 1].startswith("-"):
+                found = command[i + 1]
+        return found
+
+    async def is_sleeping(self, ep: EngineEndpoint) -> bool:
+        ans = await ep.call("GET", "/is_sleeping", timeout=10)
+        expect_ok(ans, "GET /is_sleeping")
+        try:
+            return bool(ans.json()["is_sleeping"])
+        except (ValueError, KeyError, TypeError):
+            raise EngineCallFailed(f"GET /is_sleeping: unexpected answer {ans.describe()}") \
+                from None
+
+    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False) -> None:
+        level = 2 if release_weights else 1
+        expect_ok(await ep.call("POST", f"/sleep?level={level}", timeout=120),
+                  f"POST /sleep?level={level}")
+        if not await self.is_sleeping(ep):
+            raise EngineCallFailed(f"POST /sleep?level={level} answered, but /is_sleeping "
+                                   "still says false")
+
+    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
+        expect_ok(await ep.call("POST", "/wake_up", timeout=120), "POST /wake_up")
+        if await self.is_sleeping(ep):
+            raise EngineCallFailed("POST /wake_up answered, but /is_sleeping still says true")
+        if model_dir is not None:
+            expect_ok(await ep.call("POST", "/collective_rpc", {"method": "reload_weights"},
+                                    timeout=600), "POST /collective_rpc reload_weights")
+
+    async def complete(self, ep: EngineEndpoint, prompt: str, *, timeout: float) -> str:  # noqa: ASYNC109
+        models = await ep.call("GET", "/v1/models", timeout=timeout)
+        expect_ok(models, "GET /v1/models")
+        try:
+            model = str(models.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise EngineCallFailed(f"GET /v1/models: no model in {models.describe()}") from None
+        ans = await ep.call("POST", "/v1/completions",
+                            {"model": model, "prompt": prompt, "max_tokens": 32,
+                             "temperature": 0}, timeout=timeout)
+        expect_ok(ans, "POST /v1/completions")
+        try:
+            return str(ans.json()["choices"][0]["text"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise EngineCallFailed(f"POST /v1/completions: no choices[0].text in "
+                                   f"{ans.describe()}") from None

@@ -1,0 +1,239 @@
+"""Names, addresses and paths of the dev cluster: pure functions, no side effects.
+
+Host `host-N` of a cluster whose network base is B (default 0, `COLDSNAP_DEV_NET_BASE`) takes
+network slot S = B + N:
+
+    namespace   csd-host-S          (ip netns)
+    veth        csd-hS <-> ensN     (csd-hS in the root namespace, on the bridge csd-br0;
+                                     ensN inside the namespace: host-0 has ens0, host-2 ens2)
+    address     198.18.0.{S+2}/24   (the bridge itself is 198.18.0.1)
+
+With the default base the namespace of host-N is csd-host-N and its address 198.18.0.{N+2}.
+A second cluster on the same machine (the probe benchmark's) picks another base so the two
+share the bridge but no namespace, link or address. 198.18.0.0/24 is RFC 2544's benchmarking
+range; the bridge holds the only route to it, so nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SUBNET = "198.18.0.0/24"
+PREFIX_LEN = 24
+BRIDGE = "csd-br0"
+BRIDGE_ADDRESS = "198.18.0.1"
+REGISTRY_PORT = 5000
+# The local OCI registry (scripts/build-test-capsule) listens on the bridge, where every host's
+# namespace can reach it; each dockerd trusts it without TLS (--insecure-registry).
+REGISTRY_ADDR = f"{BRIDGE_ADDRESS}:{REGISTRY_PORT}"
+# Host addresses are .2 .. .254: slots 0 .. 252.
+MAX_SLOT = 252
+MAX_HOSTS = MAX_SLOT + 1
+
+NETNS_PREFIX = "csd-host-"
+VETH_ROOT_PREFIX = "csd-h"
+VETH_NS_PREFIX = "ens"
+# Where `up` records which cluster (state directory) owns a namespace. /run is cleared on
+# reboot, as are network namespaces.
+OWNERS_DIR = Path("/run/coldsnap-dev-cluster")
+
+GPU_NAME = "NVIDIA GB10"
+GPU_CC = "12.1"
+GPU_MEMORY_BYTES = 128 * 1024**3
+DRIVER_VERSION = "610.43.02"
+# Kept well below what coldsnap's pool opens per host (it uses at most MaxSessions - 2).
+MAX_SESSIONS = 32
+
+_HOST_NAME = re.compile(r"^host-(0|[1-9][0-9]*)$")
+
+
+class UsageError(ValueError):
+    """A bad command line or host name: the CLI prints it and exits 2."""
+
+
+def host_index(name: str) -> int:
+    """`host-3` -> 3; anything else is a UsageError."""
+    m = _HOST_NAME.match(name)
+    if m is None:
+        raise UsageError(f"bad host name {name!r} (expected host-N)")
+    return int(m.group(1))
+
+
+def host_name(index: int) -> str:
+    return f"host-{index}"
+
+
+@dataclass(frozen=True)
+class HostNet:
+    """Everything network-related that follows from a host's index and the cluster's base."""
+
+    index: int
+    base: int = 0
+
+    def __post_init__(self) -> None:
+        if self.index < 0 or self.base < 0 or self.slot > MAX_SLOT:
+            raise UsageError(
+                f"host-{self.index} with network base {self.base} is outside 198.18.0.2-254"
+            )
+
+    @property
+    def name(self) -> str:
+        return host_name(self.index)
+
+    @property
+    def slot(self) -> int:
+        return self.base + self.index
+
+    @property
+    def netns(self) -> str:
+        return f"{NETNS_PREFIX}{self.slot}"
+
+    @property
+    def netns_path(self) -> str:
+        return f"/var/run/netns/{self.netns}"
+
+    @property
+    def veth_root(self) -> str:
+        """The root-namespace end, enslaved to the bridge (what partition-host sets down)."""
+        return f"{VETH_ROOT_PREFIX}{self.slot}"
+
+    @property
+    def veth_ns(self) -> str:
+        """The namespace end: distinct per host on purpose (a per-host NCCL_SOCKET_IFNAME)."""
+        return f"{VETH_NS_PREFIX}{self.index}"
+
+    @property
+    def address(self) -> str:
+        return f"198.18.0.{self.slot + 2}"
+
+    @property
+    def cidr(self) -> str:
+        return f"{self.address}/{PREFIX_LEN}"
+
+
+def check_host_count(n: int, base: int = 0) -> None:
+    """`up N` accepts 1 <= N and every host's address inside 198.18.0.2-254."""
+    if n < 1 or base < 0 or base + n - 1 > MAX_SLOT:
+        raise UsageError(
+            f"up needs a host count 1..{MAX_HOSTS - base} (network base {base}: host addresses "
+            "must stay within 198.18.0.2-254)"
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one cluster keeps its state and how its hosts are reached."""
+
+    state: Path
+    ssh_port: int = 22
+    net_base: int = 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Layout:
+        e = dict(os.environ) if env is None else env
+        state = Path(e.get("COLDSNAP_DEV_CLUSTER_DIR") or REPO / ".dev-cluster")
+        try:
+            port = int(e.get("COLDSNAP_DEV_SSH_PORT") or 22)
+            base = int(e.get("COLDSNAP_DEV_NET_BASE") or 0)
+        except ValueError as exc:
+            raise UsageError(
+                f"COLDSNAP_DEV_SSH_PORT and COLDSNAP_DEV_NET_BASE must be integers: {exc}"
+            ) from None
+        if not 1 <= port <= 65535:
+            raise UsageError(f"COLDSNAP_DEV_SSH_PORT={port} is not a TCP port")
+        if not 0 <= base <= MAX_SLOT:
+            raise UsageError(f"COLDSNAP_DEV_NET_BASE={base} must be 0..{MAX_SLOT}")
+        return cls(state=state.absolute(), ssh_port=port, net_base=base)
+
+    def net(self, index: int) -> HostNet:
+        return HostNet(index, self.net_base)
+
+    def host_dir(self, name: str) -> Path:
+        return self.state / name
+
+    @property
+    def client_key(self) -> Path:
+        return self.state / "client" / "id_ed25519"
+
+    @property
+    def authorized_keys(self) -> Path:
+        return self.state / "client" / "authorized_keys"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state / "known_hosts"
+
+    @property
+    def inventory(self) -> Path:
+        return self.state / "inventory.yaml"
+
+    @property
+    def cluster_env(self) -> Path:
+        return self.state / "cluster.env"
+
+    def known_host_names(self) -> list[str]:
+        """Every host that has state, in numeric order."""
+        if not self.state.is_dir():
+            return []
+        names = [p.name for p in self.state.iterdir() if p.is_dir() and _HOST_NAME.match(p.name)]
+        return sorted(names, key=host_index)
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """One host's files under the state directory."""
+
+    dir: Path
+
+    @property
+    def ssh(self) -> Path:
+        return self.dir / "ssh"
+
+    @property
+    def sshd_config(self) -> Path:
+        return self.ssh / "sshd_config"
+
+    @property
+    def sshd_pid(self) -> Path:
+        return self.ssh / "sshd.pid"
+
+    @property
+    def sshd_log(self) -> Path:
+        return self.ssh / "sshd.log"
+
+    @property
+    def host_key(self) -> Path:
+        return self.ssh / "ssh_host_ed25519_key"
+
+    @property
+    def home(self) -> Path:
+        return self.dir / "home"
+
+    @property
+    def data(self) -> Path:
+        return self.dir / "data"
+
+    @property
+    def gpu_uuids(self) -> Path:
+        return self.dir / "gpu-uuids"
+
+    @property
+    def docker(self) -> Path:
+        return self.dir / "docker"
+
+    @property
+    def docker_pid(self) -> Path:
+        return self.docker / "docker.pid"
+
+    @property
+    def docker_log(self) -> Path:
+        return self.docker / "dockerd.log"
+
+    @property
+    def docker_sock(self) -> Path:
+        return self.dir / "docker.sock"

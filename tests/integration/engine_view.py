@@ -1,0 +1,55 @@
+"""What a test sees of the test engine from outside, as an operator would: the worker
+processes in the unit's container (their rank variables), the simulated driver's state for
+each (GPU state and devices) and the warm-up counters the engine keeps in its rootfs. Nothing
+is asked of the engine itself."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coldsnap.capsule import CapsuleSession
+
+_SCRIPT = r"""
+import json, os
+out = {"workers": [], "warmups": {}}
+sim = "/var/lib/cuda-sim"
+for name in os.listdir("/proc"):
+    if not name.isdigit() or not os.path.exists(f"{sim}/{name}.json"):
+        continue
+    try:
+        env = dict(x.split("=", 1) for x in open(f"/proc/{name}/environ", "rb").read()
+                   .decode().split("\0") if "=" in x)
+        state = json.load(open(f"{sim}/{name}.json"))
+    except OSError:
+        continue
+    out["workers"].append({"pid": int(name), "rank": int(env.get("RANK", -1)),
+                           "local_rank": int(env.get("LOCAL_RANK", -1)),
+                           "world_size": int(env.get("WORLD_SIZE", -1)),
+                           "gpu_state": state["state"], "devices": state["devices"]})
+d = "/var/lib/test-engine"
+for f in os.listdir(d) if os.path.isdir(d) else []:
+    if f.startswith("warmups-") and not f.endswith(".tmp"):
+        out["warmups"][f[len("warmups-"):]] = int(open(f"{d}/{f}").read().strip() or 0)
+out["workers"].sort(key=lambda w: w["rank"])
+print(json.dumps(out))
+"""
+
+
+def _parse(code: int, out: str) -> dict[str, Any]:
+    assert code == 0, out
+    view: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return view
+
+
+async def engine_view(s: CapsuleSession, container: Any) -> dict[str, Any]:
+    """{"workers": [{pid, rank, local_rank, world_size, gpu_state, devices}] by rank,
+    "warmups": {worker id: count}} through an async capsule session."""
+    out = await s.exec(container, ["python3", "-c", _SCRIPT])
+    return _parse(out.exit_code, out.stdout + out.stderr)
+
+
+def engine_view_sync(container: Any) -> dict[str, Any]:
+    """The same through a docker SDK container object."""
+    code, out = container.exec_run(["python3", "-c", _SCRIPT])
+    return _parse(int(code), out.decode(errors="replace"))

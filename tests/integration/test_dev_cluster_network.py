@@ -1,0 +1,163 @@
+"""The dev cluster's network on the running cluster: each host in its own namespace on the
+bridge csd-br0, reachable at its 198.18.0.x address only, and partitions that cut it off."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from coldsnap.hosts.inventory import HostEntry, Inventory
+from coldsnap.hosts.pool import HostPool
+from devtools.layout import BRIDGE, HostNet, host_index
+
+from .conftest import ClusterControl
+
+pytestmark = pytest.mark.integration
+
+PORT = 8000
+
+
+def net_of(entry: HostEntry) -> HostNet:
+    return HostNet(host_index(entry.name))
+
+
+def ssh_banner(address: str, port: int = 22, timeout: float = 2.0) -> bytes:
+    with socket.create_connection((address, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        return s.recv(8)
+
+
+def connects(address: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(pred: object, timeout: float, what: str) -> None:
+    assert callable(pred)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_each_host_answers_ssh_at_its_own_address_from_its_namespace(
+    dev_hosts: Inventory,
+) -> None:
+    for i, entry in enumerate(dev_hosts.hosts):
+        hn = net_of(entry)
+        assert entry.name == f"host-{i}"
+        assert entry.address == hn.address == f"198.18.0.{i + 2}"
+        assert ssh_banner(entry.address, entry.port).startswith(b"SSH-")
+        # The root namespace reaches it over the bridge, and only there.
+        route = json.loads(subprocess.run(
+            ["ip", "-j", "route", "get", entry.address], capture_output=True, text=True,
+            check=True).stdout)
+        assert route[0]["dev"] == BRIDGE, route
+        # Its sshd lives in its namespace (the listener is there, not in the root namespace).
+        listeners = subprocess.run(
+            ["ip", "netns", "exec", hn.netns, "ss", "-Hltn", f"sport = :{entry.port}"],
+            capture_output=True, text=True, check=True).stdout
+        assert f"{entry.address}:{entry.port}" in listeners
+
+
+async def test_commands_over_ssh_run_in_the_hosts_namespace(
+    pool: HostPool, dev_hosts: Inventory
+) -> None:
+    for entry in dev_hosts.hosts:
+        hn = net_of(entry)
+        r = await pool.host(entry.name).run(["ip", "-o", "-4", "addr", "show"])
+        out = r.stdout.decode()
+        addrs = {(f[1], f[3]) for f in (ln.split() for ln in out.splitlines())}
+        assert addrs == {("lo", "127.0.0.1/8"), (hn.veth_ns, hn.cidr)}, out
+
+
+@contextmanager
+def http_server(netns: str, root: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """python3 -m http.server on 0.0.0.0:PORT inside `netns`, serving `root`."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", netns, "python3", "-m", "http.server", str(PORT),
+         "--bind", "0.0.0.0", "--directory", str(root)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_two_hosts_serve_on_the_same_port_each_at_its_own_address(
+    dev_hosts: Inventory, tmp_path: Path
+) -> None:
+    a, b = dev_hosts.hosts[0], dev_hosts.hosts[1]
+    assert not connects("127.0.0.1", PORT, 1), f"something already listens on 127.0.0.1:{PORT}"
+    for entry in (a, b):
+        assert not connects(entry.address, PORT, 1), f"{entry.name}:{PORT} is already taken"
+    roots = {}
+    for entry in (a, b):
+        roots[entry.name] = tmp_path / entry.name
+        roots[entry.name].mkdir()
+        (roots[entry.name] / "who").write_text(entry.name)
+    with http_server(net_of(a).netns, roots[a.name]), http_server(net_of(b).netns, roots[b.name]):
+        for entry in (a, b):
+            wait_until(lambda e=entry: connects(e.address, PORT, 1), 15,  # type: ignore[misc]
+                       f"{entry.name}'s server on {entry.address}:{PORT}")
+        for entry in (a, b):
+            with urllib.request.urlopen(f"http://{entry.address}:{PORT}/who", timeout=5) as r:
+                assert r.read().decode() == entry.name
+        # Both bound 0.0.0.0 in their own namespaces: the root namespace's loopback is not theirs.
+        assert not connects("127.0.0.1", PORT, 1)
+        # ...and a third host's address has nothing on that port.
+        if len(dev_hosts.hosts) > 2:
+            assert not connects(dev_hosts.hosts[2].address, PORT, 1)
+    assert not connects(a.address, PORT, 1)
+
+
+def test_partition_cuts_one_host_off_and_heal_brings_it_back(
+    dev_hosts: Inventory, cluster: ClusterControl
+) -> None:
+    victim, other = dev_hosts.get("host-1"), dev_hosts.get("host-0")
+    hn = net_of(victim)
+    sshd_pid = int((Path(victim.data_dir).parent / "ssh" / "sshd.pid").read_text())
+    assert ssh_banner(victim.address).startswith(b"SSH-")
+    with cluster.host_partitioned(victim.name):
+        assert victim.name in cluster.partitioned
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # a timeout or "no route to host", never an answer
+            ssh_banner(victim.address, timeout=2)
+        assert time.monotonic() - t0 >= 1.0, "refused at once: the host was reachable"
+        assert ssh_banner(other.address).startswith(b"SSH-")
+        link = json.loads(subprocess.run(["ip", "-j", "link", "show", "dev", hn.veth_root],
+                                         capture_output=True, text=True, check=True).stdout)
+        assert "UP" not in link[0]["flags"]
+        # A partition is not a crash: the host's sshd still runs, inside its namespace.
+        assert Path(f"/proc/{sshd_pid}").exists()
+        in_ns = subprocess.run(["ip", "netns", "pids", hn.netns], capture_output=True,
+                               text=True, check=True).stdout.split()
+        assert str(sshd_pid) in in_ns
+    assert victim.name not in cluster.partitioned
+    wait_until(lambda: connects(victim.address, victim.port), 10, f"{victim.name} healed")
+    assert ssh_banner(victim.address).startswith(b"SSH-")
+
+
+async def test_a_pooled_connection_works_again_after_a_heal(
+    pool: HostPool, cluster: ClusterControl
+) -> None:
+    host = pool.host("host-2")
+    assert (await host.run(["echo", "before"])).stdout.strip() == b"before"
+    with cluster.host_partitioned("host-2"):
+        assert not connects(host.entry.address, host.entry.port, 1.5)
+    r = await host.run(["echo", "after"], timeout=30)
+    assert r.stdout.strip() == b"after"

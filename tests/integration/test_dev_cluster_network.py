@@ -26,7 +26,11 @@ PORT = 8000
 
 
 def net_of(entry: HostEntry) -> HostNet:
-    return HostNet(host_index(entry.name))
+    # The cluster's network base (0 unless a second cluster runs beside the main one) is the
+    # slot of host-0: host-N's address is 198.18.0.{base+N+2}.
+    index = host_index(entry.name)
+    base = int(entry.address.rsplit(".", 1)[1]) - 2 - index
+    return HostNet(index, base)
 
 
 def ssh_banner(address: str, port: int = 22, timeout: float = 2.0) -> bytes:
@@ -59,7 +63,7 @@ def test_each_host_answers_ssh_at_its_own_address_from_its_namespace(
     for i, entry in enumerate(dev_hosts.hosts):
         hn = net_of(entry)
         assert entry.name == f"host-{i}"
-        assert entry.address == hn.address == f"198.18.0.{i + 2}"
+        assert entry.address == hn.address == f"198.18.0.{hn.base + i + 2}"
         assert ssh_banner(entry.address, entry.port).startswith(b"SSH-")
         # The root namespace reaches it over the bridge, and only there.
         route = json.loads(subprocess.run(

@@ -217,8 +217,10 @@ def test_restore_onto_a_taken_port_is_refused_before_any_container(
     request = ops.request("tp2-two-hosts-restore-moved", suffix="port",
                           artifact=tp2["capture_id"])
     address = ops.hosts["host-3"]["address"]
+    # The dev cluster's namespace of the host at 198.18.0.{S+2} is csd-host-S.
+    netns = f"csd-host-{int(address.rsplit('.', 1)[1]) - 2}"
     squatter = subprocess.Popen(
-        ["ip", "netns", "exec", "csd-host-3", sys.executable, "-c",
+        ["ip", "netns", "exec", netns, sys.executable, "-c",
          "import socket, sys, time\n"
          "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
          "s.bind((sys.argv[1], 8000)); s.listen(); print('up', flush=True)\n"

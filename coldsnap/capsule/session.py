@@ -115,8 +115,15 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
     and the next one goes through the transport's reconnect."""
     tmp = tempfile.mkdtemp(prefix="coldsnap-docker-")
     path = os.path.join(tmp, "docker.sock")
+    # The stream server does not own its connection tasks; ended by hand on shutdown, so
+    # none is left pending when the loop closes.
+    live: set[asyncio.Task[None]] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            live.add(task)
+            task.add_done_callback(live.discard)
         try:
             async with host.forward_unix_socket(remote_path) as local:
                 up_r, up_w = await asyncio.open_unix_connection(local)
@@ -139,6 +146,10 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
         yield path
     finally:
         server.close()
+        for task in list(live):
+            task.cancel()
+        if live:
+            await asyncio.wait(list(live), timeout=5)
         await server.wait_closed()
         shutil.rmtree(tmp, ignore_errors=True)
 

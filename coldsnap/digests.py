@@ -16,7 +16,8 @@ class BadDigest(ValueError):
 
 def check_digest(value: str) -> str:
     """Return the hex part of a digest string, refusing anything that could escape a path."""
-    if not DIGEST_RE.match(value):
+    # fullmatch: `$` alone would also accept a trailing newline, which then lands in a path.
+    if not DIGEST_RE.fullmatch(value):
         raise BadDigest(f"not a sha256 digest: {value!r}")
     return value.removeprefix("sha256:")
 

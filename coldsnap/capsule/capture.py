@@ -8,7 +8,7 @@ import contextlib
 import json
 import posixpath
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
+    Mount,
     UnitSpec,
     WorkerSpec,
     container_path_for,
@@ -304,11 +305,49 @@ def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
     return posixpath.join(data_dir, "capsules", docker_name(capture_id), docker_name(unit_id))
 
 
-async def host_sha256(s: CapsuleSession, path: str) -> tuple[str, int]:
+# Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.
+_HASH_BYTES_PER_SECOND = 50 * 1024 * 1024
+# A worker payload larger than this is refused rather than read (a device node or a runaway
+# path must never turn into an endless read).
+MAX_PAYLOAD_BYTES = 1 << 40
+
+
+async def host_sha256(s: CapsuleSession, path: str, *, size_hint: int = 0) -> tuple[str, int]:
     h = s.target.host
-    digest = (await h.run(["sha256sum", path])).stdout.split()[0].decode()
-    size = int((await h.run(["stat", "-c", "%s", path])).stdout.strip())
+    limit = 60.0 + size_hint / _HASH_BYTES_PER_SECOND
+    digest = (await h.run(["sha256sum", "--", path], timeout=limit)).stdout.split()[0].decode()
+    size = int((await h.run(["stat", "-c", "%s", "--", path])).stdout.strip())
     return f"sha256:{digest}", size
+
+
+_CHECK_FILE = 'p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && stat -L -c "%F|%s" -- "$p"'
+
+
+async def checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
+                          mounts: Sequence[Mount]) -> tuple[str, int]:
+    """The payload's real path on the host and its size, refused unless it resolves (symlinks
+    followed, on the host) to a regular file under one of the unit's mount sources and is at
+    most MAX_PAYLOAD_BYTES: a request must not pull an arbitrary host file into an artifact."""
+    step = "collect"
+    out = await s.target.host.run(["sh", "-c", _CHECK_FILE, "sh", path], timeout=30,
+                                  check=False)
+    lines = out.stdout.decode(errors="replace").splitlines()
+    if not out.ok or len(lines) != 2:
+        raise fail(s, unit, step, f"worker {worker}: payload {path} does not exist on the host")
+    real, (kind, _, size_text) = lines[0], lines[1].partition("|")
+    if kind != "regular file" and kind != "regular empty file":
+        raise fail(s, unit, step, f"worker {worker}: payload {path} is a {kind}, not a file")
+    sources = await s.target.host.run(
+        ["realpath", "-m", "--", *[m.source for m in mounts]], timeout=30, check=False)
+    roots = sources.stdout.decode(errors="replace").splitlines() if mounts else []
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+        raise fail(s, unit, step, f"worker {worker}: payload {path} resolves to {real}, "
+                                  "outside every mount of the unit")
+    size = int(size_text)
+    if size > MAX_PAYLOAD_BYTES:
+        raise fail(s, unit, step, f"worker {worker}: payload {path} is {size} bytes, over "
+                                  f"the {MAX_PAYLOAD_BYTES} byte cap")
+    return real, size
 
 
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
@@ -330,10 +369,13 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
                              message=f"coldsnap capsule of unit {spec.unit_id}")
         image_id = str(image.id)
         marks.append(time.monotonic())
-        await s.target.host.run(["mkdir", "-p", out_dir])
+        await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])
         await s.host_docker("save", "-o", tmp, f"{repo}:{tag}", timeout_s=3600)
         marks.append(time.monotonic())
         sha, size = await host_sha256(s, tmp)
+        # Private (it holds the engine's memory), on disk before it is published.
+        await s.target.host.run(["chmod", "0600", tmp])
+        await s.target.host.run(["sync", "--", tmp])
         await s.target.host.run(["mv", "-f", tmp, final])
         marks.append(time.monotonic())
     except Exception as exc:
@@ -363,14 +405,16 @@ async def collect_worker_objects(
     step = "collect"
     spec = handle.spec
     out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
-    await s.target.host.run(["mkdir", "-p", out_dir])
+    await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])
     model_dir = adapter_for(spec.engine).model_dir(spec.command)
 
     async def one(w: WorkerSpec) -> WorkerObjects:
         if not w.payload_path:
             raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload located (set "
                        "policy.weights.native.files_by_worker)")
-        sha, size = await host_sha256(s, w.payload_path)
+        real, expected = await checked_payload(s, handle.unit, w.id, w.payload_path,
+                                               spec.mounts)
+        sha, size = await host_sha256(s, real, size_hint=expected)
         container_path = container_path_for(spec.mounts, w.payload_path)
         plan = {
             "format": REPLAY_PLAN_FORMAT,
@@ -389,9 +433,11 @@ async def collect_worker_objects(
         }
         data = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
         plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"
-        await s.target.host.run(["dd", f"of={plan_path}", "status=none"], input=data)
+        # umask 077: the plan names the unit's environment, which may carry tokens.
+        await s.target.host.run(["sh", "-c", 'umask 077 && exec dd of="$1" status=none', "sh",
+                                 plan_path], input=data)
         plan_sha, plan_size = await host_sha256(s, plan_path)
-        return WorkerObjects(w.id, HostFile(s.host, w.payload_path, sha, size),
+        return WorkerObjects(w.id, HostFile(s.host, real, sha, size),
                              HostFile(s.host, plan_path, plan_sha, plan_size), data)
 
     return list(await asyncio.gather(*(one(w) for w in spec.workers)))

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+# Every command on a host is bounded: a caller that needs longer says so (dump, save, load).
+DEFAULT_RUN_TIMEOUT = 600.0
+
 # progress(done_bytes, total_bytes)
 ProgressCallback = Callable[[int, int], None]
 
@@ -103,7 +106,7 @@ class Host(Protocol):
         self,
         argv: Sequence[str],
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:

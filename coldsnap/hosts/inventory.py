@@ -22,6 +22,7 @@ Relative `identity_file` / `known_hosts` paths are taken relative to the invento
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -97,6 +98,10 @@ class HostEntry(BaseModel):
     def _absolute(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith("/"):
             raise ValueError("must be an absolute path on the host")
+        # Clean, so that every path derived from it stays under it (`/x/../..` is `/`).
+        if v is not None and (posixpath.normpath(v) != v or v == "/" or "//" in v):
+            raise ValueError("must be a clean absolute path (no '..', '.', '//' or trailing "
+                             "'/'), other than /")
         return v
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from coldsnap.hosts.base import (
+    DEFAULT_RUN_TIMEOUT,
     CommandFailed,
     CommandResult,
     CommandTimeout,
@@ -24,6 +25,19 @@ from coldsnap.hosts.base import (
 
 _CHUNK = 4 * 1024 * 1024
 PART_SUFFIX = ".coldsnap-part"
+
+
+def publish(part: Path, dst: Path) -> None:
+    """fsync the finished file, rename it into place, fsync the directory: after a power loss
+    the name points at the whole file or at nothing."""
+    with open(part, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(part, dst)
+    fd = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) -> TransferResult:
@@ -49,7 +63,7 @@ def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) ->
     if check.hexdigest() != h.hexdigest() or done != total:
         part.unlink(missing_ok=True)
         raise TransferError(name, f"copy of {src} to {dst} does not match its source")
-    os.replace(part, dst)
+    publish(part, dst)
     return TransferResult(bytes=total, sha256=f"sha256:{h.hexdigest()}", sent_bytes=total)
 
 
@@ -65,7 +79,7 @@ class LocalHost:
         self,
         argv: Sequence[str],
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:

@@ -22,7 +22,8 @@ from typing import Generic, TypeVar
 
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import HostEntry, Inventory, load_inventory
-from coldsnap.hosts.ssh import SSHHost, SSHSettings
+from coldsnap.hosts.settings import SSHSettings
+from coldsnap.hosts.ssh import SSHHost
 
 T = TypeVar("T")
 

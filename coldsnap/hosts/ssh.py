@@ -14,13 +14,11 @@ import fcntl
 import os
 import shlex
 import shutil
-import signal
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import asyncssh
 import structlog
@@ -33,6 +31,7 @@ from tenacity import (
 )
 
 from coldsnap.hosts.base import (
+    DEFAULT_RUN_TIMEOUT,
     CommandFailed,
     CommandResult,
     CommandTimeout,
@@ -45,6 +44,9 @@ from coldsnap.hosts.base import (
     TransferResult,
 )
 from coldsnap.hosts.inventory import HostEntry
+from coldsnap.hosts.settings import SSHSettings
+from coldsnap.hosts.streams import RemoteStream, exit_status
+from coldsnap.hosts.transfer import get_file, put_file
 
 log = structlog.get_logger("coldsnap.hosts")
 
@@ -52,40 +54,6 @@ log = structlog.get_logger("coldsnap.hosts")
 # sshd makes every session its own process group, so killing "-PID" takes children too.
 _PID_WRAPPER = 'echo "$$" && exec "$@"'
 _KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0'
-
-# OpenSSH's per-connection default MaxSessions; the pool keeps below it.
-OPENSSH_DEFAULT_MAX_SESSIONS = 10
-
-
-@dataclass(frozen=True)
-class SSHSettings:
-    """Transport knobs shared by every host of a pool."""
-
-    connect_timeout: float = 10.0  # TCP connect + key exchange
-    login_timeout: float = 15.0  # authentication, on top of connect_timeout
-    keepalive_interval: float = 10.0
-    keepalive_count_max: int = 3
-    # Sessions (exec/sftp channels) open at once per host. Must stay below the host sshd's
-    # MaxSessions (OpenSSH default 10); one slot is kept free for the kill channel.
-    max_channels: int = OPENSSH_DEFAULT_MAX_SESSIONS - 2
-    connect_attempts: int = 4
-    retry_initial: float = 0.2
-    retry_max: float = 3.0
-    # aes128-gcm is the fastest here (AES-NI on both ends, AEAD: no separate MAC pass);
-    # the others stay acceptable so a host that disables it still works.
-    encryption_algs: tuple[str, ...] = (
-        "aes128-gcm@openssh.com",
-        "aes256-gcm@openssh.com",
-        "chacha20-poly1305@openssh.com",
-        "aes128-ctr",
-        "aes256-ctr",
-    )
-    # A bigger receive window than asyncssh's 2 MiB keeps get() streaming.
-    recv_window: int = 16 * 1024 * 1024
-    # How put() moves bulk bytes: "auto" (the OpenSSH client when usable, else asyncssh),
-    # "openssh" or "asyncssh". See coldsnap.hosts.transfer.put_file.
-    bulk_transport: Literal["auto", "openssh", "asyncssh"] = "auto"
-
 
 def _transient(exc: BaseException) -> bool:
     """Connection-level failures worth another try; auth and host-key refusals are final."""
@@ -151,41 +119,6 @@ class _Client(asyncssh.SSHClient):
         except OSError as exc:
             self.key_problem = f"cannot read/append {path}: {exc.strerror or exc}"
             return False
-
-
-@dataclass
-class RemoteStream:
-    """An open exec channel: raw byte streams plus the channel for its exit status."""
-
-    stdin: asyncssh.SSHWriter[bytes]
-    stdout: asyncssh.SSHReader[bytes]
-    stderr: asyncssh.SSHReader[bytes]
-
-    @property
-    def channel(self) -> Any:
-        return self.stdin.channel
-
-    async def finish(self) -> tuple[int, bytes]:
-        """Wait for the remote command to end; return (exit status, stderr)."""
-        err = await self.stderr.read()
-        await self.channel.wait_closed()
-        status = _exit_status(self.channel)
-        return (255 if status is None else status), err
-
-
-def _exit_status(channel: Any) -> int | None:
-    """The remote exit status; 128+N for a signal; None when the channel closed without
-    one (the connection went away)."""
-    status = channel.get_exit_status()
-    if status is not None and status >= 0:
-        return int(status)
-    sig = channel.get_exit_signal()
-    if sig:
-        try:
-            return 128 + int(signal.Signals["SIG" + sig[0]])
-        except KeyError:
-            return 255
-    return None
 
 
 class SSHHost:
@@ -346,6 +279,10 @@ class SSHHost:
                     connect_timeout=s.connect_timeout,
                     keepalive_interval=s.keepalive_interval,
                     keepalive_count_max=s.keepalive_count_max,
+                    # Nothing from the control node's ~/.ssh/config applies, and the agent is
+                    # never forwarded to a host: only the inventory decides how to connect.
+                    config=[],
+                    agent_forwarding=False,
                 )
         return conn, client
 
@@ -404,7 +341,7 @@ class SSHHost:
         self,
         argv: Sequence[str],
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 (expiry must kill the remote process)
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
     ) -> CommandResult:
@@ -448,7 +385,7 @@ class SSHHost:
                 ) from None
             finally:
                 stream.channel.close()
-        status = _exit_status(stream.channel)
+        status = exit_status(stream.channel)
         if status is None:
             self._drop()
             raise HostUnreachable(
@@ -491,15 +428,11 @@ class SSHHost:
     async def put(
         self, local: Path, remote: str, *, progress: ProgressCallback | None = None
     ) -> TransferResult:
-        from coldsnap.hosts.transfer import put_file
-
         return await put_file(self, local, remote, progress=progress)
 
     async def get(
         self, remote: str, local: Path, *, progress: ProgressCallback | None = None
     ) -> TransferResult:
-        from coldsnap.hosts.transfer import get_file
-
         return await get_file(self, remote, local, progress=progress)
 
     @asynccontextmanager
@@ -555,3 +488,6 @@ def _describe(exc: BaseException | None) -> str:
         return f"{type(exc).__name__}: {exc.reason}"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+
+
+__all__ = ["RemoteStream", "SSHHost", "SSHSettings"]

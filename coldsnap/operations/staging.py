@@ -76,7 +76,8 @@ async def stage_host(
         if not local.is_file():
             raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
                                 f"from the store")
-        await host.run(["mkdir", "-p", "--", posixpath.dirname(remote)])
+        # Staged objects (CRIU memory dumps among them) are private to the owner.
+        await host.run(["mkdir", "-m", "0700", "-p", "--", posixpath.dirname(remote)])
         callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
         sent = await host.put(local, remote, progress=callback)
         if sent.sha256 != obj.sha256:

@@ -9,10 +9,12 @@ import docker.errors
 import pytest
 
 from coldsnap.capsule import (
+    CapsuleError,
     CapsuleImage,
     CriuProbeFailed,
     DumpFailed,
     ImageDigestMismatch,
+    Mount,
     checkpoint_gpus,
     dump,
     quiesce,
@@ -21,6 +23,7 @@ from coldsnap.capsule import (
     validate,
     wait_ready,
 )
+from coldsnap.capsule.capture import checked_payload
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from coldsnap.hosts.http import http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403
@@ -179,3 +182,34 @@ async def test_docker_session_survives_a_dropped_ssh_connection(
     assert await s.call(s.client.ping)
     assert (await s.call(s.client.version))["ApiVersion"]
     assert h1.target.host.connects == before + 1  # type: ignore[attr-defined]
+
+
+async def test_payload_paths_are_resolved_and_checked_on_the_host(
+    capsule_cluster: dict[str, ClusterHost],
+) -> None:
+    """A payload path from a request may only name a regular file under a mount source of the
+    unit, after symlinks are resolved on the host: never /etc/shadow through a link, never a
+    device that would be read forever."""
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    root = f"{h0.entry.data_dir}/../payload-check-{unique('d')}"
+    models = f"{root}/models"
+    mounts = (Mount(models, "/models", read_only=True),)
+    run = h0.target.host.run
+    await run(["mkdir", "-p", models])
+    try:
+        await run(["sh", "-c", 'printf abc > "$1/ok.bin" && ln -s /etc/shadow "$1/escape.bin" '
+                   '&& ln -s /dev/zero "$1/zero.bin" && printf x > "$2/outside.bin"', "sh",
+                   models, root])
+        real, size = await checked_payload(s, "u", "w", f"{models}/ok.bin", mounts)
+        assert real.endswith("/models/ok.bin") and ".." not in real and size == 3
+        for name, why in (("escape.bin", "outside every mount"), ("zero.bin", "not a file"),
+                          ("missing.bin", "does not exist")):
+            with pytest.raises(CapsuleError) as err:
+                await checked_payload(s, "u", "w", f"{models}/{name}", mounts)
+            assert why in err.value.detail, err.value.detail
+            assert err.value.step == "collect"
+        with pytest.raises(CapsuleError, match="outside every mount"):
+            await checked_payload(s, "u", "w", f"{models}/../outside.bin", mounts)
+    finally:
+        await cleanup_paths(h0, root)

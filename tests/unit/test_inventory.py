@@ -93,6 +93,9 @@ def test_simulated_gpus_need_a_driver_version() -> None:
         ({"port": 70000}, "hosts[0].port"),
         ({"port": "22"}, "hosts[0].port"),  # strict: a quoted number is a mistake
         ({"data_dir": "relative/dir"}, "hosts[0].data_dir"),
+        ({"data_dir": "/x/../.."}, "hosts[0].data_dir"),
+        ({"data_dir": "/"}, "hosts[0].data_dir"),
+        ({"data_dir": "/var/lib/coldsnap/"}, "hosts[0].data_dir"),
         ({"docker_socket": "docker.sock"}, "hosts[0].docker_socket"),
         ({"name": "has space"}, "hosts[0].name"),
         ({"host_key_policy": "no"}, "hosts[0].host_key_policy"),

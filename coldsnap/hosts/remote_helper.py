@@ -1,0 +1,193 @@
+"""The far side of a transfer: a small program the controller sends to the host with every
+call (`python3 -c <this file's source> MODE ARGS`); nothing is installed there.
+
+Kept compatible with Python 3.8 (the oldest python3 on a supported host OS) and free of
+imports beyond the standard library: only this file's text crosses to the host. The near side
+imports it for the exit codes, so both ends share one definition.
+
+Modes:
+  put PART FINAL      partial state, then "OFFSET LENGTH", bytes, "HEX": write, verify, publish
+  stat PATH           "part SIZE HEX" of a file (0 and the empty digest when absent)
+  recv PART OFF LEN   bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
+  commit SRC DST      rename a verified candidate into place
+  get PATH OFFSET     "size SIZE", bytes from OFFSET, then "HEX" of the whole file
+
+Published files are fsync'd, then renamed, then their directory is fsync'd; partial files and
+the directories made for them are private to the owner (0600, 0700): a CRIU image can hold
+secrets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import sys
+from typing import Any, NoReturn
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_SHORT = 3  # the stream ended early; the partial file is kept for a resume
+EXIT_MISMATCH = 4  # the bytes received do not hash to what the sender has
+EXIT_OFFSET = 5  # a resume offset or a file size that no longer holds
+EXIT_BUSY = 75  # another transfer is writing the same partial file
+
+CH = 1 << 20
+F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by older Pythons' fcntl module
+
+
+def fail(code: int, msg: str) -> NoReturn:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def hash_prefix(f: Any, h: Any, n: int, mv: memoryview) -> None:
+    while n:
+        k = f.readinto(mv[:min(CH, n)])
+        if not k:
+            fail(EXIT_OFFSET, "file shrank while reading")
+        h.update(mv[:k])
+        n -= k
+
+
+def sync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(f: Any, src: str, dst: str) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(src, dst)
+    sync_dir(dst)
+
+
+def open_part(part: str) -> Any:
+    os.makedirs(os.path.dirname(part) or ".", mode=0o700, exist_ok=True)
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    f = os.fdopen(fd, "a+b", buffering=0)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fail(EXIT_BUSY, "busy: another transfer is writing " + part)
+    return f
+
+
+def part_state(f: Any, mv: memoryview) -> tuple[int, Any]:
+    f.seek(0)
+    size = os.fstat(f.fileno()).st_size
+    h = hashlib.sha256()
+    hash_prefix(f, h, size, mv)
+    return size, h
+
+
+def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
+            mv: memoryview) -> Any:
+    if offset == 0:
+        h = hashlib.sha256()
+        f.truncate(0)
+    elif offset != size:
+        fail(EXIT_OFFSET, f"offset {offset} does not match partial size {size}")
+    with contextlib.suppress(OSError, ValueError):
+        # A deeper pipe lets sshd keep delivering while we hash and write.
+        fcntl.fcntl(inp.fileno(), F_SETPIPE_SZ, CH)
+    left = length
+    while left:
+        # readinto1: take what has arrived instead of waiting for a full buffer, so
+        # receiving, hashing and writing interleave in small steps.
+        k = inp.readinto1(mv[:min(CH, left)])
+        if not k:
+            f.close()
+            fail(EXIT_SHORT, f"short: stream ended after {length - left} of {length} bytes; "
+                             "partial kept")
+        h.update(mv[:k])
+        w = 0
+        while w < k:
+            w += f.write(mv[w:k])
+        left -= k
+    return h
+
+
+def main(argv: list[str]) -> int:
+    out = sys.stdout.buffer
+    mv = memoryview(bytearray(CH))
+    mode = argv[0] if argv else ""
+    if mode == "put":
+        part, final = argv[1], argv[2]
+        f = open_part(part)
+        size, h = part_state(f, mv)
+        out.write(f"part {size} {h.hexdigest()}\n".encode())
+        out.flush()
+        inp = sys.stdin.buffer
+        hdr = inp.readline().split()
+        if len(hdr) != 2:
+            fail(EXIT_SHORT, "short: no header")
+        offset, length = int(hdr[0]), int(hdr[1])
+        h = receive(f, size, h, offset, length, inp, mv)
+        want = inp.readline().strip().decode()
+        got = h.hexdigest()
+        if want != got:
+            os.unlink(part)
+            fail(EXIT_MISMATCH, f"digest mismatch: received sha256:{got}, sender has sha256:{want}")
+        publish(f, part, final)
+        out.write(f"ok {offset + length} {got}\n".encode())
+        out.flush()
+    elif mode == "stat":
+        if not os.path.exists(argv[1]):
+            out.write(f"part 0 {hashlib.sha256().hexdigest()}\n".encode())
+        else:
+            with open(argv[1], "rb", buffering=0) as f:
+                size, h = part_state(f, mv)
+            out.write(f"part {size} {h.hexdigest()}\n".encode())
+    elif mode == "recv":
+        # The bytes come straight from an OpenSSH client; the sender learns our digest from
+        # stdout and commits only the candidate named after the digest it computed itself.
+        part, offset, length = argv[1], int(argv[2]), int(argv[3])
+        f = open_part(part)
+        size, h = part_state(f, mv)
+        h = receive(f, size, h, offset, length, sys.stdin.buffer, mv)
+        got = h.hexdigest()
+        publish(f, part, part + "." + got)
+        out.write(f"got {offset + length} {got}\n".encode())
+    elif mode == "commit":
+        try:
+            os.replace(argv[1], argv[2])
+        except FileNotFoundError:
+            fail(EXIT_MISMATCH, "no verified candidate " + argv[1])
+        sync_dir(argv[2])
+    elif mode == "get":
+        path, offset = argv[1], int(argv[2])
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 (held to the end of the send)
+        except OSError as e:
+            fail(EXIT_USAGE, f"cannot open {path}: {e.strerror}")
+        size = os.fstat(f.fileno()).st_size
+        if offset > size:
+            fail(EXIT_OFFSET, f"offset {offset} beyond size {size}")
+        out.write(f"size {size}\n".encode())
+        out.flush()
+        h = hashlib.sha256()
+        hash_prefix(f, h, offset, mv)
+        left = size - offset
+        while left:
+            k = f.readinto(mv[:min(CH, left)])
+            if not k:
+                fail(EXIT_OFFSET, "file shrank while reading")
+            h.update(mv[:k])
+            out.write(mv[:k])
+            left -= k
+        out.write((h.hexdigest() + "\n").encode())
+        out.flush()
+    else:
+        fail(EXIT_USAGE, "unknown mode " + mode)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

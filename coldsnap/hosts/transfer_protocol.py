@@ -1,0 +1,81 @@
+"""What both transfer paths share: the far-side helper (sent with each call), its exit codes,
+how an exit status is classified, and the resume handshake's offset decision."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from coldsnap.hosts.remote_helper import (
+    EXIT_BUSY,
+    EXIT_MISMATCH,
+    EXIT_OFFSET,
+    EXIT_SHORT,
+)
+
+CHUNK = 1024 * 1024
+PART_SUFFIX = ".coldsnap-part"
+F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by Python 3.11's fcntl module
+
+HELPER = resources.files("coldsnap.hosts").joinpath("remote_helper.py").read_text()
+
+# Fault injection for tests: (offset, chunk) -> the bytes actually sent / kept.
+Tamper = Callable[[int, bytes], bytes]
+
+Outcome = Literal["ok", "retry", "corrupt", "fatal"]
+
+
+class Retry(Exception):
+    """A failure that a reconnect and a resumed attempt can cure."""
+
+
+def helper_argv(mode: str, *args: str) -> list[str]:
+    return ["python3", "-c", HELPER, mode, *args]
+
+
+def classify(status: int) -> Outcome:
+    """One decision for every far-side exit status: a stream cut short, a busy or stale
+    partial file, a signal or a lost connection (255) is worth a resumed attempt; a digest
+    mismatch is corruption; anything else is final."""
+    if status == 0:
+        return "ok"
+    if status == EXIT_MISMATCH:
+        return "corrupt"
+    if status in (EXIT_SHORT, EXIT_BUSY, EXIT_OFFSET) or status >= 128:
+        return "retry"
+    return "fatal"
+
+
+def hash_file_prefix(path: Path, n: int) -> Any:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = n
+        while left:
+            data = f.read(min(8 * CHUNK, left))
+            if not data:
+                raise OSError(f"{path} is shorter than {n} bytes")
+            h.update(data)
+            left -= len(data)
+    return h
+
+
+def parse_part(line: bytes) -> tuple[int, str] | None:
+    """The helper's "part SIZE HEX" answer."""
+    words = line.split()
+    if len(words) != 3 or words[0] != b"part" or not words[1].isdigit():
+        return None
+    return int(words[1]), words[2].decode()
+
+
+def resume_offset(local: Path, total: int, part_size: int, part_hex: str) -> tuple[int, Any]:
+    """The resume handshake's decision (run in a thread: it hashes): continue after the far
+    side's partial file when our first `part_size` bytes hash the same, else start over.
+    Returns (offset, running sha256 of our bytes before it)."""
+    if 0 < part_size <= total:
+        prefix = hash_file_prefix(local, part_size)
+        if prefix.hexdigest() == part_hex:
+            return part_size, prefix
+    return 0, hashlib.sha256()

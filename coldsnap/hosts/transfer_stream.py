@@ -1,0 +1,200 @@
+"""The asyncssh path: put and get over one exec stream of the pooled connection, the far
+side's helper hashing while it writes (see coldsnap.hosts.transfer for the protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+import structlog
+
+from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.remote_helper import EXIT_OFFSET
+from coldsnap.hosts.streams import RemoteStream, StreamHost
+from coldsnap.hosts.transfer_protocol import (
+    CHUNK,
+    PART_SUFFIX,
+    Retry,
+    Tamper,
+    classify,
+    hash_file_prefix,
+    helper_argv,
+    parse_part,
+    resume_offset,
+)
+
+log = structlog.get_logger("coldsnap.hosts.transfer")
+
+
+def _read_and_hash(f: BinaryIO, h: Any, n: int) -> bytes:
+    data = f.read(n)
+    if data:
+        h.update(data)
+    return data
+
+
+def _write_and_hash(f: BinaryIO, h: Any, data: bytes) -> None:
+    h.update(data)
+    f.write(data)
+
+
+def _finish_local(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _publish_local(part: Path, local: Path) -> None:
+    os.replace(part, local)
+    fd = os.open(local.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raise_for(host: StreamHost, what: str, status: int, err: bytes) -> NoReturn:
+    message = err.decode(errors="replace").strip()
+    outcome = classify(status)
+    if outcome == "corrupt":
+        raise TransferError(host.name, f"{what}: corrupted in transit: {message}")
+    if outcome == "retry":
+        raise Retry(f"{what}: far side exited {status}: {message}")
+    raise TransferError(host.name, f"{what}: far side exited {status}: {message}")
+
+
+async def put_once_stream(
+    host: StreamHost,
+    local: Path,
+    remote: str,
+    total: int,
+    progress: ProgressCallback | None,
+    chunk: int,
+    tamper: Tamper | None,
+) -> TransferResult:
+    loop = asyncio.get_running_loop()
+    part = remote + PART_SUFFIX
+    async with host.open_stream(helper_argv("put", part, remote)) as s:
+        state = parse_part(await s.stdout.readline())
+        if state is None:
+            await _fail_from(host, s, f"put {remote}: helper did not start")
+        offset, h = await loop.run_in_executor(None, resume_offset, local, total, *state)
+        if state[0] and not offset:
+            log.info("partial file differs from ours; starting over", host=host.name,
+                     remote=remote, partial_bytes=state[0])
+        s.stdin.write(f"{offset} {total - offset}\n".encode())
+        if progress:
+            progress(offset, total)
+        done = offset
+        with await asyncio.to_thread(open, local, "rb") as f:
+            f.seek(offset)
+            # Read-and-hash of the next chunk (in a thread, GIL released by hashlib) overlaps
+            # the encryption and sending of the current one.
+            pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
+            try:
+                while True:
+                    data = await pending
+                    if not data:
+                        break
+                    pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
+                    if tamper:
+                        data = tamper(done, data)
+                    s.stdin.write(data)
+                    await s.stdin.drain()
+                    done += len(data)
+                    if progress:
+                        progress(done, total)
+            finally:
+                # The prefetch thread must be done with the file before it is closed.
+                await asyncio.wait([pending])
+        if done != total:
+            raise TransferError(host.name, f"{local} changed size while sending")
+        digest = h.hexdigest()
+        s.stdin.write(digest.encode() + b"\n")
+        s.stdin.write_eof()
+        reply = await s.stdout.readline()
+        status, err = await s.finish()
+    if status == 0 and reply.split()[:1] == [b"ok"]:
+        far_hex = reply.split()[2].decode()
+        if far_hex != digest:
+            raise TransferError(
+                host.name,
+                f"put {remote}: far side reports sha256:{far_hex}, expected sha256:{digest}",
+            )
+        return TransferResult(bytes=total, sha256=f"sha256:{digest}", sent_bytes=total - offset)
+    _raise_for(host, f"put {remote}", status, err)
+
+
+async def _fail_from(host: StreamHost, s: RemoteStream, what: str) -> NoReturn:
+    s.stdin.write_eof()
+    status, err = await s.finish()
+    _raise_for(host, what, status, err)
+
+
+async def get_once_stream(
+    host: StreamHost,
+    remote: str,
+    local: Path,
+    progress: ProgressCallback | None,
+    tamper: Tamper | None,
+) -> TransferResult:
+    loop = asyncio.get_running_loop()
+    part = local.with_name(local.name + PART_SUFFIX)
+    offset = part.stat().st_size if part.exists() else 0
+    h = (
+        await loop.run_in_executor(None, hash_file_prefix, part, offset)
+        if offset
+        else (hashlib.sha256())
+    )
+    async with host.open_stream(helper_argv("get", remote, str(offset))) as s:
+        line = (await s.stdout.readline()).split()
+        if len(line) != 2 or line[0] != b"size":
+            status, err = await s.finish()
+            if status == EXIT_OFFSET:
+                part.unlink(missing_ok=True)  # the remote file shrank: our prefix is stale
+                raise Retry("remote file is shorter than our partial copy")
+            _raise_for(host, f"get {remote}", status, err)
+        total = int(line[1])
+        if progress:
+            progress(offset, total)
+        done = offset
+        fd = await asyncio.to_thread(os.open, part, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                     0o600)
+        with os.fdopen(fd, "ab") as f:
+            pending: asyncio.Future[None] | None = None
+            try:
+                while done < total:
+                    data = await s.stdout.read(min(4 * CHUNK, total - done))
+                    if not data:
+                        raise Retry(f"stream ended after {done} of {total} bytes")
+                    if tamper:
+                        data = tamper(done, data)
+                    if pending is not None:
+                        await pending
+                    # Writing and hashing this chunk overlaps receiving the next one.
+                    pending = loop.run_in_executor(None, _write_and_hash, f, h, data)
+                    done += len(data)
+                    if progress:
+                        progress(done, total)
+            finally:
+                if pending is not None:
+                    await asyncio.wait([pending])
+            if pending is not None:
+                pending.result()
+            await asyncio.to_thread(_finish_local, f)
+        trailer = (await s.stdout.readline()).strip().decode()
+        status, err = await s.finish()
+    if status != 0 or len(trailer) != 64:
+        raise Retry(f"get {remote}: far side exited {status}: {err.decode(errors='replace')}")
+    digest = h.hexdigest()
+    if trailer != digest:
+        part.unlink(missing_ok=True)
+        raise TransferError(
+            host.name,
+            f"get {remote}: corrupted in transit: far side has sha256:{trailer}, "
+            f"received sha256:{digest}",
+        )
+    await asyncio.to_thread(_publish_local, part, local)
+    return TransferResult(bytes=total, sha256=f"sha256:{digest}", sent_bytes=total - offset)

@@ -1,0 +1,73 @@
+"""The far-side transfer helper, run here exactly as a host runs it (`python3 -c SOURCE`), and
+the one exit-status decision both transfer paths share."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coldsnap.hosts.inventory import HostEntry
+from coldsnap.hosts.remote_helper import EXIT_BUSY, EXIT_MISMATCH, EXIT_OFFSET, EXIT_SHORT
+from coldsnap.hosts.settings import SSHSettings
+from coldsnap.hosts.transfer_openssh import openssh_argv
+from coldsnap.hosts.transfer_protocol import PART_SUFFIX, classify, helper_argv, parse_part
+
+
+def run(mode: str, *args: str, data: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(helper_argv(mode, *args), input=data, capture_output=True,
+                          timeout=30, check=False)
+
+
+def test_put_publishes_a_private_verified_file(tmp_path: Path) -> None:
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+    digest = hashlib.sha256(payload).hexdigest()
+    final = tmp_path / "new-dir" / "obj"
+    part = str(final) + PART_SUFFIX
+    out = run("put", part, str(final),
+              data=f"0 {len(payload)}\n".encode() + payload + digest.encode() + b"\n")
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert parse_part(first) == (0, hashlib.sha256().hexdigest())
+    assert second.split() == [b"ok", str(len(payload)).encode(), digest.encode()]
+    assert final.read_bytes() == payload and not Path(part).exists()
+    assert stat.S_IMODE(final.stat().st_mode) == 0o600
+    assert stat.S_IMODE(final.parent.stat().st_mode) == 0o700
+    again = run("stat", str(final))
+    assert parse_part(again.stdout) == (len(payload), digest)
+
+
+def test_put_keeps_a_short_partial_and_refuses_a_wrong_digest(tmp_path: Path) -> None:
+    final = tmp_path / "obj"
+    part = str(final) + PART_SUFFIX
+    short = run("put", part, str(final), data=b"0 100\n" + b"x" * 40)
+    assert short.returncode == EXIT_SHORT and Path(part).stat().st_size == 40
+    resumed = run("put", part, str(final),
+                  data=b"40 60\n" + b"x" * 60 + b"0" * 64 + b"\n")
+    assert parse_part(resumed.stdout.splitlines()[0])[0] == 40  # type: ignore[index]
+    assert resumed.returncode == EXIT_MISMATCH
+    assert not Path(part).exists() and not final.exists()
+
+
+@pytest.mark.parametrize(("status", "outcome"), [
+    (0, "ok"), (EXIT_SHORT, "retry"), (EXIT_BUSY, "retry"), (EXIT_OFFSET, "retry"),
+    (137, "retry"), (255, "retry"), (EXIT_MISMATCH, "corrupt"), (1, "fatal"), (2, "fatal"),
+])
+def test_every_exit_status_has_one_meaning(status: int, outcome: str) -> None:
+    assert classify(status) == outcome
+
+
+def test_openssh_reads_no_configuration_and_forwards_nothing() -> None:
+    entry = HostEntry(name="h", address="198.18.0.9", data_dir="/d",
+                      identity_file=Path("/k/id"), known_hosts=Path("/k/known"))
+    argv = openssh_argv(entry, SSHSettings())
+    if argv is None:
+        pytest.fail("no ssh client on this machine: scripts/setup installs openssh-client")
+    assert argv[1:3] == ["-F", "/dev/null"]
+    assert "-a" in argv and "-x" in argv
+    assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/k/known" in argv
+    assert argv[-2:] == ["--", "198.18.0.9"]

@@ -942,10 +942,16 @@ def _cache_issues(issues: _Issues, req: Request) -> None:
         if not any(_inside(path, root) for root in CACHE_ROOTS):
             issues.add(pp, "is not under a known compiler-cache root (" + ", ".join(CACHE_ROOTS)
                        + ")")
+    # Nesting through each path's ancestors and a lookup table: linear in the paths times
+    # their depth, where comparing every pair took seconds for a few thousand paths.
+    first = {p: i for i, p in reversed(list(enumerate(cache.paths)))}
     for i, path in enumerate(cache.paths):
-        for j, other in enumerate(cache.paths):
-            if i != j and path != other and _inside(path, other):
-                issues.add(f"{base}.paths[{i}]", f"is nested inside paths[{j}] ('{other}')")
+        parent = posixpath.dirname(path)
+        while parent != path:
+            j = first.get(parent)
+            if j is not None:
+                issues.add(f"{base}.paths[{i}]", f"is nested inside paths[{j}] ('{parent}')")
+            path, parent = parent, posixpath.dirname(parent)
 
     if cache.staged:
         if req.operation != "capture":

@@ -269,6 +269,9 @@ async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
     if problems:
         raise fail(s, handle.unit, step, "; ".join(problems))
     await resume(s, handle, step=step)
+    # A dump left in a serving container is the engine's memory, kept for nothing (after a
+    # commit it lives in the capsule; after a failure it is never used).
+    await s.exec(container, ["rm", "-rf", CRIU_IMAGES_DIR], timeout_s=120)
 
 
 async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
@@ -302,7 +305,9 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
 
 
 def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
-    return posixpath.join(data_dir, "capsules", docker_name(capture_id), docker_name(unit_id))
+    # The exact ids, safe as path parts (an alphanumeric, then [A-Za-z0-9._-]): `Cap-1` and
+    # `cap-1` must not share a directory.
+    return posixpath.join(data_dir, "capsules", capture_id, unit_id)
 
 
 # Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.
@@ -452,8 +457,10 @@ async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
 
 
 async def discard_capsule(s: CapsuleSession, capsule: CapsuleImage) -> None:
-    """Delete a committed capsule from its capture host (image and tar), e.g. on rollback."""
-    await s.target.host.run(["rm", "-f", capsule.tar_path], check=False)
+    """Delete a committed capsule from its capture host (image, tar and the replay plans
+    beside it), e.g. on rollback."""
+    await s.target.host.run(["rm", "-rf", "--", posixpath.dirname(capsule.tar_path)],
+                            check=False)
     with contextlib.suppress(docker.errors.DockerException):
         await s.call(s.client.images.remove, capsule.image_id, force=True)
 

@@ -294,8 +294,14 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         assert r.capsule_meta is not None
         r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta)
 
+    captured = {u.id: u for u in artifact.launch.units}
+
     async def start_native(r: RestoreRun) -> None:
-        spec = replace(r.placed.spec, mounts=_replay_spec_mounts(r, hosts, store, artifact))
+        # The image the capture ran, which the artifact pins: the restore request's own image
+        # is never compared by the identity check, so it is not what replays.
+        unit = captured[r.placed.unit_id]
+        spec = replace(r.placed.spec, image=unit.image, image_digest=unit.image_digest,
+                       mounts=_replay_spec_mounts(r, hosts, store, artifact))
         r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 

@@ -1,11 +1,24 @@
-"""Transfer progress for the CLI: a redrawn bar on a terminal, a few plain lines otherwise
-(logs and CI output should not fill up with carriage returns)."""
+"""Transfer progress for the CLI: bars on a terminal, a few plain lines otherwise (logs and CI
+output should not fill up with carriage returns)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from coldsnap.hosts.base import ProgressCallback
 
 _MIB = 1024 * 1024
 
@@ -74,3 +87,56 @@ class TransferProgress:
             if rate > 0 and done < total:
                 text += f" ETA {int((total - done) / rate)}s"
         return text
+
+
+class ProgressBoard:
+    """Progress of an operation's transfers, which run on several hosts at once: on a terminal
+    one live bar per host (the object on its way, bytes, rate) plus a total, drawn by rich so
+    that hosts never overwrite each other's line; otherwise a few plain lines per transfer.
+
+    Use as a context manager around the operation; `board(label)` is the per-transfer
+    `ProgressCallback` factory the operations take (`label` starts with the host name)."""
+
+    def __init__(self, stream: TextIO | None = None, *, tty: bool | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._live: Progress | None = None
+        self._hosts: dict[str, TaskID] = {}
+        self._files: dict[str, tuple[str, int, int]] = {}  # label -> (host, done, total)
+        self._total: TaskID | None = None
+
+    def __enter__(self) -> ProgressBoard:
+        if self.tty:
+            self._live = Progress(
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                TransferSpeedColumn(), TimeRemainingColumn(),
+                console=Console(file=self.stream), transient=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def __call__(self, label: str) -> ProgressCallback:
+        live = self._live
+        if live is None:
+            return TransferProgress(label, self.stream, tty=False)
+        host, _, what = label.partition(" ")
+        if self._total is None:
+            self._total = live.add_task("total", total=0)
+        if host not in self._hosts:
+            self._hosts[host] = live.add_task(host, total=0)
+        task = self._hosts[host]
+
+        def update(done: int, total: int) -> None:
+            self._files[label] = (host, done, total)
+            mine = [(d, t) for h, d, t in self._files.values() if h == host]
+            live.update(task, description=f"{host} {what}", completed=sum(d for d, _ in mine),
+                        total=sum(t for _, t in mine))
+            assert self._total is not None
+            live.update(self._total, completed=sum(d for _, d, _ in self._files.values()),
+                        total=sum(t for _, _, t in self._files.values()))
+
+        return update

@@ -18,12 +18,12 @@ from coldsnap.commands.common import add_store_argument, fail, print_issues
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request, load_request
-from coldsnap.hosts.base import HostError, ProgressCallback
+from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationContext, OperationFailed, write_receipt
 from coldsnap.operations.hostset import HostSet
-from coldsnap.progress import TransferProgress
+from coldsnap.progress import ProgressBoard
 from coldsnap.store import StoreError
 
 T = TypeVar("T")
@@ -66,12 +66,6 @@ def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
     return load_inventory(path)
 
 
-def _progress_factory() -> Callable[[str], ProgressCallback | None] | None:
-    if not sys.stderr.isatty():
-        return None
-    return lambda label: TransferProgress(label)
-
-
 def run_operation(
     args: argparse.Namespace,
     operation: Literal["capture", "restore"],
@@ -86,7 +80,8 @@ def run_operation(
     """Run one operation to exactly one receipt; 0 on success, 1 on failure."""
     logs.configure(verbose=args.verbose)
     ctx = OperationContext(operation, timing_events=args.timing_events)
-    ctx.progress = _progress_factory()
+    board = ProgressBoard()
+    ctx.progress = board
     error: OperationFailed | None = None
     result: ReceiptResult | None = None
 
@@ -96,7 +91,8 @@ def run_operation(
                 return await body(HostSet(inventory, pool), ctx)
 
     try:
-        result = asyncio.run(main())
+        with board:
+            result = asyncio.run(main())
     except OperationFailed as exc:
         error = exc
     except (CapsuleError, HostError) as exc:

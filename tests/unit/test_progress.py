@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import io
 
-from coldsnap.progress import TransferProgress
+from coldsnap.progress import ProgressBoard, TransferProgress
 
 
 def test_plain_output_is_sparse() -> None:
@@ -39,3 +39,35 @@ def test_empty_file() -> None:
     out = io.StringIO()
     TransferProgress("put", out, tty=False)(0, 0)
     assert "100.0%" in out.getvalue()
+
+
+def test_board_keeps_one_bar_per_host_and_a_total() -> None:
+    out = io.StringIO()
+    with ProgressBoard(out, tty=True) as board:
+        a = board("host-0 oci-capsule unit/unit-0")
+        b = board("host-1 oci-capsule unit/unit-1")
+        c = board("host-0 model-weight-payload worker/worker-0")
+        a(0, 100)
+        b(0, 300)
+        c(0, 100)
+        a(100, 100)
+        b(150, 300)
+        c(50, 100)
+        assert board._live is not None
+        tasks = {t.description.split()[0]: t for t in board._live.tasks}
+    assert set(tasks) == {"total", "host-0", "host-1"}
+    assert (tasks["host-0"].completed, tasks["host-0"].total) == (150, 200)
+    assert (tasks["host-1"].completed, tasks["host-1"].total) == (150, 300)
+    assert (tasks["total"].completed, tasks["total"].total) == (300, 500)
+    assert "host-0" in out.getvalue() and "host-1" in out.getvalue()
+
+
+def test_board_without_a_terminal_writes_plain_lines() -> None:
+    out = io.StringIO()
+    with ProgressBoard(out, tty=False) as board:
+        cb = board("host-0 oci-capsule unit/unit-0")
+        for done in range(0, 101, 10):
+            cb(done, 100)
+    lines = out.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4 and all(line.startswith("host-0 oci-capsule") for line in lines)
+    assert "\r" not in out.getvalue()

@@ -20,19 +20,16 @@ Public API:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
+from coldsnap.formats.artifact import OWNER_PATTERN, ROLE_CAPSULE, ROLE_REPLAY_PLAN, ROLE_WEIGHTS
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import Launch, Request, launch_issues
 
 OwnerKind = Literal["unit", "worker", "service", "group"]
-_OWNER = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
 
-ROLE_CAPSULE = "oci-capsule"
-ROLE_WEIGHTS = "model-weight-payload"
-ROLE_REPLAY_PLAN = "replay-plan"
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +42,7 @@ class Owner:
 
     @classmethod
     def parse(cls, text: str) -> Owner:
-        match = _OWNER.fullmatch(text)
+        match = OWNER_PATTERN.fullmatch(text)
         if match is None:
             raise ValueError(f"not a typed owner (unit/, worker/, service/, group/ + id): {text!r}")
         kind: OwnerKind = match.group(1)  # type: ignore[assignment]

@@ -12,7 +12,7 @@ from typing import Any
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
-from coldsnap.hosts.probe import HostFacts, probe_pool
+from coldsnap.hosts.probe import HostProbe, probe_pool
 from coldsnap.logs import configure as configure_logging
 from coldsnap.progress import TransferProgress
 
@@ -71,7 +71,7 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}G"
 
 
-def _print_table(facts: list[HostFacts]) -> None:
+def _print_table(facts: list[HostProbe]) -> None:
     for f in facts:
         if not f.reachable:
             print(f"{f.host:<12} UNREACHABLE  {f.error}")
@@ -102,7 +102,7 @@ def _probe(args: argparse.Namespace) -> int:
         print(f"coldsnapd: {exc.args[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    async def go() -> list[HostFacts]:
+    async def go() -> list[HostProbe]:
         async with HostPool(inventory) as pool:
             return await probe_pool(pool, names, timeout=args.timeout)
 

@@ -42,11 +42,12 @@ ROLE_CAPSULE = "oci-capsule"
 ROLE_WEIGHTS = "model-weight-payload"
 ROLE_REPLAY_PLAN = "replay-plan"
 
-_OWNER = re.compile(r"(unit|worker|service|group)/[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# A typed owner: its kind, then the id of the unit, worker, service or group.
+OWNER_PATTERN = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
 
 
 def _check_owner(value: str) -> str:
-    if _OWNER.fullmatch(value) is None:
+    if OWNER_PATTERN.fullmatch(value) is None:
         raise ValueError("must be a typed owner: unit/<id>, worker/<id>, service/<id> or "
                          "group/<id>")
     return value

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from coldsnap.admission import GpuFact, HostFacts
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.pool import HostPool
@@ -98,7 +99,7 @@ json.dump(facts, sys.stdout)
 
 
 @dataclass(frozen=True)
-class GpuFacts:
+class ProbedGpu:
     index: int
     name: str
     uuid: str
@@ -108,7 +109,7 @@ class GpuFacts:
 
 
 @dataclass(frozen=True)
-class HostFacts:
+class HostProbe:
     host: str
     reachable: bool
     error: str | None = None
@@ -116,13 +117,20 @@ class HostFacts:
     kernel: str | None = None
     docker: str | None = None
     nvidia_driver: str | None = None
-    gpus: list[GpuFacts] = field(default_factory=list)
+    gpus: list[ProbedGpu] = field(default_factory=list)
     simulated: bool = False
     data_dir_free_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def admission_facts(self) -> HostFacts:
+        """What admission and placement decide on (coldsnap.admission.HostFacts)."""
+        return HostFacts(arch=self.arch or "", kernel=self.kernel or "",
+                         driver_version=self.nvidia_driver or "",
+                         gpus=tuple(GpuFact(g.uuid, g.name, g.compute_capability)
+                                    for g in self.gpus))
 
 
 @functools.cache
@@ -139,7 +147,7 @@ async def probe_host(
     entry: HostEntry,
     *,
     timeout: float = 60.0,  # noqa: ASYNC109 (kills the probe)
-) -> HostFacts:
+) -> HostProbe:
     """Probe one host; unreachable is an answer, not an exception."""
     real_gpus = not entry.simulated
     cfg = {"data_dir": entry.data_dir, "docker_socket": entry.docker_socket, "nvml": real_gpus}
@@ -153,11 +161,11 @@ async def probe_host(
             ["python3", "-I", "-S", "-c", PROBE_SCRIPT], input=stdin, timeout=timeout
         )
     except HostUnreachable as exc:
-        return HostFacts(
+        return HostProbe(
             host=entry.name, reachable=False, error=exc.message, simulated=entry.simulated
         )
     except HostError as exc:
-        return HostFacts(
+        return HostProbe(
             host=entry.name,
             reachable=True,
             error=f"probe failed: {exc.message}",
@@ -166,7 +174,7 @@ async def probe_host(
     try:
         raw = json.loads(result.stdout)
     except ValueError:
-        return HostFacts(
+        return HostProbe(
             host=entry.name,
             reachable=True,
             simulated=entry.simulated,
@@ -174,14 +182,14 @@ async def probe_host(
         )
     if entry.simulated:
         gpus = [
-            GpuFacts(i, g.name, g.uuid, g.compute_capability, g.memory_bytes, simulated=True)
+            ProbedGpu(i, g.name, g.uuid, g.compute_capability, g.memory_bytes, simulated=True)
             for i, g in enumerate(entry.simulated_gpus or [])
         ]
         driver = entry.driver_version
     else:
-        gpus = [GpuFacts(**g) for g in raw["gpus"]]
+        gpus = [ProbedGpu(**g) for g in raw["gpus"]]
         driver = raw["nvidia_driver"]
-    return HostFacts(
+    return HostProbe(
         host=entry.name,
         reachable=True,
         arch=raw["arch"],
@@ -200,16 +208,16 @@ async def probe_pool(
     names: Iterable[str] | None = None,
     *,
     timeout: float = 60.0,  # noqa: ASYNC109 (per host: one slow host must not hide the others)
-) -> list[HostFacts]:
+) -> list[HostProbe]:
     """Probe hosts concurrently, in inventory order; one answer per host whatever happens."""
     hosts = pool.hosts(names)
 
-    async def one(h: Any) -> HostFacts:
+    async def one(h: Any) -> HostProbe:
         try:
             async with asyncio.timeout(timeout):
                 return await probe_host(h, h.entry, timeout=timeout)
         except TimeoutError:
-            return HostFacts(
+            return HostProbe(
                 host=h.name,
                 reachable=False,
                 simulated=h.entry.simulated,

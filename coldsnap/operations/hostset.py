@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from coldsnap.admission import GpuFact, HostFacts
+from coldsnap.admission import HostFacts
 from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost
 from coldsnap.hosts.base import Host
@@ -46,9 +46,7 @@ class HostSet:
         for f in probed:
             if f.nvidia_driver is None:
                 raise OperationFailed("no-nvidia-driver", f"host {f.host}: no NVIDIA driver")
-            out[f.host] = HostFacts(
-                arch=f.arch or "", kernel=f.kernel or "", driver_version=f.nvidia_driver,
-                gpus=tuple(GpuFact(g.uuid, g.name, g.compute_capability) for g in f.gpus))
+            out[f.host] = f.admission_facts()
         return out
 
     async def on_session(

@@ -14,7 +14,7 @@ Connections are retried (tenacity, jittered exponential backoff) on connection e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -41,7 +41,9 @@ class HostOutcome(Generic[T]):
         return self.error is None
 
 
-class HostPool:
+class HostPool(Mapping[str, SSHHost]):
+    """One connection per inventory host, by name (a read-only mapping of name -> host)."""
+
     def __init__(
         self,
         inventory: Inventory | Iterable[HostEntry],
@@ -78,6 +80,15 @@ class HostPool:
     @property
     def names(self) -> list[str]:
         return list(self._hosts)
+
+    def __getitem__(self, name: str) -> SSHHost:
+        return self.host(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._hosts)
+
+    def __len__(self) -> int:
+        return len(self._hosts)
 
     def host(self, name: str) -> SSHHost:
         try:

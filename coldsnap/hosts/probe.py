@@ -14,14 +14,16 @@ import asyncio
 import functools
 import importlib.util
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coldsnap.admission import GpuFact, HostFacts
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.pool import HostPool
+
+if TYPE_CHECKING:
+    from coldsnap.hosts.pool import HostPool
 
 PROBE_SCRIPT = r"""
 import json, os, socket, sys, types
@@ -203,25 +205,33 @@ async def probe_host(
     )
 
 
+async def probe_hosts(
+    hosts: Sequence[tuple[Host, HostEntry]],
+    *,
+    timeout: float = 60.0,  # noqa: ASYNC109 (per host: one slow host must not hide the others)
+) -> list[HostProbe]:
+    """Probe hosts concurrently, in the order given; one answer per host whatever happens."""
+
+    async def one(h: Host, entry: HostEntry) -> HostProbe:
+        try:
+            async with asyncio.timeout(timeout):
+                return await probe_host(h, entry, timeout=timeout)
+        except TimeoutError:
+            return HostProbe(
+                host=entry.name,
+                reachable=False,
+                simulated=entry.simulated,
+                error=f"no answer within {timeout}s",
+            )
+
+    return list(await asyncio.gather(*(one(h, e) for h, e in hosts)))
+
+
 async def probe_pool(
     pool: HostPool,
     names: Iterable[str] | None = None,
     *,
-    timeout: float = 60.0,  # noqa: ASYNC109 (per host: one slow host must not hide the others)
+    timeout: float = 60.0,  # noqa: ASYNC109 (per host)
 ) -> list[HostProbe]:
-    """Probe hosts concurrently, in inventory order; one answer per host whatever happens."""
-    hosts = pool.hosts(names)
-
-    async def one(h: Any) -> HostProbe:
-        try:
-            async with asyncio.timeout(timeout):
-                return await probe_host(h, h.entry, timeout=timeout)
-        except TimeoutError:
-            return HostProbe(
-                host=h.name,
-                reachable=False,
-                simulated=h.entry.simulated,
-                error=f"no answer within {timeout}s",
-            )
-
-    return list(await asyncio.gather(*(one(h) for h in hosts)))
+    """Probe a pool's hosts concurrently, in inventory order."""
+    return await probe_hosts([(h, h.entry) for h in pool.hosts(names)], timeout=timeout)

@@ -45,7 +45,6 @@ from tenacity import (
 )
 
 from coldsnap.hosts.base import (
-    Host,
     HostAuthFailed,
     HostKeyRejected,
     HostUnreachable,
@@ -61,8 +60,7 @@ from coldsnap.hosts.transfer_protocol import (
     PART_SUFFIX,
     Retry,
     Tamper,
-    helper_argv,
-    parse_part,
+    remote_file_digest,
 )
 from coldsnap.hosts.transfer_stream import get_once_stream, put_once_stream
 
@@ -176,18 +174,6 @@ async def get_file(
     local.parent.mkdir(parents=True, exist_ok=True)
     return await _with_resume(host, f"get {remote} -> {local}", attempts,
                               lambda: get_once_stream(host, remote, local, progress, tamper))
-
-
-async def remote_file_digest(host: Host, path: str) -> tuple[int, str] | None:
-    """(size, "sha256:<hex>") of a file on the host, hashed there by the helper (OpenSSL's
-    speed, not coreutils'); None when the file does not exist."""
-    result = await host.run(["test", "-f", path], check=False)
-    if result.exit_status != 0:
-        return None
-    state = parse_part((await host.run(helper_argv("stat", path))).stdout)
-    if state is None:
-        raise TransferError(host.name, f"unexpected answer hashing {path}")
-    return state[0], "sha256:" + state[1]
 
 
 __all__ = [

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from coldsnap.hosts.base import Host, TransferError
 from coldsnap.hosts.remote_helper import (
     EXIT_BUSY,
     EXIT_MISMATCH,
@@ -79,3 +80,15 @@ def resume_offset(local: Path, total: int, part_size: int, part_hex: str) -> tup
         if prefix.hexdigest() == part_hex:
             return part_size, prefix
     return 0, hashlib.sha256()
+
+
+async def remote_file_digest(host: Host, path: str) -> tuple[int, str] | None:
+    """(size, "sha256:<hex>") of a file on the host, hashed there by the helper (OpenSSL's
+    speed, not coreutils'); None when the file does not exist."""
+    result = await host.run(["test", "-f", path], check=False)
+    if result.exit_status != 0:
+        return None
+    state = parse_part((await host.run(helper_argv("stat", path))).stdout)
+    if state is None:
+        raise TransferError(host.name, f"unexpected answer hashing {path}")
+    return state[0], "sha256:" + state[1]

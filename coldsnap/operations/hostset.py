@@ -11,15 +11,17 @@ from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost
 from coldsnap.hosts.base import Host
 from coldsnap.hosts.inventory import HostEntry, Inventory
-from coldsnap.hosts.pool import HostPool
-from coldsnap.hosts.probe import probe_pool
+from coldsnap.hosts.probe import probe_hosts
 from coldsnap.operations.context import OperationFailed
 
 
 class HostSet:
-    def __init__(self, inventory: Inventory, pool: HostPool) -> None:
+    """The inventory's entries and a transport per host: any `Host`s (a `HostPool` of SSH
+    connections in production; `LocalHost`s in tests that need no cluster)."""
+
+    def __init__(self, inventory: Inventory, hosts: Mapping[str, Host]) -> None:
         self.inventory = inventory
-        self.pool = pool
+        self.transports = hosts
         self.entries: Mapping[str, HostEntry] = {h.name: h for h in inventory.hosts}
 
     def check_known(self, names: Iterable[str], what: str) -> None:
@@ -29,14 +31,17 @@ class HostSet:
                                                   "that the inventory does not list")
 
     def host(self, name: str) -> Host:
-        return self.pool.host(name)
+        try:
+            return self.transports[name]
+        except KeyError:
+            raise OperationFailed("unknown-host", f"no transport for host {name}") from None
 
     async def facts(self, names: Iterable[str]) -> dict[str, HostFacts]:
         """Facts of every named host, probed concurrently; an unreachable host or one whose
         probe failed is an operation failure naming the host."""
         wanted = list(dict.fromkeys(names))
         self.check_known(wanted, "the launch")
-        probed = await probe_pool(self.pool, wanted)
+        probed = await probe_hosts([(self.host(n), self.entries[n]) for n in wanted])
         bad = [f for f in probed if not f.reachable or f.error]
         if bad:
             detail = "; ".join(f"host {f.host}: {f.error or 'unreachable'}" for f in bad)
@@ -85,6 +90,6 @@ class HostSet:
                 if entry.docker_socket is None:
                     raise OperationFailed("no-docker", f"host {name}: the inventory gives no "
                                                        "docker_socket")
-                target = CapsuleHost(self.pool.host(name), entry.docker_socket, entry.data_dir)
+                target = CapsuleHost(self.host(name), entry.docker_socket, entry.data_dir)
                 out[name] = await stack.enter_async_context(open_session(target))
             yield out

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from coldsnap.digests import check_digest
 from coldsnap.formats.artifact import Artifact, ArtifactObject
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
-from coldsnap.hosts.transfer import remote_file_digest
+from coldsnap.hosts.transfer_protocol import remote_file_digest
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 

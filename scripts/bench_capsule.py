@@ -60,7 +60,7 @@ from coldsnap.capsule import (
     validate,
     wait_ready,
 )
-from coldsnap.capsule.capture import capsule_dir
+from coldsnap.capsule.collect import capsule_dir
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost

@@ -62,11 +62,8 @@ Every failure is a `CapsuleError` subclass carrying `.host`, `.unit`, `.step`, `
 from coldsnap.capsule.capture import (
     CapsuleImage,
     DumpResult,
-    HostFile,
-    WorkerObjects,
     capture_unit,
     checkpoint_gpus,
-    collect_worker_objects,
     commit,
     discard_capsule,
     dump,
@@ -78,6 +75,7 @@ from coldsnap.capsule.capture import (
     start_unit,
     wait_ready,
 )
+from coldsnap.capsule.collect import HostFile, WorkerObjects, collect_worker_objects
 from coldsnap.capsule.errors import (
     CapsuleError,
     CommitFailed,

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import posixpath
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import docker.errors
 import structlog
 
+from coldsnap.capsule.collect import (
+    WorkerObjects,
+    capsule_dir,
+    collect_worker_objects,
+    host_sha256,
+)
 from coldsnap.capsule.errors import (
     CapsuleError,
     CommitFailed,
@@ -42,13 +47,10 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
-    Mount,
     UnitSpec,
-    WorkerSpec,
-    container_path_for,
     docker_name,
 )
-from coldsnap.engines import EngineCallFailed, adapter_for
+from coldsnap.engines import EngineCallFailed
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -62,9 +64,6 @@ echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
 setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
 echo $!
 """
-
-REPLAY_PLAN_FORMAT = "coldsnap-replay-plan/1"
-
 
 @dataclass(frozen=True)
 class DumpResult:
@@ -102,22 +101,6 @@ class CapsuleImage:
     def from_json(cls, d: Mapping[str, Any]) -> CapsuleImage:
         return cls(**{**d, "worker_pids": dict(d["worker_pids"]),
                       "captured_devices": tuple(d["captured_devices"])})
-
-
-@dataclass(frozen=True)
-class HostFile:
-    host: str
-    path: str
-    sha256: str  # "sha256:<hex>"
-    bytes: int
-
-
-@dataclass(frozen=True)
-class WorkerObjects:
-    worker_id: str
-    payload: HostFile  # the worker's weight shard, where it already lies on the host
-    replay_plan: HostFile  # JSON written next to the capsule tar
-    replay_plan_json: bytes  # the same bytes, for a store that takes them directly
 
 
 def split_reference(ref: str) -> tuple[str, str | None, str | None]:
@@ -304,57 +287,6 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     return DumpResult(handle.unit, size, seconds)
 
 
-def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
-    # The exact ids, safe as path parts (an alphanumeric, then [A-Za-z0-9._-]): `Cap-1` and
-    # `cap-1` must not share a directory.
-    return posixpath.join(data_dir, "capsules", capture_id, unit_id)
-
-
-# Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.
-_HASH_BYTES_PER_SECOND = 50 * 1024 * 1024
-# A worker payload larger than this is refused rather than read (a device node or a runaway
-# path must never turn into an endless read).
-MAX_PAYLOAD_BYTES = 1 << 40
-
-
-async def host_sha256(s: CapsuleSession, path: str, *, size_hint: int = 0) -> tuple[str, int]:
-    h = s.target.host
-    limit = 60.0 + size_hint / _HASH_BYTES_PER_SECOND
-    digest = (await h.run(["sha256sum", "--", path], timeout=limit)).stdout.split()[0].decode()
-    size = int((await h.run(["stat", "-c", "%s", "--", path])).stdout.strip())
-    return f"sha256:{digest}", size
-
-
-_CHECK_FILE = 'p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && stat -L -c "%F|%s" -- "$p"'
-
-
-async def checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
-                          mounts: Sequence[Mount]) -> tuple[str, int]:
-    """The payload's real path on the host and its size, refused unless it resolves (symlinks
-    followed, on the host) to a regular file under one of the unit's mount sources and is at
-    most MAX_PAYLOAD_BYTES: a request must not pull an arbitrary host file into an artifact."""
-    step = "collect"
-    out = await s.target.host.run(["sh", "-c", _CHECK_FILE, "sh", path], timeout=30,
-                                  check=False)
-    lines = out.stdout.decode(errors="replace").splitlines()
-    if not out.ok or len(lines) != 2:
-        raise fail(s, unit, step, f"worker {worker}: payload {path} does not exist on the host")
-    real, (kind, _, size_text) = lines[0], lines[1].partition("|")
-    if kind != "regular file" and kind != "regular empty file":
-        raise fail(s, unit, step, f"worker {worker}: payload {path} is a {kind}, not a file")
-    sources = await s.target.host.run(
-        ["realpath", "-m", "--", *[m.source for m in mounts]], timeout=30, check=False)
-    roots = sources.stdout.decode(errors="replace").splitlines() if mounts else []
-    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
-        raise fail(s, unit, step, f"worker {worker}: payload {path} resolves to {real}, "
-                                  "outside every mount of the unit")
-    size = int(size_text)
-    if size > MAX_PAYLOAD_BYTES:
-        raise fail(s, unit, step, f"worker {worker}: payload {path} is {size} bytes, over "
-                                  f"the {MAX_PAYLOAD_BYTES} byte cap")
-    return real, size
-
-
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
                  dumped: DumpResult) -> CapsuleImage:
     """`docker commit` the dumped container (rootfs diff + CRIU images) and `docker save` it
@@ -401,53 +333,6 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
         base_image_digest=spec.image_digest)
 
 
-async def collect_worker_objects(
-    s: CapsuleSession, handle: UnitHandle, capture_id: str
-) -> list[WorkerObjects]:
-    """Per worker: its weight payload (content-addressed where it lies on the host, at the
-    path the request located) and a replay plan (how to re-create the worker natively),
-    written next to the capsule tar."""
-    step = "collect"
-    spec = handle.spec
-    out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
-    await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])
-    model_dir = adapter_for(spec.engine).model_dir(spec.command)
-
-    async def one(w: WorkerSpec) -> WorkerObjects:
-        if not w.payload_path:
-            raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload located (set "
-                       "policy.weights.native.files_by_worker)")
-        real, expected = await checked_payload(s, handle.unit, w.id, w.payload_path,
-                                               spec.mounts)
-        sha, size = await host_sha256(s, real, size_hint=expected)
-        container_path = container_path_for(spec.mounts, w.payload_path)
-        plan = {
-            "format": REPLAY_PLAN_FORMAT,
-            "unit_id": spec.unit_id,
-            "engine": spec.engine,
-            "worker": {"id": w.id, "global_rank": w.global_rank, "world_size": w.world_size,
-                       "process_slot": w.process_slot, "device_slots": list(w.device_slots)},
-            "image": spec.image,
-            "image_digest": spec.image_digest,
-            "command": list(spec.command),
-            "environment": dict(spec.environment),
-            "mounts": [asdict(m) for m in spec.mounts],
-            "model_dir": model_dir,
-            "payload": {"sha256": sha, "bytes": size, "container_path": container_path},
-            "validation": asdict(spec.validation),
-        }
-        data = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
-        plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"
-        # umask 077: the plan names the unit's environment, which may carry tokens.
-        await s.target.host.run(["sh", "-c", 'umask 077 && exec dd of="$1" status=none', "sh",
-                                 plan_path], input=data)
-        plan_sha, plan_size = await host_sha256(s, plan_path)
-        return WorkerObjects(w.id, HostFile(s.host, real, sha, size),
-                             HostFile(s.host, plan_path, plan_sha, plan_size), data)
-
-    return list(await asyncio.gather(*(one(w) for w in spec.workers)))
-
-
 async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
     """Remove the unit's container and everything running in it."""
     removed = await remove_container(s, handle.container_id)
@@ -489,11 +374,8 @@ async def capture_unit(
 __all__ = [
     "CapsuleImage",
     "DumpResult",
-    "HostFile",
-    "WorkerObjects",
     "capture_unit",
     "checkpoint_gpus",
-    "collect_worker_objects",
     "commit",
     "discard_capsule",
     "dump",

@@ -19,10 +19,7 @@ from typing import TypeVar
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
     CapsuleImage,
-    WorkerObjects,
-    capsule_dir,
     checkpoint_gpus,
-    collect_worker_objects,
     commit,
     discard_capsule,
     dump,
@@ -32,6 +29,7 @@ from coldsnap.capsule.capture import (
     start_unit,
     wait_ready,
 )
+from coldsnap.capsule.collect import WorkerObjects, capsule_dir, collect_worker_objects
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.runtime import UnitHandle, remove_operation_containers
 from coldsnap.capsule.session import CapsuleSession

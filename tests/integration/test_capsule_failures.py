@@ -23,7 +23,7 @@ from coldsnap.capsule import (
     validate,
     wait_ready,
 )
-from coldsnap.capsule.capture import checked_payload
+from coldsnap.capsule.collect import checked_payload
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from coldsnap.hosts.http import http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403

@@ -26,7 +26,7 @@ from coldsnap.capsule import (
     validate,
     wait_ready,
 )
-from coldsnap.capsule.capture import capsule_dir
+from coldsnap.capsule.collect import capsule_dir
 from coldsnap.capsule.restore import deliver_placement
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request

@@ -4,7 +4,6 @@ request and checked on the host, and its replay plan, written next to the capsul
 from __future__ import annotations
 
 import asyncio
-import json
 import posixpath
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -13,9 +12,8 @@ from coldsnap.capsule.runtime import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount, WorkerSpec, container_path_for, docker_name
 from coldsnap.engines import adapter_for
-
-REPLAY_PLAN_FORMAT = "coldsnap-replay-plan/1"
-
+from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.replay import ReplayPlan
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,7 @@ async def collect_worker_objects(
                                                spec.mounts)
         sha, size = await host_sha256(s, real, size_hint=expected)
         container_path = container_path_for(spec.mounts, w.payload_path)
-        plan = {
-            "format": REPLAY_PLAN_FORMAT,
+        plan = ReplayPlan.model_validate({
             "unit_id": spec.unit_id,
             "engine": spec.engine,
             "worker": {"id": w.id, "global_rank": w.global_rank, "world_size": w.world_size,
@@ -119,8 +116,8 @@ async def collect_worker_objects(
             "model_dir": model_dir,
             "payload": {"sha256": sha, "bytes": size, "container_path": container_path},
             "validation": asdict(spec.validation),
-        }
-        data = json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()
+        })
+        data = canonical_json(plan.model_dump(mode="json"))
         plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"
         # umask 077: the plan names the unit's environment, which may carry tokens.
         await s.target.host.run(["sh", "-c", 'umask 077 && exec dd of="$1" status=none', "sh",

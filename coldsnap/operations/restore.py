@@ -40,6 +40,7 @@ from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact, ArtifactObject
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase, rollback_units
@@ -265,10 +266,10 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
     extra: list[Mount] = []
     for w in r.placed.spec.workers:
         plan_obj = artifact.object(ROLE_REPLAY_PLAN, f"worker/{w.id}")
-        plan: Any = json.loads(store.read_bytes(plan_obj.sha256))
-        target = plan.get("payload", {}).get("container_path")
+        plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
+        target = plan.payload.container_path
         payload = artifact.object(ROLE_WEIGHTS, f"worker/{w.id}")
-        if isinstance(target, str) and target.startswith("/"):
+        if target is not None:
             extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
     return (*r.placed.spec.mounts, *extra)
 

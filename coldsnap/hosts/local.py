@@ -22,22 +22,10 @@ from coldsnap.hosts.base import (
     TransferError,
     TransferResult,
 )
+from coldsnap.hosts.durable import publish
 
 _CHUNK = 4 * 1024 * 1024
 PART_SUFFIX = ".coldsnap-part"
-
-
-def publish(part: Path, dst: Path) -> None:
-    """fsync the finished file, rename it into place, fsync the directory: after a power loss
-    the name points at the whole file or at nothing."""
-    with open(part, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(part, dst)
-    fd = os.open(dst.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) -> TransferResult:

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO, NoReturn
 import structlog
 
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.durable import publish
 from coldsnap.hosts.remote_helper import EXIT_OFFSET
 from coldsnap.hosts.streams import RemoteStream, StreamHost
 from coldsnap.hosts.transfer_protocol import (
@@ -39,20 +40,6 @@ def _read_and_hash(f: BinaryIO, h: Any, n: int) -> bytes:
 def _write_and_hash(f: BinaryIO, h: Any, data: bytes) -> None:
     h.update(data)
     f.write(data)
-
-
-def _finish_local(f: BinaryIO) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _publish_local(part: Path, local: Path) -> None:
-    os.replace(part, local)
-    fd = os.open(local.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _raise_for(host: StreamHost, what: str, status: int, err: bytes) -> NoReturn:
@@ -183,7 +170,6 @@ async def get_once_stream(
                     await asyncio.wait([pending])
             if pending is not None:
                 pending.result()
-            await asyncio.to_thread(_finish_local, f)
         trailer = (await s.stdout.readline()).strip().decode()
         status, err = await s.finish()
     if status != 0 or len(trailer) != 64:
@@ -196,5 +182,5 @@ async def get_once_stream(
             f"get {remote}: corrupted in transit: far side has sha256:{trailer}, "
             f"received sha256:{digest}",
         )
-    await asyncio.to_thread(_publish_local, part, local)
+    await asyncio.to_thread(publish, part, local)
     return TransferResult(bytes=total, sha256=f"sha256:{digest}", sent_bytes=total - offset)

@@ -1,12 +1,17 @@
 """A host's Docker engine, reached with the docker SDK over the host's forwarded socket.
 
-The docker SDK is synchronous; every call goes through `asyncio.to_thread` so that many units
-and hosts proceed concurrently on one event loop.
+The docker SDK is synchronous; every call runs in a thread pool of the host's own session (not
+the event loop's shared default pool, a handful of threads on a small control node) so that
+many units and hosts proceed concurrently on one event loop: a dump or a load on one host never
+queues behind another host's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -46,9 +51,11 @@ class ExecOutput:
 class CapsuleSession:
     """One host's Docker engine plus its transport; shared by every unit on that host."""
 
-    def __init__(self, target: CapsuleHost, client: Any) -> None:
+    def __init__(self, target: CapsuleHost, client: Any, *,
+                 executor: concurrent.futures.Executor | None = None) -> None:
         self.target = target
         self.client = client
+        self._executor = executor
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
         self._containers: dict[str, Any] = {}
@@ -58,7 +65,8 @@ class CapsuleSession:
         return self.target.name
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     async def container(self, container_id: str, unit: str, step: str) -> Any:
         if container_id in self._containers:
@@ -154,19 +162,30 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Docker calls that may run at once on one host: every unit's long steps (exec of criu,
+# cuda-checkpoint per worker, waits) side by side, with room for rollback's calls.
+SESSION_THREADS = 16
+
+
 @asynccontextmanager
-async def open_session(target: CapsuleHost) -> AsyncIterator[CapsuleSession]:
+async def open_session(target: CapsuleHost, *,
+                       threads: int = SESSION_THREADS) -> AsyncIterator[CapsuleSession]:
     """Reach the host's Docker socket through the transport and yield a session bound to it."""
-    async with docker_relay(target.host, target.docker_socket) as local:
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=threads, thread_name_prefix=f"docker-{target.name}")
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(executor.shutdown, wait=False, cancel_futures=True)
+        local = await stack.enter_async_context(
+            docker_relay(target.host, target.docker_socket))
         # The client asks the daemon for its API version while it is built; the relayed
         # socket is served by this very event loop, so that must happen off the loop.
-        client = await asyncio.to_thread(
-            docker.DockerClient, base_url=f"unix://{local}", timeout=600
-        )
+        client = await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(docker.DockerClient, base_url=f"unix://{local}",
+                                        timeout=600))
         # No keep-alive: a pooled connection could outlive the SSH connection under it and
         # fail the next request; a fresh one per request always rides a live transport.
         client.api.headers["Connection"] = "close"
         try:
-            yield CapsuleSession(target, client)
+            yield CapsuleSession(target, client, executor=executor)
         finally:
-            await asyncio.to_thread(client.close)
+            await asyncio.get_running_loop().run_in_executor(executor, client.close)

@@ -14,6 +14,7 @@ from coldsnap.capsule.spec import Mount, WorkerSpec, container_path_for, docker_
 from coldsnap.engines import adapter_for
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
+from coldsnap.hosts.base import Host
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,13 @@ def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
     # The exact ids, safe as path parts (an alphanumeric, then [A-Za-z0-9._-]): `Cap-1` and
     # `cap-1` must not share a directory.
     return posixpath.join(data_dir, "capsules", capture_id, unit_id)
+
+
+async def remove_capsule_files(host: Host, data_dir: str, capture_id: str, unit_id: str) -> None:
+    """Remove a unit's capsule directory (tar, replay plans) from its capture host once the
+    store holds them."""
+    await host.run(["rm", "-rf", "--", capsule_dir(data_dir, capture_id, unit_id)],
+                   check=False)
 
 
 # Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.

@@ -29,7 +29,7 @@ from coldsnap.capsule.capture import (
     start_unit,
     wait_ready,
 )
-from coldsnap.capsule.collect import WorkerObjects, capsule_dir, collect_worker_objects
+from coldsnap.capsule.collect import WorkerObjects, collect_worker_objects, remove_capsule_files
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.runtime import UnitHandle, remove_operation_containers
 from coldsnap.capsule.session import CapsuleSession
@@ -262,9 +262,8 @@ async def _capture_units(
             replay.append(ReplayPlanEntry(worker=w.worker_id, plan=replay_plan_path(w.worker_id),
                                           payload=payload_path(p_digest)))
         # The tar and plans now live in the store; the capture host keeps only its image.
-        await host.run(["rm", "-rf", "--", capsule_dir(hosts.entries[r.placed.host].data_dir,
-                                                        request.id, r.placed.unit_id)],
-                       check=False)
+        await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
+                                   r.placed.unit_id)
 
     await phase(ctx, "fetch", runs, fetch)
 

@@ -104,7 +104,9 @@ def register(subparsers: Any) -> None:
                     "floor, the capsule's CRIU probe), each host receives only the objects its "
                     "units and workers own, then all units are restored, their GPUs restored "
                     "and unlocked together, and every service answers the validation prompt. "
-                    "Any failure removes everything this restore started.")
+                    "Any failure removes everything this restore started. A request's `id` "
+                    "is the operation id and is used once: a retry of a request that already "
+                    "succeeded prints that run's receipt again and runs nothing.")
     parser.add_argument("--artifact", metavar="REF",
                         help="the artifact: its file's absolute path (symlinks followed; a "
                              "file not yet in the store is verified and imported), a capture "

@@ -236,3 +236,20 @@ def test_capture_of_a_bare_digest_image(ops: Ops) -> None:
     artifact = json.loads((ops.work / "client-bare.json").read_text())
     assert {u["image"] for u in artifact["launch"]["units"]} == {image_id}
     assert ops.running_units() == {}
+
+
+def test_a_bare_digest_missing_from_the_host_fails_naming_it(ops: Ops) -> None:
+    absent = "sha256:" + "0" * 64
+    request = dev_request("tp2-two-hosts", id="client-bare-absent",
+                          output=str(ops.work / "client-bare-absent.json"))
+    for unit in request["launch"]["units"]:
+        unit["image"] = unit["image_digest"] = absent
+    proc = coldsnapd(ops, "capture", "--request-json", "-", "--receipt-json", "-",
+                     stdin=json.dumps(request))
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    receipt = the_receipt(proc)
+    assert receipt["state"] == "failed" and receipt["error"]["code"] == "start-failed"
+    assert f"image {absent} is not on this host" in proc.stderr
+    assert "REPOSITORY@DIGEST" in proc.stderr
+    assert not (ops.work / "client-bare-absent.json").exists()
+    assert ops.running_units() == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -65,6 +66,9 @@ setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
 echo $!
 """
 
+_BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
 @dataclass(frozen=True)
 class DumpResult:
     unit_id: str
@@ -104,7 +108,10 @@ class CapsuleImage:
 
 
 def split_reference(ref: str) -> tuple[str, str | None, str | None]:
-    """`repo[:tag][@sha256:...]` -> (repo, tag, digest); a registry port is not a tag."""
+    """`repo[:tag][@sha256:...]` -> (repo, tag, digest); a registry port is not a tag, and a
+    bare `sha256:<hex>` (which the request format allows) has no repository at all."""
+    if _BARE_DIGEST.fullmatch(ref):
+        return "", None, ref
     name, _, digest = ref.partition("@")
     slash = name.rfind("/")
     colon = name.rfind(":")
@@ -114,24 +121,47 @@ def split_reference(ref: str) -> tuple[str, str | None, str | None]:
     return name, tag, digest or None
 
 
+async def _bare_digest_image(s: CapsuleSession, spec: UnitSpec) -> Any:
+    """A bare digest names no repository to pull from: Docker resolves it as a local image
+    id, so the image must already be on the host."""
+    try:
+        return await s.call(s.client.images.get, spec.image_digest)
+    except docker.errors.NotFound:
+        raise fail(s, spec.unit_id, "pull",
+                   f"image {spec.image_digest} is not on this host, and a bare digest names no "
+                   "repository to pull it from: load it there first, or write the image as "
+                   "REPOSITORY@DIGEST", ImageDigestMismatch) from None
+    except docker.errors.DockerException as exc:
+        raise fail(s, spec.unit_id, "pull", f"cannot inspect {spec.image_digest}: {exc}") from exc
+
+
 async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
-    """Pull the unit's image and prove it is `image_digest`; returns the local image id."""
+    """Pull the unit's image and prove it is `image_digest`; returns the local image id.
+
+    `image_digest` is matched against the image's repository digests, and for a bare-digest
+    image (no repository) against its local image id too, which is what Docker resolves a
+    bare digest to."""
     step = "pull"
     repo, tag, ref_digest = split_reference(spec.image)
     if ref_digest is not None and ref_digest != spec.image_digest:
         raise fail(s, spec.unit_id, step,
                    f"image {spec.image} pins {ref_digest}, but the unit's image_digest is "
                    f"{spec.image_digest}", ImageDigestMismatch)
-    want = ref_digest or tag or "latest"
-    try:
+    if not repo:
+        image = await _bare_digest_image(s, spec)
+    else:
+        want = ref_digest or tag or "latest"
         try:
-            image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
-        except docker.errors.NotFound:
-            image = await s.call(s.client.images.pull, repo, tag=want)
-    except docker.errors.DockerException as exc:
-        raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
-                   ImageDigestMismatch if ref_digest else CapsuleError) from exc
+            try:
+                image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
+            except docker.errors.NotFound:
+                image = await s.call(s.client.images.pull, repo, tag=want)
+        except docker.errors.DockerException as exc:
+            raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
+                       ImageDigestMismatch if ref_digest else CapsuleError) from exc
     digests = {d.partition("@")[2] for d in image.attrs.get("RepoDigests") or []}
+    if not repo:
+        digests.add(str(image.id))
     if spec.image_digest not in digests:
         raise fail(s, spec.unit_id, step,
                    f"pulled {spec.image} has digest {', '.join(sorted(digests)) or 'none'}, "

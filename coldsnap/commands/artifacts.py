@@ -77,11 +77,14 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "artifacts", help="list and inspect artifacts in the local store",
         description="List the artifacts in the local content-addressed store, or show one by "
-                    "capture id or by an unambiguous prefix of its digest.")
+                    "capture id, by an unambiguous prefix of its digest, or by the path of its "
+                    "artifact file (verified, and imported when the store does not index it "
+                    "yet).")
     sub = parser.add_subparsers(dest="artifacts_command", metavar="ACTION", required=True)
     p_list = sub.add_parser("list", help="one line per artifact")
     p_show = sub.add_parser("show", help="one artifact: units, compatibility, objects")
-    p_show.add_argument("artifact", metavar="ID", help="capture id or digest prefix")
+    p_show.add_argument("artifact", metavar="REF",
+                        help="capture id, digest prefix (6+ hex) or artifact file path")
     for p, handler in ((p_list, _list), (p_show, _show)):
         add_store_argument(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,13 +1,12 @@
-"""`coldsnapd capture --request req.yaml`."""
+"""`coldsnapd capture --request-json PATH|-`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import fail, human_bytes, open_store
+from coldsnap.commands.common import add_request_option, fail, human_bytes, open_store
 from coldsnap.commands.operation import (
     InventoryError,
     add_operation_arguments,
@@ -15,10 +14,11 @@ from coldsnap.commands.operation import (
     load_hosts_inventory,
     read_request,
     run_operation,
+    start_operation,
 )
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.operations.capture import capture
-from coldsnap.operations.context import OperationContext
+from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
 
 
@@ -34,6 +34,10 @@ def _handler(args: argparse.Namespace) -> int:
     except InventoryError as exc:
         return fail(str(exc))
     store = open_store(args).ensure()
+    admission = start_operation(args, store.root, ReceiptKey(request.id, "capture",
+                                                             request.request_sha256))
+    if isinstance(admission, int):
+        return admission
 
     async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
         stored = await capture(request, hosts, store, ctx)
@@ -43,7 +47,7 @@ def _handler(args: argparse.Namespace) -> int:
                          f"{len(stored.artifact.objects)} objects, {human_bytes(size)}\n")
         return ReceiptResult(artifact=stored.capture_id, output=request.output)
 
-    return run_operation(args, "capture", body, request_sha256=request.request_sha256,
+    return run_operation(args, "capture", body, admission=admission,
                          engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
                          inventory=inventory)
 
@@ -56,8 +60,9 @@ def register(subparsers: Any) -> None:
                     "GPU state and dump every unit with the capsule's CRIU, then commit one OCI "
                     "capsule per unit and pull every unit's and worker's objects into the store. "
                     "Writes a format-9 artifact to the request's `output` and the store. On any "
-                    "failure every unit is rolled back and nothing is written.")
-    parser.add_argument("--request", type=Path, required=True, metavar="FILE",
-                        help="capture request, format 4 (YAML or JSON)")
+                    "failure every unit is rolled back and nothing is written. The request's `id` "
+                    "is the operation id and is used once: a retry of a request that already "
+                    "succeeded prints that run's receipt again and runs nothing.")
+    add_request_option(parser, required=True, help="capture request, format 4")
     add_operation_arguments(parser)
     parser.set_defaults(handler=_handler)

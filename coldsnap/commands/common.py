@@ -9,8 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.errors import RequestInvalid, ValidationIssue
+from coldsnap.formats.request import MAX_REQUEST_BYTES, Request, load_request, parse_request
 from coldsnap.store import LocalStore, default_store_root
+
+STDIN = "-"
 
 
 def add_store_argument(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +28,32 @@ def open_store(args: argparse.Namespace) -> LocalStore:
     return LocalStore(root)
 
 
-def print_issues(issues: Sequence[ValidationIssue], source: Path) -> None:
+def add_request_option(parser: argparse.ArgumentParser, *, required: bool, help: str) -> None:
+    parser.add_argument(
+        "--request-json", "--request", "-r", dest="request", required=required,
+        metavar="PATH|-", help=help + "; YAML or JSON, at most 16 MiB; '-' reads stdin")
+
+
+def request_label(source: str | Path) -> str:
+    return "<stdin>" if str(source) == STDIN else str(source)
+
+
+def load_request_source(source: str, expected_operation: str | None = None) -> Request:
+    """The request at `source` (a path, or `-` for stdin, JSON or YAML either way); raises
+    RequestInvalid listing every problem."""
+    if source != STDIN:
+        return load_request(Path(source), expected_operation=expected_operation)
+    # Read one byte past the limit: enough to refuse an oversized request without holding it.
+    blob = sys.stdin.buffer.read(MAX_REQUEST_BYTES + 1)
+    if len(blob) > MAX_REQUEST_BYTES:
+        raise RequestInvalid([ValidationIssue("", "the request on stdin is larger than 16 MiB")])
+    return parse_request(blob, expected_operation=expected_operation)
+
+
+def print_issues(issues: Sequence[ValidationIssue], source: str | Path) -> None:
     for issue in issues:
         # A problem with the document as a whole has no field path; name the file instead.
-        print(f"{issue.path or source}: {issue.message}", file=sys.stderr)
+        print(f"{issue.path or request_label(source)}: {issue.message}", file=sys.stderr)
 
 
 def print_json(doc: Any) -> None:

@@ -14,14 +14,32 @@ from typing import Literal, TypeVar
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.commands.common import add_store_argument, fail, print_issues
+from coldsnap.commands.common import (
+    add_store_argument,
+    fail,
+    load_request_source,
+    print_issues,
+)
+from coldsnap.commands.gate import (
+    Admission,
+    AlreadyDone,
+    Refused,
+    admit,
+    answer_again,
+    check_output_flags,
+)
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
-from coldsnap.formats.request import Request, load_request
+from coldsnap.formats.request import Request
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
-from coldsnap.operations.context import OperationContext, OperationFailed, write_receipt
+from coldsnap.operations.context import (
+    OperationContext,
+    OperationFailed,
+    ReceiptKey,
+    write_receipt,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.progress import ProgressBoard
 from coldsnap.store import StoreError
@@ -39,26 +57,38 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--receipt-json", metavar="PATH|-", default=None,
         help="write the operation receipt (format 2) to PATH, or to stdout with '-' (then it "
-             "is the only thing on stdout)")
+             "is the only thing on stdout); a receipt of another request there is never "
+             "replaced")
     parser.add_argument(
         "--timing-events", metavar="PATH|-", default=None,
-        help="stream timing events (NDJSON, format 1) to PATH or stdout while running")
+        help="stream timing events (NDJSON, format 1) to stdout or to a new file at an "
+             "absolute PATH (an existing file is refused); needs --receipt-json")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
 
 
 def check_outputs(args: argparse.Namespace) -> str | None:
-    if args.receipt_json == "-" and args.timing_events == "-":
-        return "--receipt-json and --timing-events cannot both be '-' (stdout)"
-    return None
+    return check_output_flags(args.receipt_json, args.timing_events)
 
 
-def read_request(path: Path, operation: str) -> Request | None:
+def read_request(source: str, operation: str) -> Request | None:
     """The request, or None after printing every problem as `PATH: message` on stderr."""
     try:
-        return load_request(path, expected_operation=operation)
+        return load_request_source(source, expected_operation=operation)
     except RequestInvalid as exc:
-        print_issues(exc.issues, path)
+        print_issues(exc.issues, source)
         return None
+
+
+def start_operation(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
+                    prepare_only: bool = False, id_generated: bool = False) -> Admission | int:
+    """The admission to run, or the exit status when the run ends here: 2 when refused, 0
+    when the same request already succeeded (its receipt is written again)."""
+    try:
+        return admit(args, store_root, key, prepare_only=prepare_only, id_generated=id_generated)
+    except Refused as exc:
+        return fail(str(exc))
+    except AlreadyDone as done:
+        return answer_again(done.receipt, args.receipt_json)
 
 
 def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
@@ -71,7 +101,7 @@ def run_operation(
     operation: Literal["capture", "restore"],
     body: Callable[[HostSet, OperationContext], Awaitable[ReceiptResult]],
     *,
-    request_sha256: str,
+    admission: Admission,
     engine: Literal["vllm", "sglang"],
     snapshot_driver: str,
     inventory: Inventory,
@@ -79,7 +109,8 @@ def run_operation(
 ) -> int:
     """Run one operation to exactly one receipt; 0 on success, 1 on failure."""
     logs.configure(verbose=args.verbose)
-    ctx = OperationContext(operation, timing_events=args.timing_events)
+    ctx = OperationContext(operation, operation_id=admission.key.operation_id,
+                           timing_events=admission.events)
     board = ProgressBoard()
     ctx.progress = board
     error: OperationFailed | None = None
@@ -105,9 +136,13 @@ def run_operation(
         if args.verbose:
             traceback.print_exc()
         error = OperationFailed("internal", f"{type(exc).__name__}: {exc}")
-    receipt = ctx.finish(request_sha256=request_sha256, engine=engine,
+    receipt = ctx.finish(request_sha256=admission.key.request_sha256, engine=engine,
                          snapshot_driver=snapshot_driver, prepare_only=prepare_only,
-                         result=result, error=error)
+                         result=admission.result(result), error=error)
+    try:
+        admission.complete(receipt)
+    except OSError as exc:
+        fail(f"cannot record the outcome of {admission.key.operation_id} in the store: {exc}")
     try:
         write_receipt(receipt, args.receipt_json)
     except OSError as exc:
@@ -126,4 +161,5 @@ __all__ = [
     "load_hosts_inventory",
     "read_request",
     "run_operation",
+    "start_operation",
 ]

@@ -1,4 +1,4 @@
-"""`coldsnapd plan --request FILE [--json]`: what an operation would do, without any host.
+"""`coldsnapd plan --request-json PATH|- [--json]`: what an operation would do, without any host.
 
 Resolves the execution graph of a valid request: every worker with its unit, host, service,
 global rank, process slot and devices, and per host the units and workers it runs and the

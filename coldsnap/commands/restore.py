@@ -1,13 +1,12 @@
-"""`coldsnapd restore --artifact ID [--request restore.yaml] [--prepare-only]`."""
+"""`coldsnapd restore --artifact REF | --request-json PATH|- [--prepare-only]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import fail, human_bytes, open_store
+from coldsnap.commands.common import add_request_option, fail, human_bytes, open_store
 from coldsnap.commands.operation import (
     InventoryError,
     add_operation_arguments,
@@ -15,14 +14,37 @@ from coldsnap.commands.operation import (
     load_hosts_inventory,
     read_request,
     run_operation,
+    start_operation,
 )
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request
-from coldsnap.operations.context import OperationContext
+from coldsnap.operations.context import OperationContext, ReceiptKey, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
-from coldsnap.store import StoreError
+from coldsnap.store import LocalStore, StoredArtifact, StoreError
+
+
+def _resolve(args: argparse.Namespace, request: Request | None,
+             store: LocalStore) -> StoredArtifact | str:
+    """The artifact named by `--artifact` and the request's `artifact`, or why not. Both may
+    be given, in any of their forms, as long as they name the same artifact."""
+    refs = [(f"--artifact {args.artifact}", args.artifact)] if args.artifact else []
+    if request is not None and request.artifact:
+        refs.append((f"the request's artifact {request.artifact}", request.artifact))
+    if not refs:
+        return "say which artifact: --artifact REF, or `artifact` in a restore request"
+    found: list[tuple[str, StoredArtifact]] = []
+    for label, ref in refs:
+        try:
+            found.append((label, store.resolve_artifact(ref)))
+        except (StoreError, ArtifactInvalid) as exc:
+            return f"{label}: {exc}"
+    if len({stored.digest for _, stored in found}) > 1:
+        return " differs from ".join(f"{label} (capture {stored.capture_id}, {stored.digest})"
+                                     for label, stored in found) + \
+            "; both must name the same artifact"
+    return found[0][1]
 
 
 def _handler(args: argparse.Namespace) -> int:
@@ -34,23 +56,22 @@ def _handler(args: argparse.Namespace) -> int:
         request = read_request(args.request, "restore")
         if request is None:
             return 2
-    ref = args.artifact or (request.artifact if request else None)
-    if not ref:
-        return fail("say which artifact: --artifact ID, or `artifact` in the restore request")
-    if request is not None and request.artifact and args.artifact and \
-            request.artifact != args.artifact:
-        return fail(f"--artifact {args.artifact} differs from the request's artifact "
-                    f"{request.artifact}")
     try:
         inventory = load_hosts_inventory(args)
     except InventoryError as exc:
         return fail(str(exc))
     store = open_store(args)
-    try:
-        stored = store.resolve_artifact(ref)
-    except (StoreError, ArtifactInvalid) as exc:
-        return fail(str(exc))
+    stored = _resolve(args, request, store)
+    if isinstance(stored, str):
+        return fail(stored)
     artifact = stored.artifact
+    # Without a request there is no id to use: one is generated, and the receipt says so.
+    key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
+        ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
+    admission = start_operation(args, store.root, key, prepare_only=args.prepare_only,
+                                id_generated=request is None)
+    if isinstance(admission, int):
+        return admission
 
     async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=args.prepare_only,
@@ -67,8 +88,7 @@ def _handler(args: argparse.Namespace) -> int:
                              f"{', '.join(out.validated)} answered the validation prompt\n")
         return ReceiptResult(artifact=artifact.capture_id, prepared=args.prepare_only)
 
-    request_sha = request.request_sha256 if request else artifact.request_sha256
-    return run_operation(args, "restore", body, request_sha256=request_sha,
+    return run_operation(args, "restore", body, admission=admission,
                          engine=artifact.launch.engine, snapshot_driver=artifact.snapshot_driver.id,
                          inventory=inventory, prepare_only=args.prepare_only)
 
@@ -84,11 +104,19 @@ def register(subparsers: Any) -> None:
                     "floor, the capsule's CRIU probe), each host receives only the objects its "
                     "units and workers own, then all units are restored, their GPUs restored "
                     "and unlocked together, and every service answers the validation prompt. "
-                    "Any failure removes everything this restore started.")
-    parser.add_argument("--artifact", metavar="ID",
-                        help="capture id or unambiguous digest prefix (see `artifacts list`)")
-    parser.add_argument("--request", type=Path, metavar="FILE",
-                        help="restore request, format 4 (operation: restore), for a new placement")
+                    "Any failure removes everything this restore started. A request's `id` "
+                    "is the operation id and is used once: a retry of a request that already "
+                    "succeeded prints that run's receipt again and runs nothing.")
+    parser.add_argument("--artifact", metavar="REF",
+                        help="the artifact: its file's absolute path (symlinks followed; a "
+                             "file not yet in the store is verified and imported), a capture "
+                             "id, or a digest prefix of 6+ hex digits (see `artifacts list`). "
+                             "With a request, both must name the same artifact")
+    add_request_option(parser, required=False,
+                       help="restore request, format 4 (operation: restore; `artifact` "
+                            "required), for a new placement; its `id` is the operation id. "
+                            "Without one, the captured request's policy and validation apply "
+                            "and the operation id is generated")
     parser.add_argument("--prepare-only", action="store_true",
                         help="admission and staging only: start no engine (safe to repeat)")
     parser.add_argument("--fallback", choices=("none", "replay"), default="none",

@@ -1,4 +1,5 @@
-"""`coldsnapd validate --request FILE [--json]`: check a format-4 request without touching a host.
+"""`coldsnapd validate --request-json PATH|- [--json]`: check a format-4 request without touching
+a host.
 
 Exit 0 and print the `request_sha256` when valid. Exit 2 when the file is missing, unreadable,
 unparsable or invalid, with every problem as `PATH: message` on stderr (or, with `--json`,
@@ -10,12 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import print_issues
+from coldsnap.commands.common import (
+    add_request_option,
+    load_request_source,
+    print_issues,
+    request_label,
+)
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
-from coldsnap.formats.request import Request, load_request
+from coldsnap.formats.request import Request
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -33,8 +38,8 @@ Invalid: exit 2, every problem as `PATH: message` on stderr, for example
 
 
 def add_request_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--request", "-r", required=True, type=Path, metavar="FILE",
-                        help="the request file (.yaml, .yml or .json; at most 16 MiB)")
+    add_request_option(parser, required=True,
+                       help="the request file (.yaml, .yml or .json sets the syntax)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON document on stdout instead of text")
 
@@ -42,7 +47,7 @@ def add_request_argument(parser: argparse.ArgumentParser) -> None:
 def read_request(args: argparse.Namespace) -> Request | list[ValidationIssue]:
     """Load `args.request`; on failure return the issues instead of raising."""
     try:
-        return load_request(args.request)
+        return load_request_source(args.request)
     except RequestInvalid as exc:
         return exc.issues
 
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             emit_json({"valid": False, "errors": [i.to_json() for i in result]})
         else:
             print_issues(result, args.request)
-            print(f"{args.request}: invalid ({len(result)} problem"
+            print(f"{request_label(args.request)}: invalid ({len(result)} problem"
                   f"{'' if len(result) == 1 else 's'})", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:

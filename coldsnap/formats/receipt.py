@@ -4,7 +4,7 @@ Public API:
 - `Receipt` (fields as FORMATS.md: `operation_id`, `operation`, `state`, `request_sha256`,
   `engine`, `snapshot_driver`, `replay_semantics`, `started_at`, `completed_at`,
   `duration_seconds`, `timing`, `result`, `error`), `ReceiptResult(artifact?, output?,
-  prepared?)`, `ReceiptError(code, message)`.
+  prepared?, operation_id_generated?)`, `ReceiptError(code, message)`.
 - `rfc3339_ns(unix_ns) -> str`: UTC with nanoseconds, e.g. `2026-11-29T10:15:00.000000001Z`.
 - `replay_semantics_for(operation, prepare_only=False) -> str`.
 A failed receipt carries `error`; a succeeded one does not.
@@ -65,6 +65,9 @@ class ReceiptResult(StrictModel):
     artifact: Id | None = None
     output: NonEmpty | None = None
     prepared: bool | None = None
+    # coldsnapd's own field: true when no request supplied the id (a restore run with
+    # `--artifact` alone), so `operation_id` was generated and names no request.
+    operation_id_generated: bool | None = None
 
 
 class ReceiptError(StrictModel):

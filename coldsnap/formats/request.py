@@ -837,14 +837,26 @@ def _inside(path: str, root: str) -> bool:
     return path == root or root == "/" or path.startswith(root + "/")
 
 
+# Where an operation's artifact is: capture writes it to `output`, restore reads it from
+# `artifact`. (operation: the field it needs, what that field holds, the field it refuses, why)
+_ARTIFACT_FIELDS = {
+    "capture": ("output", "the path the artifact file is written to",
+                "artifact", "is for restore; a capture names its destination in 'output'"),
+    "restore": ("artifact", "the artifact file's path, a capture id or a digest prefix",
+                "output", "is for capture; a restore names its source in 'artifact'"),
+}
+
+
 def request_issues(req: Request, *, expected_operation: str | None = None) -> list[ValidationIssue]:
     issues = _Issues()
     if expected_operation is not None and req.operation != expected_operation:
         issues.add("operation", f"is '{req.operation}' but the command is '{expected_operation}'")
-    if req.operation == "capture" and req.artifact is not None:
-        issues.add("artifact", "is for restore; a capture names its destination in 'output'")
-    if req.operation == "restore" and req.output is not None:
-        issues.add("output", "is for capture; a restore names its source in 'artifact'")
+    if req.operation in _ARTIFACT_FIELDS:
+        needed, meaning, refused, why = _ARTIFACT_FIELDS[req.operation]
+        if getattr(req, needed) is None:
+            issues.add(needed, f"is required for {req.operation}: {meaning}")
+        if getattr(req, refused) is not None:
+            issues.add(refused, why)
 
     if req.workload is not None:
         given = req.workload.model_dump(exclude_none=True)

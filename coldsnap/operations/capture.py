@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from pydantic import ValidationError
+
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
     CapsuleImage,
@@ -58,7 +60,7 @@ from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
-from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
@@ -66,6 +68,10 @@ T = TypeVar("T")
 R = TypeVar("R", bound="UnitRun")
 
 ROLE_CAPSULE_MANIFEST = "capsule-manifest"
+# The canonical capture request: a restore without a request takes its policy and validation
+# from it. Like the manifest, it stays on the control node and is never staged.
+ROLE_CAPTURE_REQUEST = "capture-request"
+CAPTURE_REQUEST_PATH = "capture-request.json"
 
 
 @dataclass
@@ -266,6 +272,11 @@ async def _capture_units(
                                    r.placed.unit_id)
 
     await phase(ctx, "fetch", runs, fetch)
+    # Every unit lists it, as workers with identical payloads do: one stored file.
+    q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
+    objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST, owner=f"unit/{r.placed.unit_id}",
+                                  path=CAPTURE_REQUEST_PATH, bytes=q_size, sha256=q_digest)
+                   for r in runs)
 
     driver = request.snapshot_driver
     compat = []
@@ -307,6 +318,23 @@ async def _capture_units(
                 store.remove_artifact(artifact.capture_id)
                 raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
     return stored
+
+
+def captured_request(store: LocalStore, artifact: Artifact) -> Request | None:
+    """The request an artifact was captured from, verified against its digest; None for an
+    artifact captured before coldsnapd kept it."""
+    obj = next((o for o in artifact.objects if o.role == ROLE_CAPTURE_REQUEST), None)
+    if obj is None:
+        return None
+    try:
+        # Read as written, without today's cross-field rules: a rule added since the capture
+        # must not make its artifact unrestorable.
+        return Request.model_validate(json.loads(store.read_bytes(obj.sha256)))
+    except StoreError as exc:
+        raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
+    except (ValueError, ValidationError) as exc:
+        raise OperationFailed("capture-request", f"the captured request of "
+                              f"{artifact.capture_id} is unreadable: {exc}") from None
 
 
 async def rollback_units(

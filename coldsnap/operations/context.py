@@ -9,14 +9,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import os
 import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
 import structlog
+from pydantic import ValidationError
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.receipt import (
@@ -52,15 +55,19 @@ def new_operation_id(operation: str) -> str:
 
 
 class EventSink:
-    """Writes timing events as NDJSON lines to a file or stdout, flushing each line."""
+    """Writes timing events as NDJSON lines to stdout (`-`) or to an already opened file
+    (`open_events` creates it), flushing each line."""
 
-    def __init__(self, target: str | None) -> None:
+    def __init__(self, target: str | IO[bytes] | None) -> None:
         self._own = False
         self._stream: IO[bytes] | None = None
         if target == "-":
             self._stream = sys.stdout.buffer
-        elif target:
-            self._stream = Path(target).open("wb")  # noqa: SIM115 - closed in close()
+        elif isinstance(target, str):
+            self._stream = open_events(target)
+            self._own = True
+        elif target is not None:
+            self._stream = target
             self._own = True
 
     def __call__(self, event: TimingEvent) -> None:
@@ -73,13 +80,20 @@ class EventSink:
             self._stream.close()
 
 
+def open_events(path: str) -> IO[bytes]:
+    """Create the timing-events file; an existing file is refused (FileExistsError), never
+    truncated: it may be another operation's stream."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
+
+
 class OperationContext:
     def __init__(
         self,
         operation: Literal["capture", "restore"],
         *,
         operation_id: str | None = None,
-        timing_events: str | None = None,
+        timing_events: str | IO[bytes] | None = None,
     ) -> None:
         self.operation = operation
         self.operation_id = operation_id or new_operation_id(operation)
@@ -150,3 +164,49 @@ def write_receipt(receipt: Receipt, target: str | None) -> None:
         sys.stdout.flush()
     else:
         atomic_write_bytes(Path(target), data)
+
+
+class ReceiptTargetTaken(Exception):
+    """`--receipt-json PATH` holds something this run must not replace."""
+
+
+@dataclass(frozen=True)
+class ReceiptKey:
+    """What makes a receipt one of a given request: the same id, operation and request."""
+
+    operation_id: str
+    operation: str
+    request_sha256: str
+
+    def differences(self, receipt: Receipt) -> list[str]:
+        return [f"{name} {getattr(receipt, name)} (this run: {mine})"
+                for name, mine in (("operation_id", self.operation_id),
+                                   ("operation", self.operation),
+                                   ("request_sha256", self.request_sha256))
+                if getattr(receipt, name) != mine]
+
+
+def receipt_at(target: str | None, key: ReceiptKey) -> Receipt | None:
+    """The receipt of this same request that `target` already holds, or None (no file, or
+    stdout). Anything else there is refused with ReceiptTargetTaken: a receipt of another
+    request, or a file that is no receipt at all, is never replaced."""
+    if not target or target == "-":
+        return None
+    path = Path(target)
+    try:
+        raw: Any = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ReceiptTargetTaken(f"--receipt-json {target} exists and is not a readable "
+                                 f"receipt ({exc}); refusing to replace it") from None
+    try:
+        existing = Receipt.model_validate(raw)
+    except ValidationError:
+        raise ReceiptTargetTaken(f"--receipt-json {target} exists and is not an operation "
+                                 "receipt; refusing to replace it") from None
+    differences = key.differences(existing)
+    if differences:
+        raise ReceiptTargetTaken(f"--receipt-json {target} holds the receipt of another "
+                                 f"request ({'; '.join(differences)}); refusing to replace it")
+    return existing

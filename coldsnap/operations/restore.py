@@ -43,7 +43,13 @@ from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
-from coldsnap.operations.capture import ROLE_CAPSULE_MANIFEST, UnitRun, phase, rollback_units
+from coldsnap.operations.capture import (
+    ROLE_CAPSULE_MANIFEST,
+    UnitRun,
+    captured_request,
+    phase,
+    rollback_units,
+)
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
@@ -79,12 +85,16 @@ def _issues_text(issues: Sequence[ValidationIssue]) -> str:
     return "; ".join(f"{i.path}: {i.message}" for i in issues)
 
 
-def restore_placement(artifact: Artifact, request: Request | None) -> tuple[Launch, Policy,
-                                                                          Validation]:
+def restore_placement(artifact: Artifact, request: Request | None,
+                      captured: Request | None = None) -> tuple[Launch, Policy, Validation]:
     """The launch to place (the captured one, or the restore request's after the identity
-    check), the policy and the validation to use."""
+    check), the policy and the validation to use: the restore request's, else those of the
+    request the artifact was `captured` from, else the defaults (an artifact that predates
+    keeping its capture request)."""
     if request is None:
-        return artifact.launch, Policy(), Validation()
+        if captured is None:
+            return artifact.launch, Policy(), Validation()
+        return artifact.launch, captured.policy, captured.validation
     if request.snapshot_driver.id != artifact.snapshot_driver.id:
         raise OperationFailed("identity", f"snapshot_driver.id: the restore asks for "
                                           f"{request.snapshot_driver.id}, the artifact was "
@@ -123,7 +133,8 @@ async def restore(
     fallback: Fallback = "none",
 ) -> RestoreOutcome:
     artifact = stored.artifact
-    launch, policy, validation = restore_placement(artifact, request)
+    launch, policy, validation = restore_placement(
+        artifact, request, captured_request(store, artifact) if request is None else None)
     topology = resolve(launch)
     hosts.check_known(topology.hosts, "the restore placement")
     outcome = RestoreOutcome(stored, prepared_only=prepare_only)

@@ -1,9 +1,14 @@
 """Content-addressed object store on the control node.
 
 Layout under the store root:
-  objects/sha256/<hex>      object bytes, named by their digest (verified on write and read)
-  artifacts/<capture_id>.json   format-9 artifacts, canonical JSON
-  tmp/                      partial writes; never read as objects
+  objects/sha256/<hex>          object bytes, named by their digest (verified on write and read)
+  artifacts/<capture_id>.json   format-9 artifacts, canonical JSON (the index)
+  operations/<id>.json          one record per operation id: claimed, then its receipt
+  tmp/                          partial writes; never read as objects
+
+`LocalStore.resolve_artifact(ref)` (`refs.py`) turns an artifact reference (file path, capture
+id, digest prefix) into the indexed artifact; `OperationRecords` (`operations.py`) keeps the
+operation ids.
 """
 
 from coldsnap.store.local import (
@@ -17,11 +22,13 @@ from coldsnap.store.local import (
     StoreError,
     default_store_root,
 )
+from coldsnap.store.refs import ArtifactRefInvalid
 
 __all__ = [
     "ArtifactAmbiguous",
     "ArtifactExists",
     "ArtifactNotFound",
+    "ArtifactRefInvalid",
     "LocalStore",
     "ObjectCorrupt",
     "ObjectMissing",

@@ -215,18 +215,14 @@ class LocalStore:
             return []
         return [self._load(p) for p in sorted(self.artifacts_dir.glob("*.json"))]
 
+    def indexed(self, capture_id: str) -> StoredArtifact | None:
+        """The artifact indexed under `capture_id`, or None."""
+        path = self._artifact_file(capture_id)
+        return self._load(path) if path.is_file() else None
+
     def resolve_artifact(self, ref: str) -> StoredArtifact:
-        """By capture id, or by an unambiguous prefix (6+ hex) of the artifact digest."""
-        if set(ref) <= ID_SAFE and ref and ref[0] not in ".-_":
-            path = self._artifact_file(ref)
-            if path.is_file():
-                return self._load(path)
-        prefix = ref.removeprefix("sha256:").lower()
-        if len(prefix) >= 6 and all(c in "0123456789abcdef" for c in prefix):
-            hits = [a for a in self.list_artifacts() if a.digest[7:].startswith(prefix)]
-            if len(hits) == 1:
-                return hits[0]
-            if len(hits) > 1:
-                ids = ", ".join(a.capture_id for a in hits)
-                raise ArtifactAmbiguous(f"{ref!r} matches several artifacts: {ids}")
-        raise ArtifactNotFound(f"no artifact {ref!r} in {self.root}")
+        """By artifact file path, capture id or digest prefix: `coldsnap.store.refs`."""
+        # refs builds on this class; importing it here keeps the module graph acyclic.
+        from coldsnap.store.refs import resolve_reference
+
+        return resolve_reference(self, ref)

@@ -41,7 +41,7 @@ def _owned_by_host(artifact: dict[str, Any], placement: dict[str, str]) -> dict[
     want: dict[str, set[str]] = {h: set() for h in placement.values()}
     for obj in artifact["objects"]:
         kind, owner = obj["owner"].split("/", 1)
-        if obj["role"] == "capsule-manifest":
+        if obj["role"] in ("capsule-manifest", "capture-request"):
             continue  # control-node only
         unit = owner if kind == "unit" else unit_of[owner]
         want[placement[unit]].add(obj["sha256"])
@@ -68,7 +68,9 @@ def test_tp2_capture_artifact(ops: Ops, tp2: dict[str, Any]) -> None:
     roles = sorted((o["owner"], o["role"]) for o in tp2["objects"])
     assert roles == sorted([
         ("unit/unit-0", "oci-capsule"), ("unit/unit-0", "capsule-manifest"),
+        ("unit/unit-0", "capture-request"),
         ("unit/unit-1", "oci-capsule"), ("unit/unit-1", "capsule-manifest"),
+        ("unit/unit-1", "capture-request"),
         ("worker/worker-0", "model-weight-payload"), ("worker/worker-0", "replay-plan"),
         ("worker/worker-1", "model-weight-payload"), ("worker/worker-1", "replay-plan"),
     ])
@@ -278,6 +280,8 @@ def test_driver_floors(ops: Ops, tp2: dict[str, Any]) -> None:
     run = ops.coldsnapd("restore", "--request", str(relaxed), inventory=too_old)
     _refused(ops, run, "nvidia_driver_min", "580.95.05")
 
+    doc["id"] += "-again"  # an operation id is used once, even by a refused restore
+    relaxed.write_text(yaml.safe_dump(doc, sort_keys=False))
     ops.coldsnapd("restore", "--request", str(relaxed), inventory=older).ok()
     ops.remove_units()
 

@@ -38,7 +38,9 @@ def load_example(name: str) -> dict[str, Any]:
 
 
 def minimal_request(operation: str = "capture") -> dict[str, Any]:
-    """TP2 over two 1-GPU hosts, nothing optional: the smallest realistic valid request."""
+    """TP2 over two 1-GPU hosts, nothing optional: the smallest realistic valid request.
+    (`output` and `artifact` are required: a capture says where its artifact goes, a restore
+    which artifact it restores.)"""
     payload = {"dimensions": {"tensor": 2}, "runtime": "vllm-direct"}
     units = []
     for i in range(2):
@@ -54,9 +56,12 @@ def minimal_request(operation: str = "capture") -> dict[str, Any]:
             "environment": {"NCCL_SOCKET_IFNAME": "eth0", "MASTER_PORT": "29500"},
             "mounts": [{"source": "/srv/models", "target": "/models", "read_only": True}],
         })
+    where = {"output": "/var/lib/coldsnap/artifacts/req-1.json"} if operation == "capture" \
+        else {"artifact": "req-0"}
     return {
         "operation": operation,
         "id": "req-1",
+        **where,
         "snapshot_driver": {"id": "n610"},
         "launch": {
             "engine": "vllm",

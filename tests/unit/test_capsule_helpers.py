@@ -22,6 +22,8 @@ DIGEST = "sha256:" + "ab" * 32
         ("127.0.0.1:5000/coldsnap/x:v1@" + DIGEST, ("127.0.0.1:5000/coldsnap/x", "v1", DIGEST)),
         ("repo/x", ("repo/x", None, None)),
         ("localhost:5000/x", ("localhost:5000/x", None, None)),
+        # A bare digest (the request format allows it) has no repository, not one named sha256.
+        (DIGEST, ("", None, DIGEST)),
     ],
 )
 def test_split_reference_keeps_registry_port_out_of_the_tag(

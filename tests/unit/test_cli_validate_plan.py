@@ -135,7 +135,8 @@ def test_help_explains_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out
-        assert "--request FILE" in out and "--json" in out
+        assert "--request-json PATH|-" in out and "--request PATH|-" in out
+        assert "--json" in out
         assert "PATH: message" in out
 
 

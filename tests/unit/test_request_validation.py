@@ -249,6 +249,9 @@ CASES: list[tuple[str, Callable[[Raw], None], str, str]] = [
     ("artifact-on-capture", setv("artifact", "cap-1"), "artifact", "restore"),
     ("output-on-restore", both(setv("operation", "restore"), setv("output", "/x")), "output",
      "capture"),
+    ("capture-without-output", delv("output"), "output", "required for capture"),
+    ("restore-without-artifact", both(setv("operation", "restore"), delv("output")),
+     "artifact", "required for restore"),
     # policy
     ("bad-backend", setv("policy", {"process": {"backend": "criu"}}), "policy.process.backend",
      "cuda-criu"),

@@ -17,6 +17,7 @@ from coldsnap.store import (
     ObjectCorrupt,
     ObjectMissing,
 )
+from coldsnap.store.refs import ArtifactRefInvalid
 from tests.unit.artifact_factory import make_artifact
 
 
@@ -82,7 +83,7 @@ def test_artifact_index_by_id_and_digest_prefix(tmp_path: Path) -> None:
     assert [s.capture_id for s in store.list_artifacts()] == ["cap-a", "cap-b"]
     with pytest.raises(ArtifactNotFound):
         store.resolve_artifact("cap-c")
-    with pytest.raises(ArtifactNotFound):
+    with pytest.raises(ArtifactRefInvalid, match="absolute"):
         store.resolve_artifact("../cap-a")
 
 

@@ -1,0 +1,175 @@
+"""Artifact references: what a restore's `artifact` field and `--artifact` may name.
+
+A reference is one of:
+- the path of an artifact file: it holds a `/`, must be absolute and clean, and symlinks are
+  followed (Sparkrun points at a `current.json` symlink to the capture's `output`). The file is
+  verified: a format-9 artifact, whose digest equals that of the artifact the store indexes
+  under its capture id, or (not indexed yet) whose every object is in the store with the right
+  bytes, in which case it is imported into the index;
+- a capture id;
+- a digest prefix: at least MIN_PREFIX lowercase hex digits, `sha256:` optional.
+
+A name that is both a capture id and a digest prefix must mean one artifact; two different
+ones are refused as ambiguous rather than one silently winning.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coldsnap.formats.artifact import Artifact, parse_artifact
+from coldsnap.formats.canonical import digest
+from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.request import is_clean_absolute
+from coldsnap.store.local import (
+    ArtifactAmbiguous,
+    ArtifactExists,
+    ArtifactNotFound,
+    StoredArtifact,
+    StoreError,
+)
+
+if TYPE_CHECKING:
+    from coldsnap.store.local import LocalStore
+
+MIN_PREFIX = 6
+# An artifact lists its launch and objects; even thousands of workers stay far below this.
+MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+
+_CAPTURE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+class ArtifactRefInvalid(StoreError):
+    """A reference that cannot name an artifact: a relative or unclean path, a file that is
+    not a verified artifact, a digest prefix too short to look up."""
+
+
+def is_capture_id(ref: str) -> bool:
+    return _CAPTURE_ID.fullmatch(ref) is not None
+
+
+def _digest_prefix(ref: str) -> str | None:
+    """The hex digits of a digest-prefix reference, or None when `ref` cannot be one."""
+    text = ref.removeprefix("sha256:")
+    return text if _HEX.fullmatch(text) and len(text) <= 64 else None
+
+
+def resolve_reference(store: LocalStore, ref: str) -> StoredArtifact:
+    """The artifact `ref` names; raises ArtifactNotFound, ArtifactAmbiguous or
+    ArtifactRefInvalid (all StoreError) with a message that quotes the reference."""
+    if "/" in ref:
+        return _by_path(store, ref)
+    return _by_name(store, ref)
+
+
+def _by_name(store: LocalStore, ref: str) -> StoredArtifact:
+    by_id = store.indexed(ref) if is_capture_id(ref) else None
+    prefix = _digest_prefix(ref)
+    hits: list[StoredArtifact] = []
+    if prefix is not None and len(prefix) >= MIN_PREFIX:
+        hits = [a for a in store.list_artifacts() if a.digest[7:].startswith(prefix)]
+    # Keyed by index entry: the id and a prefix of the same artifact are one match.
+    found = {a.path: a for a in [*([by_id] if by_id else []), *hits]}
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if len(found) > 1:
+        names = ", ".join(f"{a.capture_id} ({a.digest[:19]})" for a in found.values())
+        how = "is a capture id and a digest prefix of different artifacts" if by_id else \
+            "is a prefix of several artifact digests"
+        raise ArtifactAmbiguous(f"artifact {ref!r} {how}: {names}; give more digest digits "
+                                "or the artifact file's path")
+    if prefix is not None and len(prefix) < MIN_PREFIX and \
+            (ref.startswith("sha256:") or not is_capture_id(ref)):
+        raise ArtifactRefInvalid(f"artifact {ref!r}: a digest prefix needs at least "
+                                 f"{MIN_PREFIX} hex digits")
+    raise ArtifactNotFound(f"no artifact {ref!r} in {store.root} (a capture id, a digest prefix "
+                           "of at least 6 hex digits, or an artifact file's absolute path)")
+
+
+def read_artifact_file(ref: str) -> tuple[Artifact, str]:
+    """Follow `ref` to a regular file and parse it as a format-9 artifact; returns it with its
+    digest (of its canonical form, defaults applied, as the store computes it)."""
+    if not is_clean_absolute(ref):
+        raise ArtifactRefInvalid(f"artifact path {ref!r} must be absolute and clean (no '.', "
+                                 "'..', '//' or trailing '/')")
+    try:
+        real = Path(ref).resolve(strict=True)
+    except FileNotFoundError:
+        raise ArtifactNotFound(f"artifact file {ref} does not exist (or a symlink on the way "
+                               "points nowhere)") from None
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        raise ArtifactRefInvalid(f"cannot follow artifact path {ref}: {exc}") from None
+    shown = ref if str(real) == ref else f"{ref} (-> {real})"
+    if not real.is_file():
+        raise ArtifactRefInvalid(f"artifact path {shown} is not a regular file")
+    try:
+        with real.open("rb") as f:
+            blob = f.read(MAX_ARTIFACT_BYTES + 1)
+    except OSError as exc:
+        raise ArtifactRefInvalid(f"cannot read artifact file {shown}: {exc.strerror}") from None
+    if len(blob) > MAX_ARTIFACT_BYTES:
+        raise ArtifactRefInvalid(f"artifact file {shown} is larger than 64 MiB")
+    try:
+        raw: Any = json.loads(blob)
+    except (ValueError, RecursionError) as exc:
+        raise ArtifactRefInvalid(f"artifact file {shown} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ArtifactRefInvalid(f"artifact file {shown} is not a JSON object")
+    try:
+        artifact = parse_artifact(raw)
+    except ArtifactInvalid as exc:
+        problems = "; ".join(str(i) for i in exc.issues[:5])
+        raise ArtifactRefInvalid(f"artifact file {shown} is not a format-9 artifact: "
+                                 f"{problems}") from None
+    return artifact, digest(artifact.to_json())
+
+
+def _by_path(store: LocalStore, ref: str) -> StoredArtifact:
+    artifact, file_digest = read_artifact_file(ref)
+    indexed = store.indexed(artifact.capture_id)
+    if indexed is None:
+        _verify_objects(store, artifact, ref)
+        try:
+            return store.put_artifact(artifact)
+        except ArtifactExists:
+            indexed = store.indexed(artifact.capture_id)  # imported meanwhile by another run
+            if indexed is None:
+                raise
+    if indexed.digest != file_digest:
+        raise ArtifactRefInvalid(
+            f"artifact file {ref} ({file_digest[:19]}) is not the artifact {store.root} holds "
+            f"under capture id {artifact.capture_id} ({indexed.digest[:19]}): the file was "
+            "changed after capture, or another capture reused that id")
+    _check_present(store, artifact, ref)
+    return indexed
+
+
+def _verify_objects(store: LocalStore, artifact: Artifact, ref: str) -> None:
+    """Before an import: every object present and hashing to its digest."""
+    for obj in artifact.objects:
+        try:
+            path = store.verify(obj.sha256)
+        except StoreError as exc:
+            raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner}: "
+                                     f"{exc}") from None
+        if path.stat().st_size != obj.bytes:
+            raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner} has "
+                                     f"{path.stat().st_size} bytes, the artifact says "
+                                     f"{obj.bytes}")
+
+
+def _check_present(store: LocalStore, artifact: Artifact, ref: str) -> None:
+    """An indexed artifact's objects were verified when they were stored, and every restore
+    re-hashes those it needs before it starts anything; here a missing or truncated object is
+    reported early, without reading gigabytes twice."""
+    for obj in artifact.objects:
+        path = store.object_path(obj.sha256)
+        size = path.stat().st_size if path.is_file() else None
+        if size != obj.bytes:
+            what = "is missing from" if size is None else f"has {size} bytes (not {obj.bytes}) in"
+            raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner} "
+                                     f"({obj.sha256[:19]}) {what} the store {store.root}")

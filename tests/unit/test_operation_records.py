@@ -1,0 +1,70 @@
+"""The store's operation records: an id is claimed once, even by concurrent runs, and its
+outcome replaces the claim atomically."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from coldsnap.formats.receipt import Receipt
+from coldsnap.operations.context import OperationContext
+from coldsnap.store import StoreError
+from coldsnap.store.operations import OperationRecords, RecordUnreadable
+
+SHA = "sha256:" + "cd" * 32
+
+
+def _claim(args: tuple[str, int]) -> bool:
+    root, _ = args
+    return OperationRecords(Path(root)).reserve("op-1", "capture", SHA) is None
+
+
+def test_of_many_concurrent_claims_exactly_one_wins(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(8) as pool:
+        won = pool.map(_claim, [(str(tmp_path), i) for i in range(32)])
+    assert won.count(True) == 1
+    held = OperationRecords(tmp_path).load("op-1")
+    assert held is not None and held.state == "running"
+    # No temporary file is left next to the record.
+    assert [p.name for p in (tmp_path / "operations").iterdir()] == ["op-1.json"]
+
+
+def _receipt(state: str) -> Receipt:
+    from coldsnap.operations.context import OperationFailed
+
+    ctx = OperationContext("capture", operation_id="op-1")
+    return ctx.finish(request_sha256=SHA, engine="vllm", snapshot_driver="n610",
+                      error=OperationFailed("x", "y") if state == "failed" else None)
+
+
+@pytest.mark.parametrize("state", ["succeeded", "failed"])
+def test_complete_replaces_the_claim_with_the_receipt(tmp_path: Path, state: str) -> None:
+    records = OperationRecords(tmp_path)
+    assert records.reserve("op-1", "capture", SHA) is None
+    receipt = _receipt(state)
+    records.complete(receipt)
+    held = records.load("op-1")
+    assert held is not None and held.state == state and held.receipt == receipt
+    again = records.reserve("op-1", "capture", SHA)
+    assert again is not None and again.receipt == receipt  # a claim never overwrites
+
+
+def test_a_damaged_record_is_an_error_not_a_free_id(tmp_path: Path) -> None:
+    records = OperationRecords(tmp_path)
+    records.dir.mkdir()
+    (records.dir / "op-1.json").write_text("{")
+    with pytest.raises(RecordUnreadable, match="unreadable"):
+        records.load("op-1")
+    (records.dir / "op-1.json").write_text(json.dumps({"format": 1}))
+    with pytest.raises(RecordUnreadable, match="invalid"):
+        records.reserve("op-1", "capture", SHA)
+
+
+@pytest.mark.parametrize("bad", ["../op", "op/1", "", ".op", "a" * 129])
+def test_record_names_are_operation_ids(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(StoreError, match="not a valid operation id"):
+        OperationRecords(tmp_path).path(bad)

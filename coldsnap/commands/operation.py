@@ -16,7 +16,7 @@ from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import add_store_argument, fail, print_issues
 from coldsnap.formats.errors import RequestInvalid
-from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.receipt import Operation, ReceiptResult
 from coldsnap.formats.request import Request, load_request
 from coldsnap.hosts.base import HostError, ProgressCallback
 from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
@@ -74,7 +74,7 @@ def _progress_factory() -> Callable[[str], ProgressCallback | None] | None:
 
 def run_operation(
     args: argparse.Namespace,
-    operation: Literal["capture", "restore"],
+    operation: Operation,
     body: Callable[[HostSet, OperationContext], Awaitable[ReceiptResult]],
     *,
     request_sha256: str,

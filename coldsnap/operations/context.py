@@ -20,6 +20,7 @@ import structlog
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.receipt import (
+    Operation,
     Receipt,
     ReceiptError,
     ReceiptResult,
@@ -76,7 +77,7 @@ class EventSink:
 class OperationContext:
     def __init__(
         self,
-        operation: Literal["capture", "restore"],
+        operation: Operation,
         *,
         operation_id: str | None = None,
         timing_events: str | None = None,

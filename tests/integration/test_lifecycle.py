@@ -179,34 +179,54 @@ def test_warm_activation_restores_asleep_until_wake(ops: Ops, capture_id: str) -
         ops.remove_units()
 
 
-# Replaces the capsule's cuda-checkpoint (the simulator) with one that refuses every
-# checkpoint: a driver that fails half-way through a sleep, on one host only.
-_REFUSE_CHECKPOINT = """cat > /usr/local/bin/cuda-checkpoint.refusing <<'EOF'
+# Replaces the capsule's cuda-checkpoint (the simulator) with one that refuses one action: a
+# driver that fails half-way through a sleep or a wake, on one host only. `--off` puts the
+# simulator back.
+_REFUSE = """if [ "$1" = --off ]; then
+  ln -sf cuda-checkpoint-sim /usr/local/bin/cuda-checkpoint; exit 0
+fi
+cat > /usr/local/bin/cuda-checkpoint.refusing <<EOF
 #!/bin/sh
-for a; do [ "$a" = checkpoint ] && { echo "checkpoint refused (test)" >&2; exit 1; }; done
-exec /usr/local/bin/cuda-checkpoint-sim "$@"
+for a; do [ "\\$a" = $1 ] && { echo "$1 refused (test)" >&2; exit 1; }; done
+exec /usr/local/bin/cuda-checkpoint-sim "\\$@"
 EOF
 chmod +x /usr/local/bin/cuda-checkpoint.refusing
 mv -f /usr/local/bin/cuda-checkpoint.refusing /usr/local/bin/cuda-checkpoint
 """
 
 
-def test_sleep_failing_half_way_rolls_back_and_says_so(ops: Ops, capture_id: str) -> None:
+def _refuse(container: Any, action: str) -> None:
+    code, out = container.exec_run(["sh", "-c", _REFUSE, "sh", action])
+    assert code == 0, out
+
+
+def test_a_failure_half_way_says_what_state_every_unit_is_in(ops: Ops, capture_id: str) -> None:
     wl = _workload(ops, "fail")
     _restore(ops, capture_id, wl, "life-fail")
     try:
         (c3,) = ops.unit_containers("host-3")
-        code, out = c3.exec_run(["sh", "-c", _REFUSE_CHECKPOINT])
-        assert code == 0, out
+        _refuse(c3, "checkpoint")
         run = _op(ops, "sleep", capture_id, wl, "sl1")
         assert run.status == 1, run.stderr
         assert run.receipt is not None and run.receipt["state"] == "failed"
         assert "checkpoint refused (test)" in run.stderr
-        # Every unit went back to serving, and the error says so.
+        # A failed sleep is rolled back: every unit serves again, and the error says so.
         assert "units now: unit-0 on host-2: running; unit-1 on host-3: running" in run.stderr
         assert _ask(ops, "host-2") == (200, EXPECTED)
+
+        _refuse(c3, "restore")
+        _op(ops, "sleep", capture_id, wl, "sl2").ok()
+        run = _op(ops, "wake", capture_id, wl, "wk1")
+        assert run.status == 1 and "restore refused (test)" in run.stderr, run.stderr
+        # A failed wake is not undone: unit-0's GPUs run again but its engine was not woken.
+        assert "units now: unit-0 on host-2: sleeping; unit-1 on host-3: checkpointed" in \
+            run.stderr
         assert _states(_status(ops, capture_id, wl, "st1")) == \
-            {"unit-0": "running", "unit-1": "running"}
+            {"unit-0": "sleeping", "unit-1": "checkpointed"}
+
+        _refuse(c3, "--off")
+        _op(ops, "wake", capture_id, wl, "wk2").ok()
+        assert _ask(ops, "host-2") == (200, EXPECTED)
     finally:
         ops.remove_units()
 

@@ -42,6 +42,8 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
     CRIU_SECURITY_OPT,
+    ENGINE_LOG,
+    ENGINE_LOG_MODE,
     PLACEMENT_FILE,
     UNMASKED_PATHS,
     UnitSpec,
@@ -208,6 +210,8 @@ done
 criu restore -D "$1" -d --lazy-pages -o restore.log
 """
 _FULL_RESTORE = 'criu restore -D "$1" -d -o restore.log || exit $?\n'
+# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
+_LOG_MODE = f"chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n"
 _CHECK_PIDS = 'd=$1; shift; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
 
 
@@ -223,7 +227,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     t0 = time.monotonic()
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
-    script = (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
+    script = _LOG_MODE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
     out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
                                    *[str(p) for p in want]])
     seconds = time.monotonic() - t0

@@ -98,16 +98,26 @@ async def create_container(
     )
     host_config.update(UNMASKED_PATHS)
     try:
+        labels = {**await _blank_workload_labels(s, image), **spec.labels,
+                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
         created = await s.call(
             api.create_container, image, command=list(spec.init_command), name=name,
             environment=spec.container_environment(devices), host_config=host_config,
-            labels={**spec.labels, LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}, detach=True)
+            labels=labels, detach=True)
     except docker.errors.DockerException as exc:
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices))
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
+
+
+async def _blank_workload_labels(s: CapsuleSession, image: str) -> dict[str, str]:
+    """The workload labels `image` carries, emptied. A commit copies the captured container's
+    labels into the capsule, and a container cannot drop a label of its image: without this a
+    restore would go on naming the capture's workload (and its log_path) as its own."""
+    config = (await s.call(s.client.api.inspect_image, image)).get("Config") or {}
+    return {k: "" for k in config.get("Labels") or {} if k.startswith(LABEL_WORKLOAD)}
 
 
 async def ensure_host_file(s: CapsuleSession, unit: str, step: str, path: str,

@@ -40,6 +40,11 @@ PLACEMENT_FILE = "placement.json"
 RUNTIME_DIR_ENV = "COLDSNAP_RUNTIME_DIR"
 ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
 ENGINE_LOG = "/var/log/coldsnap/engine.log"
+# CRIU refuses to reopen a file whose mode differs from the one it dumped. ENGINE_LOG may be a
+# file of the rootfs, the host's workload.log_path mounted over it, or the empty mount point
+# that a commit leaves of that mount (Docker makes it 0755), so the engine log always gets
+# this mode before the engine starts and before it is restored.
+ENGINE_LOG_MODE = "0644"
 # The engine tree is started above this PID so that the helpers a fresh container runs at
 # restore (criu itself, docker exec'd tools) never hold a PID the tree needs.
 ENGINE_PID_FLOOR = 9999

@@ -155,6 +155,31 @@ def _check_identity(ops: Ops, wl: dict[str, str]) -> None:
     assert "unit unit-0 wakes up" in log and "unit unit-1 wakes up" in log, log
 
 
+def test_capture_log_path_then_a_restore_without_one(ops: Ops) -> None:
+    """The captured engine wrote to the host's log_path; a restore that names no log_path
+    reopens the engine's stdout on what the capsule holds at that path instead."""
+    wl = _workload(ops, "cap")
+    log = Path(wl["log_path"])
+    log.parent.mkdir(parents=True)
+    log.write_text("an earlier line\n")
+    log.chmod(0o600)  # the mode CRIU will find must not depend on the file's own
+    run = ops.coldsnapd("capture", "--request", str(ops.request(
+        "tp2-two-hosts", suffix="life-log", workload=wl))).ok()
+    assert run.receipt is not None
+    text = log.read_text()
+    assert text.startswith("an earlier line\n") and "serving on 0.0.0.0:8000" in text, text
+    ops.coldsnapd("restore", "--artifact", run.receipt["result"]["artifact"]).ok()
+    try:
+        assert _ask(ops, "host-0") == (200, EXPECTED)
+        (container,) = ops.unit_containers("host-0")
+        assert container.name.startswith("coldsnap-unit-0-restore-")
+        # The capsule carries the capture's labels; the restore names no workload of its own.
+        assert not any(v for k, v in container.labels.items() if k.startswith(LABEL))
+        assert log.read_text() == text  # the restored engine no longer writes there
+    finally:
+        ops.remove_units()
+
+
 def test_warm_activation_restores_asleep_until_wake(ops: Ops, capture_id: str) -> None:
     wl = _workload(ops, "warm")
     run = _restore(ops, capture_id, wl, "life-warm", lifecycle={"activation_state": "warm"})

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "coldsnap.commands.hosts",
     "coldsnap.commands.capture",
     "coldsnap.commands.restore",
+    "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
 )
 

@@ -46,6 +46,7 @@ from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
     ENGINE_LOG,
+    ENGINE_LOG_MODE,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
     UnitSpec,
@@ -61,6 +62,8 @@ log = structlog.get_logger("coldsnap.capsule")
 _LAUNCH = f"""set -e
 mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
 : > {ENGINE_STDIN}
+: >> {ENGINE_LOG}
+chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
 echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
 setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
 echo $!

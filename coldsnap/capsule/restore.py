@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
-import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +31,10 @@ from coldsnap.capsule.runtime import (
     create_container,
     criu_errors,
     cuda_sequence,
+    device_map_args,
     endpoint,
     fail,
+    put_runtime_file,
     start_container,
 )
 from coldsnap.capsule.session import CapsuleSession
@@ -42,8 +42,9 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
     CRIU_SECURITY_OPT,
+    ENGINE_LOG,
+    ENGINE_LOG_MODE,
     PLACEMENT_FILE,
-    RUNTIME_DIR,
     UNMASKED_PATHS,
     UnitSpec,
 )
@@ -209,6 +210,8 @@ done
 criu restore -D "$1" -d --lazy-pages -o restore.log
 """
 _FULL_RESTORE = 'criu restore -D "$1" -d -o restore.log || exit $?\n'
+# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
+_LOG_MODE = f"chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n"
 _CHECK_PIDS = 'd=$1; shift; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
 
 
@@ -224,7 +227,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     t0 = time.monotonic()
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
-    script = (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
+    script = _LOG_MODE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
     out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
                                    *[str(p) for p in want]])
     seconds = time.monotonic() - t0
@@ -247,9 +250,7 @@ async def restore_gpus(s: CapsuleSession, handle: UnitHandle,
     every worker of the unit."""
     step = "gpu-restore"
     container = await s.container(handle.container_id, handle.unit, step)
-    # An all-identity map is left out: the real tool needs none when nothing moved.
-    map_args = (["--device-map", ",".join(f"{o}={n}" for o, n in devices.items())]
-                if any(o != n for o, n in devices.items()) else [])
+    map_args = device_map_args(devices)
 
     async def one(wid: str, pid: int) -> None:
         out = await cuda_sequence(s, container, [
@@ -271,24 +272,9 @@ async def deliver_placement(s: CapsuleSession, handle: UnitHandle,
     """Write the restore placement into the unit's runtime directory, where the engine reads
     it on wake (CRIU brought back the captured argv and environment, which name the old hosts).
     """
-    step = "placement"
-    container = await s.container(handle.container_id, handle.unit, step)
     data = json.dumps(placement, sort_keys=True, indent=1).encode() + b"\n"
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        d = tarfile.TarInfo(RUNTIME_DIR.lstrip("/"))
-        d.type, d.mode = tarfile.DIRTYPE, 0o700
-        tar.addfile(d)
-        f = tarfile.TarInfo(f"{RUNTIME_DIR.lstrip('/')}/{PLACEMENT_FILE}")
-        f.size, f.mode, f.mtime = len(data), 0o600, int(time.time())
-        tar.addfile(f, io.BytesIO(data))
-    try:
-        ok = await s.call(container.put_archive, "/", buf.getvalue())
-    except docker.errors.DockerException as exc:
-        raise fail(s, handle.unit, step, f"cannot write the placement: {exc}",
-                   RestoreFailed) from exc
-    if not ok:
-        raise fail(s, handle.unit, step, "docker refused the placement file", RestoreFailed)
+    await put_runtime_file(s, handle, PLACEMENT_FILE, data, step="placement",
+                           error=RestoreFailed)
 
 
 async def release(s: CapsuleSession, handle: UnitHandle) -> None:

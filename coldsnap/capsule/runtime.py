@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import posixpath
 import secrets
+import tarfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,9 +20,10 @@ from coldsnap.capsule.session import CapsuleSession, ExecOutput
 from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_SECURITY_OPT,
+    RUNTIME_DIR,
     UNMASKED_PATHS,
     UnitSpec,
-    docker_name,
+    container_name,
 )
 from coldsnap.engines import EngineAdapter, EngineEndpoint, adapter_for, discovery
 
@@ -26,6 +31,11 @@ CUDA_CHECKPOINT = "cuda-checkpoint"
 LABEL_UNIT = "org.coldsnap.unit"
 LABEL_ROLE = "org.coldsnap.role"
 LABEL_OPERATION = "org.coldsnap.operation"
+# The capture id a restored container came from: lifecycle operations name the artifact.
+LABEL_ARTIFACT = "org.coldsnap.artifact"
+# Request `workload` fields, one label each: org.coldsnap.workload.cluster-id, ...
+LABEL_WORKLOAD = "org.coldsnap.workload."
+LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
 
 # CRIU prints these on every run in a container without CAP_SYS_RESOURCE;
 # they never decide success, so they are left out of error messages.
@@ -66,7 +76,9 @@ async def create_container(
     error: type[CapsuleError],
     start: bool = True,
 ) -> UnitHandle:
-    name = f"coldsnap-{docker_name(spec.unit_id)}-{role}-{secrets.token_hex(4)}"
+    name = container_name(spec.unit_id, role, secrets.token_hex(4), spec.cluster_id)
+    if spec.log_path is not None:
+        await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     api = s.client.api
     host_config: dict[str, Any] = api.create_host_config(
         # Engines serve on TCP and their workers talk across hosts, as on real machines: the
@@ -77,7 +89,7 @@ async def create_container(
         mounts=[
             docker.types.Mount(target=m.target, source=m.source, type="bind",
                                read_only=m.read_only)
-            for m in spec.mounts
+            for m in spec.container_mounts()
         ],
         device_requests=(
             [docker.types.DeviceRequest(device_ids=list(devices), capabilities=[["gpu"]])]
@@ -86,16 +98,40 @@ async def create_container(
     )
     host_config.update(UNMASKED_PATHS)
     try:
+        labels = {**await _blank_workload_labels(s, image), **spec.labels,
+                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
         created = await s.call(
             api.create_container, image, command=list(spec.init_command), name=name,
             environment=spec.container_environment(devices), host_config=host_config,
-            labels={**spec.labels, LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}, detach=True)
+            labels=labels, detach=True)
     except docker.errors.DockerException as exc:
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices))
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
+
+
+async def _blank_workload_labels(s: CapsuleSession, image: str) -> dict[str, str]:
+    """The workload labels `image` carries, emptied. A commit copies the captured container's
+    labels into the capsule, and a container cannot drop a label of its image: without this a
+    restore would go on naming the capture's workload (and its log_path) as its own."""
+    config = (await s.call(s.client.api.inspect_image, image)).get("Config") or {}
+    return {k: "" for k in config.get("Labels") or {} if k.startswith(LABEL_WORKLOAD)}
+
+
+async def ensure_host_file(s: CapsuleSession, unit: str, step: str, path: str,
+                           error: type[CapsuleError]) -> None:
+    """Create `path` on the host when it is missing (a bind mount needs its source), keeping
+    what it holds: an engine log is appended to, never truncated."""
+    host = s.target.host
+    res = await host.run(["mkdir", "-p", "--", posixpath.dirname(path)], check=False,
+                         timeout=30)
+    if res.exit_status == 0:
+        res = await host.run(["touch", "--", path], check=False, timeout=30)
+    if res.exit_status != 0:
+        raise fail(s, unit, step, f"cannot create {path} on the host: "
+                   f"{res.stderr.decode(errors='replace').strip()}", error)
 
 
 async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
@@ -105,6 +141,33 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
     except docker.errors.DockerException as exc:
         await remove_container(s, handle.container_id)
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
+
+
+async def put_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, data: bytes, *,
+                           step: str, error: type[CapsuleError]) -> None:
+    """Publish `data` as RUNTIME_DIR/`name` inside the unit's container: written under a
+    temporary name, synced, then renamed, so a reader never sees half a file."""
+    container = await s.container(handle.container_id, handle.unit, step)
+    final = f"{RUNTIME_DIR}/{name}"
+    tmp = f"{final}.partial"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        d = tarfile.TarInfo(RUNTIME_DIR.lstrip("/"))
+        d.type, d.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(d)
+        f = tarfile.TarInfo(tmp.lstrip("/"))
+        f.size, f.mode, f.mtime = len(data), 0o600, int(time.time())
+        tar.addfile(f, io.BytesIO(data))
+    try:
+        ok = await s.call(container.put_archive, "/", buf.getvalue())
+    except docker.errors.DockerException as exc:
+        raise fail(s, handle.unit, step, f"cannot write {final}: {exc}", error) from exc
+    if not ok:
+        raise fail(s, handle.unit, step, f"docker refused {final}", error)
+    out = await s.exec(container, ["sh", "-c", 'sync "$1" && mv -f "$1" "$2"', "sh", tmp, final],
+                       timeout_s=60)
+    if not out.ok:
+        raise fail(s, handle.unit, step, f"cannot publish {final}: {out.tail(300)}", error)
 
 
 async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> list[int]:
@@ -180,15 +243,26 @@ def endpoint(s: CapsuleSession, handle: UnitHandle) -> tuple[EngineAdapter, Engi
                                    adapter.serving_port(spec.command))
 
 
+def device_map_args(devices: Mapping[str, str] | None) -> list[str]:
+    """`--device-map OLD=NEW,...`; an all-identity map is left out: the real tool needs none
+    when nothing moved."""
+    if not devices or all(o == n for o, n in devices.items()):
+        return []
+    return ["--device-map", ",".join(f"{o}={n}" for o, n in devices.items())]
+
+
 async def gpu_return_to_running(
-    s: CapsuleSession, container: Any, pids: Mapping[str, int]
+    s: CapsuleSession, container: Any, pids: Mapping[str, int],
+    devices: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Undo lock/checkpoint on every worker that is not running; returns the problems."""
+    """Undo lock/checkpoint on every worker that is not running (a checkpointed one restored
+    with the `devices` map, checkpointed UUID -> UUID now); returns the problems."""
 
     async def one(wid: str, pid: int) -> str | None:
         state = await cuda_state(s, container, pid)
         if state == "checkpointed":
-            out = await cuda(s, container, ["--action", "restore", "--pid", str(pid)])
+            out = await cuda(s, container, ["--action", "restore", "--pid", str(pid),
+                                            *device_map_args(devices)])
             if not out.ok:
                 return f"worker {wid} (pid {pid}): restore: {out.tail(300)}"
             state = "locked"

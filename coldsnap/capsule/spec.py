@@ -40,6 +40,11 @@ PLACEMENT_FILE = "placement.json"
 RUNTIME_DIR_ENV = "COLDSNAP_RUNTIME_DIR"
 ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
 ENGINE_LOG = "/var/log/coldsnap/engine.log"
+# CRIU refuses to reopen a file whose mode differs from the one it dumped. ENGINE_LOG may be a
+# file of the rootfs, the host's workload.log_path mounted over it, or the empty mount point
+# that a commit leaves of that mount (Docker makes it 0755), so the engine log always gets
+# this mode before the engine starts and before it is restored.
+ENGINE_LOG_MODE = "0644"
 # The engine tree is started above this PID so that the helpers a fresh container runs at
 # restore (criu itself, docker exec'd tools) never hold a PID the tree needs.
 ENGINE_PID_FLOOR = 9999
@@ -54,6 +59,14 @@ def docker_name(text: str) -> str:
     """A string usable in container names, repositories and tags."""
     cleaned = _NAME_BAD.sub("-", text.lower()).strip("-.")
     return cleaned[:100] or "x"
+
+
+def container_name(unit_id: str, role: str, suffix: str, cluster_id: str | None = None) -> str:
+    """`coldsnap-[<cluster id>-]<unit>-<role>-<suffix>`, each part sanitized for Docker and
+    cut so that a long cluster or unit id cannot make the name unwieldy."""
+    parts = [docker_name(cluster_id)[:48]] if cluster_id else []
+    parts += [docker_name(unit_id)[:48], docker_name(role), docker_name(suffix)]
+    return "-".join(["coldsnap", *(p.strip("-.") or "x" for p in parts)])
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,22 @@ class UnitSpec:
     # Set on every container of the unit, e.g. the operation that started it, so that a
     # rollback also finds a container whose creation was still in flight when it failed.
     labels: Mapping[str, str] = field(default_factory=dict)
+    # The workload's cluster id (request `workload.cluster_id`): leads the container names, so
+    # that its manager finds them with `docker ps` as it finds the containers it starts itself.
+    cluster_id: str | None = None
+    # Host file that receives the engine's output (request `workload.log_path`).
+    log_path: str | None = None
+
+    def container_mounts(self) -> tuple[Mount, ...]:
+        """The unit's mounts plus, with `log_path`, that host file over ENGINE_LOG.
+
+        The file itself is mounted, not its directory: the engine's stdout and stderr stay
+        open on ENGINE_LOG across a snapshot, and CRIU reopens them by that path in the
+        restored container, so the container path must not depend on the log_path of the
+        capture (a restore may name another file, or none)."""
+        if self.log_path is None:
+            return self.mounts
+        return (*self.mounts, Mount(self.log_path, ENGINE_LOG))
 
     def manifest(self, devices: Sequence[str] | None = None) -> dict[str, Any]:
         return {

@@ -29,7 +29,7 @@ from coldsnap.commands.gate import (
     check_output_flags,
 )
 from coldsnap.formats.errors import RequestInvalid
-from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.receipt import Operation, ReceiptResult
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
@@ -98,7 +98,7 @@ def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
 
 def run_operation(
     args: argparse.Namespace,
-    operation: Literal["capture", "restore"],
+    operation: Operation,
     body: Callable[[HostSet, OperationContext], Awaitable[ReceiptResult]],
     *,
     admission: Admission,

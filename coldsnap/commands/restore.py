@@ -83,7 +83,10 @@ def _handler(args: argparse.Namespace) -> int:
         if out.replayed_units:
             sys.stderr.write("re-created natively from payloads (--fallback replay): "
                              + ", ".join(out.replayed_units) + "\n")
-        if not args.prepare_only:
+        if out.warm:
+            sys.stderr.write(f"restored {artifact.capture_id} warm: every unit asleep with its "
+                             "GPU state checkpointed; `coldsnapd wake` makes it serve\n")
+        elif not args.prepare_only:
             sys.stderr.write(f"restored {artifact.capture_id}: services "
                              f"{', '.join(out.validated)} answered the validation prompt\n")
         return ReceiptResult(artifact=artifact.capture_id, prepared=args.prepare_only)

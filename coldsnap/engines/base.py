@@ -127,6 +127,11 @@ class EngineAdapter(Protocol):
         `release_weights`), closing the engine's cross-worker connections."""
         ...
 
+    async def is_sleeping(self, ep: EngineEndpoint) -> bool | None:
+        """Whether the engine is quiesced, when its surface can say (None: it cannot; the
+        readiness probe is all there is)."""
+        ...
+
     async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
         """Undo `quiesce`: the engine reads any new placement, rebuilds its cross-worker
         connections and reloads released weights from `model_dir`."""

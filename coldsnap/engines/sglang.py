@@ -33,6 +33,10 @@ class SglangAdapter(HttpEngine):
         expect_ok(await ep.call("POST", "/release_memory_occupation", {}, timeout=120),
                   "POST /release_memory_occupation")
 
+    async def is_sleeping(self, ep: EngineEndpoint) -> bool | None:
+        # SGLang's public surface has no query for a released memory occupation.
+        return None
+
     async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
         expect_ok(await ep.call("POST", "/resume_memory_occupation", {}, timeout=120),
                   "POST /resume_memory_occupation")

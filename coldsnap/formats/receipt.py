@@ -6,7 +6,9 @@ Public API:
   `duration_seconds`, `timing`, `result`, `error`), `ReceiptResult(artifact?, output?,
   prepared?, operation_id_generated?)`, `ReceiptError(code, message)`.
 - `rfc3339_ns(unix_ns) -> str`: UTC with nanoseconds, e.g. `2026-11-29T10:15:00.000000001Z`.
-- `replay_semantics_for(operation, prepare_only=False) -> str`.
+- `replay_semantics_for(operation, prepare_only=False) -> str`: capture
+  `conflict-on-existing-output`, restore `reconcile-replace`, prepare-only, sleep, wake and status
+  `safe-repeat`.
 A failed receipt carries `error`; a succeeded one does not.
 """
 
@@ -23,6 +25,7 @@ from coldsnap.formats.timing import Seconds, Timing
 
 RECEIPT_KIND: Final = "coldsnap-operation-receipt"
 ReplaySemantics = Literal["conflict-on-existing-output", "reconcile-replace", "safe-repeat"]
+Operation = Literal["capture", "restore", "sleep", "wake", "status"]
 
 
 def rfc3339_ns(unix_ns: int) -> str:
@@ -58,6 +61,10 @@ def replay_semantics_for(operation: str, *, prepare_only: bool = False) -> Repla
         return "conflict-on-existing-output"
     if operation == "restore":
         return "reconcile-replace"
+    if operation in ("sleep", "wake", "status"):
+        # sleep and wake bring every unit to one state from whatever state it is in, so a
+        # repeat finds nothing left to do; status changes nothing.
+        return "safe-repeat"
     raise ValueError(f"no replay semantics for operation {operation!r}")
 
 
@@ -79,7 +86,7 @@ class Receipt(StrictModel):
     format: Literal[2] = 2
     kind: Literal["coldsnap-operation-receipt"] = RECEIPT_KIND
     operation_id: Id
-    operation: Literal["capture", "restore"]
+    operation: Operation
     state: Literal["succeeded", "failed"]
     request_sha256: Digest
     engine: Literal["vllm", "sglang"]

@@ -57,8 +57,11 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REPOSITORY = re.compile(r"[a-z0-9._:/-]+")
 
-SUPPORTED_OPERATIONS = ("capture", "restore")
-LATER_OPERATIONS = ("publish", "publish-native", "sleep", "wake", "status")
+SUPPORTED_OPERATIONS = ("capture", "restore", "sleep", "wake", "status")
+LATER_OPERATIONS = ("publish", "publish-native")
+# Operations on a workload that a restore started: they name the artifact it came from and the
+# workload's cluster id, by which its containers are labelled.
+LIFECYCLE_OPERATIONS = ("sleep", "wake", "status")
 
 DEFAULT_CACHE_PATHS = ("/var/cache/coldsnap/runtime",)
 CACHE_ROOTS = (
@@ -176,9 +179,10 @@ def _check_host(value: str) -> str:
 
 def _check_operation(value: str) -> str:
     if value in LATER_OPERATIONS:
-        raise _fail(f"operation '{value}' is not supported by this coldsnapd (capture, restore)")
+        raise _fail(f"operation '{value}' is not supported by this coldsnapd ("
+                    + ", ".join(SUPPORTED_OPERATIONS) + ")")
     if value not in SUPPORTED_OPERATIONS:
-        raise _fail("must be 'capture' or 'restore'")
+        raise _fail("must be one of " + ", ".join(f"'{o}'" for o in SUPPORTED_OPERATIONS))
     return value
 
 
@@ -857,6 +861,8 @@ def request_issues(req: Request, *, expected_operation: str | None = None) -> li
             issues.add(needed, f"is required for {req.operation}: {meaning}")
         if getattr(req, refused) is not None:
             issues.add(refused, why)
+    if req.operation in LIFECYCLE_OPERATIONS:
+        _lifecycle_issues(issues, req)
 
     if req.workload is not None:
         given = req.workload.model_dump(exclude_none=True)
@@ -909,6 +915,22 @@ def request_issues(req: Request, *, expected_operation: str | None = None) -> li
 
     _cache_issues(issues, req)
     return list(issues)
+
+
+def _lifecycle_issues(issues: _Issues, req: Request) -> None:
+    """sleep, wake and status act on a running workload: which artifact it was restored from,
+    and its cluster id, by which its containers are found."""
+    op = req.operation
+    if req.artifact is None:
+        issues.add("artifact", f"is required for {op}: the artifact the workload was restored "
+                               "from")
+    if req.output is not None:
+        issues.add("output", f"is for capture; {op} names its artifact in 'artifact'")
+    given = req.workload.model_dump(exclude_none=True) if req.workload is not None else {}
+    # With other workload fields set, the workload rule already names a missing cluster_id.
+    if not given:
+        issues.add("workload.cluster_id", f"is required for {op}: the workload's containers "
+                                          "are found by it")
 
 
 def _rank_issues(issues: _Issues, launch: Launch) -> None:

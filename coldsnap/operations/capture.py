@@ -187,7 +187,8 @@ async def capture(
         facts = await hosts.facts(topology.hosts)
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
-                             ctx.operation_id, weights=request.policy.weights)
+                             ctx.operation_id, weights=request.policy.weights,
+                             workload=request.workload)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
     with ctx.span("capture.ports"):

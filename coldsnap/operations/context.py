@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.receipt import (
+    Operation,
     Receipt,
     ReceiptError,
     ReceiptResult,
@@ -90,7 +91,7 @@ def open_events(path: str) -> IO[bytes]:
 class OperationContext:
     def __init__(
         self,
-        operation: Literal["capture", "restore"],
+        operation: Operation,
         *,
         operation_id: str | None = None,
         timing_events: str | IO[bytes] | None = None,

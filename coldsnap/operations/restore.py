@@ -19,6 +19,7 @@ from typing import Any, Literal
 from coldsnap.admission import HostFacts, check_admission
 from coldsnap.capsule.capture import CapsuleImage, start_unit, wait_ready
 from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.lifecycle import GpuRecord, write_gpu_record
 from coldsnap.capsule.restore import (
     criu_restore,
     deliver_placement,
@@ -59,7 +60,7 @@ from coldsnap.operations.staging import (
     remote_object_path,
     stage_host,
 )
-from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
+from coldsnap.operations.units import PlacedUnit, PlacementError, place_units, service_heads
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
@@ -79,6 +80,7 @@ class RestoreOutcome:
     staging: list[HostStaging] = field(default_factory=list)
     replayed_units: list[str] = field(default_factory=list)
     validated: list[str] = field(default_factory=list)  # services whose prompt was answered
+    warm: bool = False  # lifecycle.activation_state warm: restored asleep, nothing validated
 
 
 def _issues_text(issues: Sequence[ValidationIssue]) -> str:
@@ -116,7 +118,7 @@ def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -
             raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
 
 
-def _capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
+def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
     obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
     data: Any = json.loads(store.read_bytes(obj.sha256))
     return CapsuleImage.from_json(data)
@@ -137,7 +139,9 @@ async def restore(
         artifact, request, captured_request(store, artifact) if request is None else None)
     topology = resolve(launch)
     hosts.check_known(topology.hosts, "the restore placement")
-    outcome = RestoreOutcome(stored, prepared_only=prepare_only)
+    warm = (request is not None and request.lifecycle is not None
+            and request.lifecycle.activation_state == "warm")
+    outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=warm)
 
     with ctx.span("restore.verify-objects"):
         _verify_objects(store, artifact, topology)
@@ -146,7 +150,8 @@ async def restore(
         facts = await hosts.facts(topology.hosts)
     try:
         placed = place_units(launch, topology, facts, hosts.entries, validation,
-                             ctx.operation_id)
+                             ctx.operation_id, workload=request.workload if request else None,
+                             artifact=artifact.capture_id)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
 
@@ -169,7 +174,7 @@ async def restore(
 
         runs = [RestoreRun(p, sessions[p.host]) for p in placed]
         for r in runs:
-            r.capsule_meta = _capsule_meta(store, artifact, r.placed.unit_id)
+            r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
             if r.placed.unit_id in replay_units:
                 r.replay_reason = _issues_text(refusals[r.placed.unit_id])
 
@@ -184,9 +189,14 @@ async def restore(
                                     reason=r.replay_reason)
         if prepare_only:
             return outcome
+        if warm and outcome.replayed_units:
+            # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
+            raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
+                                  "unit restored from its snapshot; re-created natively: "
+                                  + ", ".join(outcome.replayed_units))
         try:
             outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
-                                                     topology, runs)
+                                                     topology, runs, warm=warm)
         except BaseException:
             await _rollback(ctx, hosts, runs)
             raise
@@ -287,7 +297,7 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
                          artifact: Artifact, launch: Launch, topology: Topology,
-                         runs: list[RestoreRun]) -> list[str]:
+                         runs: list[RestoreRun], *, warm: bool = False) -> list[str]:
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
 
@@ -319,6 +329,9 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     await phase(ctx, "start-restore", snap, start)
     await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, r.started))
+    if warm:
+        await phase(ctx, "hold-warm", snap, hold_warm)
+        return []
 
     async def gpus(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
@@ -336,15 +349,19 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         await phase(ctx, "replay", native, start_native)
 
     # One validation per service, on the unit that holds the service's first world rank.
-    by_unit = {r.placed.unit_id: r for r in runs}
-    heads: dict[str, RestoreRun] = {}
-    for service in topology.services:
-        ranked = sorted((topology.worker(w) for w in service.workers),
-                        key=lambda w: w.global_rank)
-        heads[service.id] = by_unit[ranked[0].unit]
-    targets = list({r.placed.unit_id: r for r in heads.values()}.values())
+    heads = service_heads(topology)
+    targets = [r for r in runs if r.placed.unit_id in set(heads.values())]
     await phase(ctx, "validate", targets, lambda r: validate(r.session, r.started))
     return sorted(heads)
+
+
+async def hold_warm(r: RestoreRun) -> None:
+    """lifecycle.activation_state warm: the unit stays as it was captured, engine asleep and
+    GPU state checkpointed on the captured devices, until a `wake` restores the GPUs with the
+    map from those devices (the GPU record says so) and wakes the engine."""
+    assert r.capsule_meta is not None
+    await write_gpu_record(r.session, r.started,
+                           GpuRecord(r.capsule_meta.captured_devices, dict(r.started.worker_pids)))
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:

@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
-from coldsnap.capsule.runtime import LABEL_OPERATION
+from coldsnap.capsule.runtime import LABEL_ARTIFACT, LABEL_OPERATION, LABEL_WORKLOAD
 from coldsnap.capsule.spec import Mount, UnitSpec, Validation, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
-from coldsnap.formats.request import Launch, WeightsPolicy
+from coldsnap.formats.request import Launch, WeightsPolicy, Workload
 from coldsnap.formats.request import Validation as RequestValidation
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.topology import Topology
@@ -28,6 +28,15 @@ class PlacedUnit:
     spec: UnitSpec
 
 
+def workload_labels(workload: Workload | None) -> dict[str, str]:
+    """One label per `workload` field that is set: org.coldsnap.workload.cluster-id,
+    .intent-id, .recipe, .runtime, .model, .served-model-name, .log-path."""
+    if workload is None:
+        return {}
+    given = workload.model_dump(exclude_none=True)
+    return {LABEL_WORKLOAD + name.replace("_", "-"): str(value) for name, value in given.items()}
+
+
 def place_units(
     launch: Launch,
     topology: Topology,
@@ -36,13 +45,19 @@ def place_units(
     validation: RequestValidation,
     operation_id: str,
     weights: WeightsPolicy | None = None,
+    *,
+    workload: Workload | None = None,
+    artifact: str | None = None,
 ) -> list[PlacedUnit]:
     """Each unit as the capsule layer runs it on its host. With `weights` (capture), every
     worker's payload is located from `policy.weights.native`: `files_by_worker` paths are
     relative to the engine's model directory (from its command line) and mapped to the host
-    through the unit's mounts; a `staged` entry names the host file directly."""
+    through the unit's mounts; a `staged` entry names the host file directly. Containers are
+    labelled with the operation, the `workload` and the `artifact` they restore."""
+    labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
+    if artifact is not None:
+        labels[LABEL_ARTIFACT] = artifact
     placed: list[PlacedUnit] = []
-    adapter = adapter_for(launch.engine)
     for i, unit in enumerate(launch.units):
         host_facts = facts[unit.host]
         gpus: list[GpuFact] = []
@@ -53,31 +68,52 @@ def place_units(
                     f"launch.units[{i}].devices[{j}]: {selector!r} names no GPU of host "
                     f"{unit.host} (it has {len(host_facts.gpus)})")
             gpus.append(gpu)
-        mounts = tuple(Mount(m.source, m.target, m.read_only) for m in unit.mounts)
-        workers = tuple(
-            WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
-                       process_slot=w.process_slot, device_slots=w.device_slots,
-                       payload_path=payload_path(w.id, i, unit.command, mounts, weights,
-                                                 adapter.model_dir(unit.command)))
-            for w in topology.workers if w.unit == unit.id)
-        spec = UnitSpec(
-            unit_id=unit.id,
-            image=unit.image,
-            image_digest=unit.image_digest,
-            command=tuple(unit.command),
-            devices=tuple(g.uuid for g in gpus),
-            workers=workers,
-            validation=Validation(prompt=validation.prompt, expected=validation.expected,
-                                  health_path=validation.health_path),
-            environment=dict(unit.environment),
-            mounts=mounts,
-            engine=launch.engine,
-            address=entries[unit.host].address,
-            gpu_mode="simulated" if entries[unit.host].simulated else "nvidia",
-            labels={LABEL_OPERATION: operation_id},
-        )
+        spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
+                         labels=labels, weights=weights, workload=workload)
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))
     return placed
+
+
+def unit_spec(
+    launch: Launch,
+    index: int,
+    topology: Topology,
+    entries: Mapping[str, HostEntry],
+    validation: RequestValidation,
+    devices: tuple[str, ...],
+    *,
+    labels: Mapping[str, str],
+    weights: WeightsPolicy | None = None,
+    workload: Workload | None = None,
+) -> UnitSpec:
+    """`launch.units[index]` on its host with `devices` (that host's GPU UUIDs, by slot)."""
+    unit = launch.units[index]
+    model_dir = adapter_for(launch.engine).model_dir(unit.command)
+    mounts = tuple(Mount(m.source, m.target, m.read_only) for m in unit.mounts)
+    workers = tuple(
+        WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
+                   process_slot=w.process_slot, device_slots=w.device_slots,
+                   payload_path=payload_path(w.id, index, unit.command, mounts, weights,
+                                             model_dir))
+        for w in topology.workers if w.unit == unit.id)
+    return UnitSpec(
+        unit_id=unit.id,
+        image=unit.image,
+        image_digest=unit.image_digest,
+        command=tuple(unit.command),
+        devices=devices,
+        workers=workers,
+        validation=Validation(prompt=validation.prompt, expected=validation.expected,
+                              health_path=validation.health_path),
+        environment=dict(unit.environment),
+        mounts=mounts,
+        engine=launch.engine,
+        address=entries[unit.host].address,
+        gpu_mode="simulated" if entries[unit.host].simulated else "nvidia",
+        labels=dict(labels),
+        cluster_id=workload.cluster_id if workload is not None else None,
+        log_path=workload.log_path if workload is not None else None,
+    )
 
 
 def payload_path(worker: str, unit_index: int, command: Sequence[str],
@@ -101,3 +137,14 @@ def payload_path(worker: str, unit_index: int, command: Sequence[str],
         raise PlacementError(f"{where}: {inside} is not inside any mount of "
                              f"launch.units[{unit_index}]")
     return host
+
+
+def service_heads(topology: Topology) -> dict[str, str]:
+    """Service id -> the unit that holds the service's first world rank: where its validation
+    prompt goes."""
+    heads: dict[str, str] = {}
+    for service in topology.services:
+        ranked = sorted((topology.worker(w) for w in service.workers),
+                        key=lambda w: w.global_rank)
+        heads[service.id] = ranked[0].unit
+    return heads

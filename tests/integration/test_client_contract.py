@@ -63,8 +63,11 @@ def container_events(ops: Ops, since: dt.datetime) -> dict[str, list[str]]:
         try:
             events = client.events(since=since, until=until, decode=True,
                                    filters={"type": "container"})
+            # The API's `since` has whole seconds: events of that second before `since`
+            # (the previous run's own clean-up) are dropped by their nanosecond stamp.
+            floor = int(since.timestamp() * 1e9)
             actions = [f"{e.get('Action')} {e.get('Actor', {}).get('ID', '')[:12]}"
-                       for e in events]
+                       for e in events if int(e.get("timeNano", 0)) >= floor]
         finally:
             client.close()
         if actions:

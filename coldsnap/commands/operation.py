@@ -14,7 +14,8 @@ from typing import Literal, TypeVar
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.commands.common import add_store_argument, fail, print_issues
+from coldsnap.commands.common import add_store_argument, fail, open_store, print_issues
+from coldsnap.commands.signals import OperationSignals
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request, load_request
@@ -23,6 +24,7 @@ from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationContext, OperationFailed, write_receipt
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
 from coldsnap.store import StoreError
 
@@ -77,7 +79,8 @@ def run_operation(
     inventory: Inventory,
     prepare_only: bool = False,
 ) -> int:
-    """Run one operation to exactly one receipt; 0 on success, 1 on failure."""
+    """Run one operation to exactly one receipt; 0 on success, 1 on failure, 130/143 when
+    SIGINT/SIGTERM cancelled it (coldsnap.commands.signals)."""
     logs.configure(verbose=args.verbose)
     ctx = OperationContext(operation, timing_events=args.timing_events)
     board = ProgressBoard()
@@ -91,8 +94,9 @@ def run_operation(
                 return await body(HostSet(inventory, pool), ctx)
 
     try:
-        with board:
-            result = asyncio.run(main())
+        with board, OperationSignals(ctx.operation_id) as signals, \
+                OperationRun(open_store(args).root, ctx):
+            result = asyncio.run(signals.cancellable(main()))
     except OperationFailed as exc:
         error = exc
     except (CapsuleError, HostError) as exc:
@@ -114,8 +118,9 @@ def run_operation(
         fail(f"cannot write the receipt to {args.receipt_json}: {exc}")
         return 1
     if error is not None:
-        sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): {error.message}\n")
-        return 1
+        sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): "
+                         f"{ctx.failure_message(error)}\n")
+        return error.exit_status
     return 0
 
 

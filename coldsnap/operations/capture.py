@@ -61,7 +61,7 @@ from coldsnap.hosts.base import Host, HostError, ProgressCallback
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
-    RollbackOutcome,
+    Undone,
     UnitRollback,
 )
 from coldsnap.operations.hostset import HostSet
@@ -334,10 +334,10 @@ async def rollback_units(
     ctx: OperationContext,
     hosts: HostSet,
     runs: Sequence[R],
-    undo: Callable[[R, CapsuleSession], Awaitable[RollbackOutcome | None]],
+    undo: Callable[[R, CapsuleSession], Awaitable[Undone]],
 ) -> list[UnitRollback]:
     """Undo every unit, each on its own host, all at once, shielded from cancellation and
-    bounded in time. `undo` returns what it did to the unit (None: "removed").
+    bounded in time. `undo` returns what it did to the unit.
 
     A unit whose undo fails, or runs out of time, is reported as failed and the others go
     on: the operation's own error stays the one reported, and the receipt and stderr say,
@@ -347,12 +347,12 @@ async def rollback_units(
 
     async def one(r: R) -> None:
         host, unit = r.placed.host, r.placed.unit_id
-        done: list[RollbackOutcome] = []
+        done: list[Undone] = []
         errors: list[str] = []  # of each attempt, when a lost host makes it retry
 
         async def attempt(s: CapsuleSession) -> None:
             try:
-                done.append(await undo(r, s) or "removed")
+                done.append(await undo(r, s))
             except Exception as exc:
                 errors.append(_explain(exc))
                 raise
@@ -364,7 +364,9 @@ async def rollback_units(
                     ctx.log.warning("rollback.unsettled", host=host, unit=unit,
                                     waited_s=ROLLBACK_SETTLE_S)
                 await hosts.on_session(host, r.session, attempt)
-            report = UnitRollback(host, unit, done[-1])
+            outcome, detail = done[-1] if isinstance(done[-1], tuple) else \
+                (done[-1] or "removed", "")
+            report = UnitRollback(host, unit, outcome, detail)
         except TimeoutError as exc:
             why = (f"timed out after {ROLLBACK_UNIT_S:g} s, cleanup unconfirmed"
                    + (f"; last error: {errors[-1]}" if errors else "")
@@ -386,7 +388,7 @@ async def rollback_units(
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
                     capture_id: str, keep_serving: bool) -> None:
-    async def undo(r: UnitRun, s: CapsuleSession) -> RollbackOutcome:
+    async def undo(r: UnitRun, s: CapsuleSession) -> Undone:
         await _discard_capsule(s, r, capture_id)
         if r.handle is None:
             # Its start failed or was cancelled, perhaps with the creation still in flight.
@@ -398,8 +400,8 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRu
                 return "returned to serving"
             except CapsuleError as exc:
                 # A unit that cannot serve again must not stay quiesced with its GPUs locked.
-                ctx.log.error("rollback.not-serving", host=r.placed.host,
-                              unit=r.placed.unit_id, error=exc.detail)
+                await remove_unit(s, r.handle)
+                return "removed", f"it could not return to serving: {exc.detail}"
         await remove_unit(s, r.handle)
         return "removed"
 

@@ -63,6 +63,9 @@ class OperationCancelled(OperationFailed):
 
 
 RollbackOutcome = Literal["returned to serving", "removed", "nothing to undo", "failed"]
+# What one unit's undo returns: the outcome, with a detail when there is more to say; None
+# stands for "removed".
+Undone = RollbackOutcome | tuple[RollbackOutcome, str] | None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.operations import capture
 from coldsnap.operations.capture import UnitRun, phase, rollback_units
-from coldsnap.operations.context import OperationContext, RollbackOutcome
+from coldsnap.operations.context import OperationContext, RollbackOutcome, Undone
 
 
 class _Placed:
@@ -39,17 +39,19 @@ async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
     monkeypatch.setattr(capture, "ROLLBACK_UNIT_S", 0.3)
     ctx = OperationContext("capture")
 
-    async def undo(r: UnitRun, s: CapsuleSession) -> RollbackOutcome | None:
+    async def undo(r: UnitRun, s: CapsuleSession) -> Undone:
         if r.placed.unit_id == "unit-0":
             await asyncio.sleep(0.05)
             return "returned to serving"
+        if r.placed.unit_id == "unit-4":
+            return "removed", "it could not return to serving: engine exited"
         if r.placed.unit_id == "unit-1":
             await asyncio.sleep(3600)  # its dockerd never answers
         if r.placed.unit_id == "unit-2":
             raise RuntimeError("engine gone")
         return None
 
-    runs = [_run(f"unit-{i}", f"host-{i}") for i in range(4)]
+    runs = [_run(f"unit-{i}", f"host-{i}") for i in range(5)]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     reports = await rollback_units(ctx, _Hosts(), runs, undo)  # type: ignore[arg-type]
@@ -59,6 +61,7 @@ async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
         "unit-1 on host-1 failed (timed out after 0.3 s, cleanup unconfirmed)",
         "unit-2 on host-2 failed (RuntimeError: engine gone)",
         "unit-3 on host-3 removed",
+        "unit-4 on host-4 removed (it could not return to serving: engine exited)",
     ]
     assert ctx.rollback == reports
     assert [s.name for s in ctx.recorder.timing().spans] == ["capture.rollback"]

@@ -23,13 +23,15 @@ COMMAND_MODULES = (
     "coldsnap.commands.restore",
     "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
+    "coldsnap.commands.gc",
 )
 
 DESCRIPTION = """\
 coldsnapd snapshots a warmed-up inference engine (vLLM, SGLang) into a ColdSnap artifact
 and restores it in seconds on the same or other GPU hosts, reached over SSH.
 
-Exit status: 0 success, 1 operation failed, 2 bad input (request, inventory, arguments).
+Exit status: 0 success, 1 operation failed, 2 bad input (request, inventory, arguments),
+130 or 143 when SIGINT or SIGTERM cancelled an operation (it was rolled back first).
 """
 
 

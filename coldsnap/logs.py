@@ -47,9 +47,17 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.DEBUG if verbose else logging.INFO
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        # Without an explicit stream, each logger writes to sys.stderr as it is when it is
+        # made, not as it was at configure time (a test harness or a daemon may swap it).
+        logger_factory=(structlog.PrintLoggerFactory(file=stream) if stream is not None
+                        else _CurrentStderr()),
         cache_logger_on_first_use=False,
     )
+
+
+class _CurrentStderr:
+    def __call__(self, *args: Any) -> structlog.PrintLogger:
+        return structlog.PrintLogger(sys.stderr)
 
 
 def get_logger(**bound: Any) -> Any:

@@ -320,6 +320,11 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     return DumpResult(handle.unit, size, seconds)
 
 
+def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
+    """Repository and tag of a unit's committed capsule on its capture host."""
+    return f"coldsnap/capsule/{docker_name(unit_id)}", docker_name(capture_id)
+
+
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
                  dumped: DumpResult) -> CapsuleImage:
     """`docker commit` the dumped container (rootfs diff + CRIU images) and `docker save` it
@@ -327,8 +332,7 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
     step = "commit"
     spec = handle.spec
     container = await s.container(handle.container_id, handle.unit, step)
-    repo = f"coldsnap/capsule/{docker_name(spec.unit_id)}"
-    tag = docker_name(capture_id)
+    repo, tag = capsule_reference(spec.unit_id, capture_id)
     out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
     final = f"{out_dir}/capsule.tar"
     tmp = f"{final}.partial"
@@ -407,6 +411,7 @@ async def capture_unit(
 __all__ = [
     "CapsuleImage",
     "DumpResult",
+    "capsule_reference",
     "capture_unit",
     "checkpoint_gpus",
     "commit",

@@ -59,14 +59,35 @@ class CapsuleSession:
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
         self._containers: dict[str, Any] = {}
+        self._inflight: set[asyncio.Future[Any]] = set()
 
     @property
     def host(self) -> str:
         return self.target.name
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        # A thread cannot be stopped: a cancelled caller leaves its call running (a
+        # cuda-checkpoint, a container being created), and `settle` lets a rollback wait
+        # for it instead of racing it.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        fut: asyncio.Future[T] = loop.run_in_executor(self._executor,
+                                                      functools.partial(fn, *args, **kwargs))
+        self._inflight.add(fut)
+        fut.add_done_callback(self._landed)
+        return await asyncio.shield(fut)
+
+    def _landed(self, fut: asyncio.Future[Any]) -> None:
+        self._inflight.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved here: the caller may have been cancelled meanwhile
+
+    async def settle(self, timeout: float) -> bool:  # noqa: ASYNC109 (a bound, not a deadline)
+        """Wait up to `timeout` seconds for the Docker calls still running; True when none
+        is left."""
+        pending = set(self._inflight)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout)
+        return not pending
 
     async def container(self, container_id: str, unit: str, step: str) -> Any:
         if container_id in self._containers:

@@ -18,6 +18,7 @@ from coldsnap.commands.common import (
     add_store_argument,
     fail,
     load_request_source,
+    open_store,
     print_issues,
 )
 from coldsnap.commands.gate import (
@@ -28,6 +29,7 @@ from coldsnap.commands.gate import (
     answer_again,
     check_output_flags,
 )
+from coldsnap.commands.signals import OperationSignals
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult
 from coldsnap.formats.request import Request
@@ -41,6 +43,7 @@ from coldsnap.operations.context import (
     write_receipt,
 )
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
 from coldsnap.store import StoreError
 
@@ -107,7 +110,8 @@ def run_operation(
     inventory: Inventory,
     prepare_only: bool = False,
 ) -> int:
-    """Run one operation to exactly one receipt; 0 on success, 1 on failure."""
+    """Run one operation to exactly one receipt; 0 on success, 1 on failure, 130/143 when
+    SIGINT/SIGTERM cancelled it (coldsnap.commands.signals)."""
     logs.configure(verbose=args.verbose)
     ctx = OperationContext(operation, operation_id=admission.key.operation_id,
                            timing_events=admission.events)
@@ -122,8 +126,9 @@ def run_operation(
                 return await body(HostSet(inventory, pool), ctx)
 
     try:
-        with board:
-            result = asyncio.run(main())
+        with board, OperationSignals(ctx.operation_id) as signals, \
+                OperationRun(open_store(args).root, ctx):
+            result = asyncio.run(signals.cancellable(main()))
     except OperationFailed as exc:
         error = exc
     except (CapsuleError, HostError) as exc:
@@ -149,8 +154,9 @@ def run_operation(
         fail(f"cannot write the receipt to {args.receipt_json}: {exc}")
         return 1
     if error is not None:
-        sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): {error.message}\n")
-        return 1
+        sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): "
+                         f"{ctx.failure_message(error)}\n")
+        return error.exit_status
     return 0
 
 

@@ -10,17 +10,20 @@ writes nothing to `output` or the store's artifact index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import docker.errors
 from pydantic import ValidationError
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
     CapsuleImage,
+    capsule_reference,
     checkpoint_gpus,
     commit,
     discard_capsule,
@@ -56,7 +59,12 @@ from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import Host, HostError, ProgressCallback
-from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.context import (
+    OperationContext,
+    OperationFailed,
+    Undone,
+    UnitRollback,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
@@ -72,6 +80,14 @@ ROLE_CAPSULE_MANIFEST = "capsule-manifest"
 # from it. Like the manifest, it stays on the control node and is never staged.
 ROLE_CAPTURE_REQUEST = "capture-request"
 CAPTURE_REQUEST_PATH = "capture-request.json"
+
+# Bounds of a rollback, whatever the hosts do (a client such as Sparkrun waits 300 s after its
+# SIGTERM): a cancelled phase's steps get CANCEL_SETTLE_S to end, then each unit's undo,
+# all units at once, gets ROLLBACK_UNIT_S, of which at most ROLLBACK_SETTLE_S go to waiting
+# for a Docker call the cancelled step left running.
+CANCEL_SETTLE_S = 10.0
+ROLLBACK_SETTLE_S = 20.0
+ROLLBACK_UNIT_S = 120.0
 
 
 @dataclass
@@ -124,6 +140,10 @@ async def phase(
     except BaseException:
         for t in tasks:
             t.cancel()
+        if tasks:
+            # Each step's own clean-up on cancellation (a remote process killed, a probe
+            # container removed) ends before the rollback starts, not during it.
+            await asyncio.wait(tasks, timeout=CANCEL_SETTLE_S)
         raise
     errors = [(r, res) for r, res in zip(runs, results, strict=True)
               if isinstance(res, BaseException)
@@ -200,7 +220,7 @@ async def capture(
             return await _capture_units(request, runs, facts, hosts, store, ctx, output,
                                         keep_serving)
         except BaseException:
-            await _rollback(ctx, hosts, runs, keep_serving)
+            await _rollback(ctx, hosts, runs, request.id, keep_serving)
             raise
 
 
@@ -342,37 +362,89 @@ async def rollback_units(
     ctx: OperationContext,
     hosts: HostSet,
     runs: Sequence[R],
-    undo: Callable[[R, CapsuleSession], Awaitable[None]],
-) -> None:
-    """Undo every unit, each on its own host, all at once and shielded from cancellation.
-    A unit whose undo fails is logged and the others go on: the operation's own error stays
-    the one reported."""
+    undo: Callable[[R, CapsuleSession], Awaitable[Undone]],
+) -> list[UnitRollback]:
+    """Undo every unit, each on its own host, all at once, shielded from cancellation and
+    bounded in time. `undo` returns what it did to the unit.
+
+    A unit whose undo fails, or runs out of time, is reported as failed and the others go
+    on: the operation's own error stays the one reported, and the receipt and stderr say,
+    per unit, what the rollback did (ctx.rollback)."""
+    reports: list[UnitRollback] = []
+    ctx.rollback = reports
 
     async def one(r: R) -> None:
+        host, unit = r.placed.host, r.placed.unit_id
+        done: list[Undone] = []
+        errors: list[str] = []  # of each attempt, when a lost host makes it retry
+
+        async def attempt(s: CapsuleSession) -> None:
+            try:
+                done.append(await undo(r, s))
+            except Exception as exc:
+                errors.append(_explain(exc))
+                raise
+
+        deadline = asyncio.timeout(ROLLBACK_UNIT_S)
         try:
-            await hosts.on_session(r.placed.host, r.session, lambda s: undo(r, s))
+            async with deadline:
+                if not await r.session.settle(ROLLBACK_SETTLE_S):
+                    ctx.log.warning("rollback.unsettled", host=host, unit=unit,
+                                    waited_s=ROLLBACK_SETTLE_S)
+                await hosts.on_session(host, r.session, attempt)
+            outcome, detail = done[-1] if isinstance(done[-1], tuple) else \
+                (done[-1] or "removed", "")
+            report = UnitRollback(host, unit, outcome, detail)
+        except TimeoutError as exc:
+            why = (f"timed out after {ROLLBACK_UNIT_S:g} s, cleanup unconfirmed"
+                   + (f"; last error: {errors[-1]}" if errors else "")
+                   if deadline.expired() else _explain(exc))
+            report = UnitRollback(host, unit, "failed", why)
         except Exception as exc:
-            ctx.log.error("rollback.failed", host=r.placed.host, unit=r.placed.unit_id,
-                          error=_explain(exc))
+            report = UnitRollback(host, unit, "failed", _explain(exc))
+        reports.append(report)
+        log = ctx.log.error if report.outcome == "failed" else ctx.log.info
+        log("rollback.unit", host=host, unit=unit, outcome=report.outcome,
+            detail=report.detail or None)
 
     with ctx.span(f"{ctx.operation}.rollback"):
         await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))
+    order = {r.placed.unit_id: i for i, r in enumerate(runs)}
+    reports.sort(key=lambda u: order[u.unit])
+    return reports
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
-                    keep_serving: bool) -> None:
-    async def undo(r: UnitRun, s: CapsuleSession) -> None:
-        if r.capsule is not None:
-            await discard_capsule(s, r.capsule)
+                    capture_id: str, keep_serving: bool) -> None:
+    async def undo(r: UnitRun, s: CapsuleSession) -> Undone:
+        await _discard_capsule(s, r, capture_id)
         if r.handle is None:
-            # Its start failed, perhaps with the creation still in flight on the host.
-            await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
-        elif keep_serving:
-            await return_to_serving(s, r.handle)
-        else:
-            await remove_unit(s, r.handle)
+            # Its start failed or was cancelled, perhaps with the creation still in flight.
+            removed = await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
+            return "removed" if removed else "nothing to undo"
+        if keep_serving:
+            try:
+                await return_to_serving(s, r.handle)
+                return "returned to serving"
+            except CapsuleError as exc:
+                # A unit that cannot serve again must not stay quiesced with its GPUs locked.
+                await remove_unit(s, r.handle)
+                return "removed", f"it could not return to serving: {exc.detail}"
+        await remove_unit(s, r.handle)
+        return "removed"
 
     await rollback_units(ctx, hosts, runs, undo)
+
+
+async def _discard_capsule(s: CapsuleSession, r: UnitRun, capture_id: str) -> None:
+    """The unit's committed capsule and its files on the host, also when the commit that made
+    them was cancelled before it returned (then only their names are known)."""
+    if r.capsule is not None:
+        await discard_capsule(s, r.capsule)
+    repo, tag = capsule_reference(r.placed.unit_id, capture_id)
+    with contextlib.suppress(docker.errors.DockerException):
+        await s.call(s.client.images.remove, f"{repo}:{tag}", force=True)
+    await remove_capsule_files(s.target.host, s.target.data_dir, capture_id, r.placed.unit_id)
 
 
 async def _finish_units(ctx: OperationContext, runs: Sequence[UnitRun], keep_serving: bool) -> None:

@@ -11,6 +11,7 @@ import contextvars
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,10 +45,44 @@ class OperationFailed(Exception):
     """An operation step failed; `code` is the receipt's error code, the message names the
     host, unit and step where they are known."""
 
+    exit_status = 1
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class OperationCancelled(OperationFailed):
+    """A signal cancelled the operation; its rollback ran as after a failure. The exit status
+    is the shell's for a death by that signal (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, *, also: str | None = None) -> None:
+        name = signal.Signals(signum).name
+        super().__init__("cancelled", f"cancelled by {name}"
+                         + (f" (the operation then ended with {also})" if also else ""))
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+RollbackOutcome = Literal["returned to serving", "removed", "nothing to undo", "failed"]
+# What one unit's undo returns: the outcome, with a detail when there is more to say; None
+# stands for "removed".
+Undone = RollbackOutcome | tuple[RollbackOutcome, str] | None
+
+
+@dataclass(frozen=True)
+class UnitRollback:
+    """What the rollback did to one unit; `detail` says why when it failed, or what else."""
+
+    host: str
+    unit: str
+    outcome: RollbackOutcome
+    detail: str = ""
+
+    def describe(self) -> str:
+        text = f"{self.unit} on {self.host} {self.outcome}"
+        return f"{text} ({self.detail})" if self.detail else text
 
 
 def new_operation_id(operation: str) -> str:
@@ -108,6 +143,23 @@ class OperationContext:
         self.log = get_logger()
         # label -> per-transfer progress callback; the CLI sets it when a terminal is attached
         self.progress: Callable[[str], ProgressCallback | None] | None = None
+        # One entry per unit once a rollback ran (filled in as units finish, so that a
+        # rollback cut short still reports what it did); None when none ran.
+        self.rollback: list[UnitRollback] | None = None
+
+    def rollback_summary(self) -> str | None:
+        if self.rollback is None:
+            return None
+        return "; ".join(u.describe() for u in self.rollback) or "no unit to undo"
+
+    def failure_message(self, error: OperationFailed) -> str:
+        """The error's message and what the rollback did, for the receipt and stderr."""
+        summary = self.rollback_summary()
+        if summary is not None:
+            return f"{error.message}; rollback: {summary}"
+        if isinstance(error, OperationCancelled):
+            return f"{error.message}; no unit had to be rolled back"
+        return error.message
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:
@@ -151,7 +203,8 @@ class OperationContext:
             duration_seconds=(completed - self.started_ns) / 1e9,
             timing=timing,
             result=result,
-            error=ReceiptError(code=error.code, message=error.message) if error else None,
+            error=(ReceiptError(code=error.code, message=self.failure_message(error))
+                   if error else None),
         )
 
 

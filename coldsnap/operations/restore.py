@@ -51,7 +51,7 @@ from coldsnap.operations.capture import (
     phase,
     rollback_units,
 )
-from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
 from coldsnap.operations.staging import (
@@ -367,9 +367,10 @@ async def hold_warm(r: RestoreRun) -> None:
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:
     """Remove every container this restore started."""
 
-    async def undo(r: RestoreRun, s: CapsuleSession) -> None:
+    async def undo(r: RestoreRun, s: CapsuleSession) -> RollbackOutcome:
         # By label, not by handle: a container whose creation was in flight when its host
         # was lost has no handle, but it carries this operation's id.
-        await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
+        removed = await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
+        return "removed" if removed else "nothing to undo"
 
     await rollback_units(ctx, hosts, runs, undo)

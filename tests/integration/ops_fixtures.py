@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,23 @@ def ops(dev_inventory: Path, dev_requests: Path,
     o.clear_staged()
     yield o
     o.remove_units()
+
+
+def wait_for_span(events: Path, name: str, host: str | None, timeout: float) -> bool:
+    """Until the live timing stream shows `name` starting (on `host`, when given)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = events.read_text() if events.exists() else ""
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # the writer is mid-line
+            event = json.loads(line)
+            started = event.get("started") or {}
+            if started.get("name") == name and (
+                    host is None or (started.get("attributes") or {}).get("host") == host):
+                return True
+        time.sleep(0.01)
+    return False
 
 
 def edited_inventory(ops: Ops, name: str, edit: dict[str, dict[str, Any]]) -> Path:

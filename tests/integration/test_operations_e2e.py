@@ -22,7 +22,13 @@ import yaml
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
 from tests.integration.engine_view import engine_view_sync
-from tests.integration.ops_fixtures import Ops, dev_requests, edited_inventory, ops
+from tests.integration.ops_fixtures import (
+    Ops,
+    dev_requests,
+    edited_inventory,
+    ops,
+    wait_for_span,
+)
 
 pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
@@ -318,23 +324,6 @@ def test_corrupted_object_detected_before_anything_starts(ops: Ops, tp2: dict[st
     assert _artifact(ops, tp2["capture_id"]) == tp2
 
 
-def _wait_for_span(events: Path, name: str, host: str, timeout: float) -> bool:
-    """Until the live timing stream shows `name` starting on `host`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = events.read_text() if events.exists() else ""
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break  # the writer is mid-line
-            event = json.loads(line)
-            started = event.get("started") or {}
-            if started.get("name") == name and \
-                    (started.get("attributes") or {}).get("host") == host:
-                return True
-        time.sleep(0.01)
-    return False
-
-
 def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str, Any]) -> None:
     """host-3 is lost while the units start: its Docker engine is frozen (SIGSTOP) so that its
     unit cannot finish, host-2's unit starts, then host-3's sshd and connections are killed.
@@ -353,7 +342,7 @@ def test_host_lost_during_restore_rolls_back_everywhere(ops: Ops, tp4: dict[str,
     worker.start()
     frozen = False
     try:
-        assert _wait_for_span(events, "restore.start-restore", "host-3", 300), \
+        assert wait_for_span(events, "restore.start-restore", "host-3", 300), \
             "the restore never started its units"
         os.kill(dockerd, signal.SIGSTOP)
         frozen = True

@@ -74,10 +74,7 @@ async def test_fail_fast_phase_cancels_the_waits_a_dead_unit_would_hold() -> Non
             raise
 
     runs = [_run("unit-0", "host-0"), _run("unit-1", "host-1")]
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
     with pytest.raises(OperationFailed) as err:
         await phase(ctx, "wait-ready", runs, wait, fail_fast=True)
-    assert loop.time() - t0 < 5
-    assert cancelled == ["unit-0"]
+    assert cancelled == ["unit-0"]  # its 30 s wait was cut short, not waited out
     assert "unit unit-1" in err.value.message and "(and" not in err.value.message

@@ -1,0 +1,181 @@
+"""`coldsnapd gc --operation ID | --all-orphans`: containers an operation left behind.
+
+Every inventory host is asked, concurrently, for the containers labelled
+`org.coldsnap.operation`; each one is judged from this control node's run records
+(coldsnap.operations.runs) and removed when it is an orphan: its operation is not running, and
+neither succeeded nor had its rollback return that unit to serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+
+from coldsnap import logs
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.runtime import LABEL_OPERATION, LABEL_ROLE, LABEL_UNIT, remove_container
+from coldsnap.commands.common import add_store_argument, fail, open_store
+from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
+from coldsnap.hosts.base import HostError
+from coldsnap.hosts.pool import HostPool
+from coldsnap.operations.context import OperationFailed
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.runs import RunStatus, orphan_reason, run_status
+
+HOST_TIMEOUT_S = 90.0  # one host: connect, list and remove, whatever its dockerd does
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Container:
+    name: str
+    id: str
+    operation: str
+    unit: str | None
+    role: str | None
+    status: str
+    orphan: bool
+    reason: str
+    removed: bool = False
+    error: str | None = None
+
+
+@dataclass
+class HostResult:
+    host: str
+    containers: list[Container] = field(default_factory=list)
+    error: str | None = None
+
+
+class Judge:
+    """Each operation's status, read once per gc run so every host is judged alike."""
+
+    def __init__(self, store_root: Path) -> None:
+        self.store_root = store_root
+        self._seen: dict[str, RunStatus] = {}
+
+    def __call__(self, operation: str, unit: str | None) -> tuple[bool, str]:
+        if operation not in self._seen:
+            try:
+                self._seen[operation] = run_status(self.store_root, operation)
+            except ValueError:
+                return False, f"label {LABEL_OPERATION}={operation!r} is not an operation id"
+        return orphan_reason(self._seen[operation], unit)
+
+
+async def _host_gc(hosts: HostSet, name: str, judge: Judge, operation: str | None,
+                   dry_run: bool) -> HostResult:
+    result = HostResult(name)
+    label = f"{LABEL_OPERATION}={operation}" if operation else LABEL_OPERATION
+    try:
+        async with asyncio.timeout(HOST_TIMEOUT_S), hosts.sessions([name]) as sessions:
+            s = sessions[name]
+            found = await s.call(s.client.containers.list, all=True,
+                                 filters={"label": [label]})
+            for c in sorted(found, key=lambda c: str(c.name)):
+                labels: dict[str, str] = c.labels or {}
+                op = labels.get(LABEL_OPERATION, "")
+                unit = labels.get(LABEL_UNIT)
+                orphan, why = judge(op, unit)
+                entry = Container(str(c.name), str(c.short_id), op, unit, labels.get(LABEL_ROLE),
+                                  str(c.status), orphan, why)
+                result.containers.append(entry)
+                if orphan and not dry_run:
+                    try:
+                        await remove_container(s, c.id)
+                        entry.removed = True
+                    except docker.errors.DockerException as exc:
+                        entry.error = f"cannot remove: {exc}"
+    except TimeoutError:
+        result.error = f"timed out after {HOST_TIMEOUT_S:.0f} s"
+    except (OperationFailed, HostError, CapsuleError, docker.errors.DockerException,
+            OSError) as exc:
+        result.error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _print_text(results: list[HostResult], dry_run: bool) -> None:
+    removed = kept = 0
+    for r in results:
+        if r.error:
+            print(f"{r.host}: ERROR {r.error}")
+            continue
+        if not r.containers:
+            print(f"{r.host}: no container of a coldsnap operation")
+        for c in r.containers:
+            what = c.unit or c.role or "container"
+            if c.error:
+                verb = "FAILED to remove"
+            elif c.orphan:
+                verb = "would remove" if dry_run else "removed"
+                removed += 1
+            else:
+                verb = "kept"
+                kept += 1
+            print(f"{r.host}: {verb} {c.name} ({what} of {c.operation}, {c.status}): {c.reason}"
+                  + (f": {c.error}" if c.error else ""))
+    verb = "would remove" if dry_run else "removed"
+    print(f"gc: {verb} {removed} container(s), kept {kept}", file=sys.stderr)
+
+
+def _handler(args: argparse.Namespace) -> int:
+    if args.operation is not None and not _ID.match(args.operation):
+        return fail(f"--operation: {args.operation!r} is not an operation id")
+    try:
+        inventory = load_hosts_inventory(args)
+    except InventoryError as exc:
+        return fail(str(exc))
+    logs.configure(verbose=args.verbose)
+    judge = Judge(open_store(args).root)
+
+    async def main() -> list[HostResult]:
+        async with HostPool(inventory) as pool:
+            hosts = HostSet(inventory, pool)
+            return list(await asyncio.gather(*(
+                _host_gc(hosts, h.name, judge, args.operation, args.dry_run)
+                for h in inventory.hosts)))
+
+    results = asyncio.run(main())
+    if args.json:
+        doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
+                               "hosts": [asdict(r) for r in results]}
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    else:
+        _print_text(results, args.dry_run)
+    failed = [r.host for r in results if r.error or any(c.error for c in r.containers)]
+    if failed:
+        return fail(f"gc did not finish on {', '.join(failed)}", status=1)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gc", help="remove containers that a dead or failed operation left on the hosts",
+        description="Find the containers labelled org.coldsnap.operation on every inventory "
+                    "host and remove the orphans: those whose operation is not running on "
+                    "this control node (its run lock under <store>/run/ is free) and did not "
+                    "leave them on purpose (a succeeded operation's units, or units its "
+                    "rollback returned to serving). Operations this store never recorded are "
+                    "left alone. Exit 1 when a host could not be reached or a removal failed.")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--operation", metavar="ID",
+                       help="only the containers of this operation (its id as in the receipt)")
+    which.add_argument("--all-orphans", action="store_true",
+                       help="the orphaned containers of every operation")
+    parser.add_argument(
+        "--inventory", type=Path, default=None, metavar="FILE",
+        help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")
+    add_store_argument(parser)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list what would be removed, remove nothing")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    parser.set_defaults(handler=_handler)

@@ -1,0 +1,249 @@
+"""SIGTERM and SIGINT as Sparkrun sends them (to the controller's process group), and
+`coldsnapd gc`, through the real CLI on the dev cluster (real sshd, dockerd, CRIU).
+
+Each operation runs as a subprocess in its own session with `--timing-events`, so a test
+signals it once a given phase has started; the hosts' dockerd are then asked directly what
+the operation left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.integration.capsule_fixtures import EXPECTED
+from tests.integration.conftest import REPO
+from tests.integration.engine_view import engine_view_sync
+from tests.integration.ops_fixtures import Ops, dev_requests, ops, wait_for_span
+from tests.integration.test_operations_e2e import _complete
+
+pytestmark = pytest.mark.integration
+__all__ = ["dev_requests", "ops"]  # fixtures used by name below
+
+LABEL_OPERATION = "org.coldsnap.operation"
+
+
+@dataclass
+class Started:
+    """A `coldsnapd` operation running in the background, in its own process group."""
+
+    proc: subprocess.Popen[str]
+    events: Path
+    receipt_path: Path
+
+    def wait_for(self, span: str, host: str | None = None, timeout: float = 300) -> None:
+        if not wait_for_span(self.events, span, host, timeout):
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise AssertionError(f"{span} never started:\n{err[-3000:]}")
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.killpg(self.proc.pid, sig)  # as Sparkrun does: the whole process group
+
+    def finish(self, timeout: float = 280) -> tuple[int, str, dict[str, Any]]:
+        _, err = self.proc.communicate(timeout=timeout)
+        receipt: dict[str, Any] = json.loads(self.receipt_path.read_text())
+        return self.proc.returncode, err, receipt
+
+
+def start(ops: Ops, *args: str) -> Started:
+    tag = secrets.token_hex(4)
+    events, receipt = ops.work / f"events-{tag}.ndjson", ops.work / f"receipt-{tag}.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coldsnap", *args, "--inventory", str(ops.inventory),
+         "--store", str(ops.store), "--receipt-json", str(receipt),
+         "--timing-events", str(events)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    return Started(proc, events, receipt)
+
+
+def labelled(ops: Ops, operation: str) -> dict[str, list[Any]]:
+    """Every container on every host that carries the operation's label, by host."""
+    found: dict[str, list[Any]] = {}
+    for host in ops.hosts:
+        client = ops.docker(host)
+        try:
+            mine = client.containers.list(all=True,
+                                          filters={"label": f"{LABEL_OPERATION}={operation}"})
+        finally:
+            client.close()
+        if mine:
+            found[host] = mine
+    return found
+
+
+def gc(ops: Ops, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coldsnap", "gc", *args, "--json", "--inventory",
+         str(ops.inventory), "--store", str(ops.store)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    assert [h["error"] for h in doc["hosts"]] == [None] * len(ops.hosts)
+    return doc
+
+
+def orphans(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(h["host"], c["name"]) for h in doc["hosts"] for c in h["containers"] if c["orphan"]]
+
+
+@pytest.fixture(scope="module")
+def artifact(ops: Ops) -> str:
+    run = ops.coldsnapd("capture", "--request",
+                        str(ops.request("tp2-two-hosts", suffix="cancel"))).ok()
+    assert run.receipt is not None
+    return str(run.receipt["result"]["artifact"])
+
+
+@pytest.fixture
+def clean(ops: Ops) -> Iterator[None]:
+    ops.remove_units()
+    yield
+    ops.remove_units()
+
+
+@pytest.mark.parametrize("phase", ["capture.quiesce", "capture.dump"])
+def test_sigterm_during_capture_returns_every_unit_to_serving(
+        ops: Ops, clean: None, phase: str) -> None:
+    request = ops.request("tp2-two-hosts", suffix=f"sigterm-{phase.split('.')[1]}",
+                          lifecycle={"activation_state": "running"})
+    doc = yaml.safe_load(request.read_text())
+    run = start(ops, "capture", "--request", str(request))
+    run.wait_for(phase, "host-1")
+    run.signal(signal.SIGTERM)
+    status, err, receipt = run.finish()
+
+    assert status == 143, err
+    assert receipt["state"] == "failed"
+    assert receipt["error"]["code"] == "cancelled"
+    said = ("cancelled by SIGTERM; rollback: unit-0 on host-0 returned to serving; "
+            "unit-1 on host-1 returned to serving")
+    assert receipt["error"]["message"] == said
+    assert f"capture failed (cancelled): {said}" in err
+    # Nothing of the capture is kept: no artifact, no output, no capsule on the hosts.
+    assert not Path(doc["output"]).exists()
+    assert not (ops.store / "artifacts" / f"{doc['id']}.json").exists()
+    for host in ("host-0", "host-1"):
+        assert not (Path(ops.hosts[host]["data_dir"]) / "capsules" / doc["id"]).exists()
+    # lifecycle running: the units serve again, with their GPUs running, and they are the
+    # only containers of that operation.
+    assert _complete(ops, "host-0", 8000) == EXPECTED
+    left = labelled(ops, receipt["operation_id"])
+    assert sorted(left) == ["host-0", "host-1"]
+    for host, containers in left.items():
+        (unit,) = containers
+        assert unit.status == "running"
+        assert [w["gpu_state"] for w in engine_view_sync(unit)["workers"]] == ["running"], host
+    # What the rollback kept serving is no orphan.
+    report = gc(ops, "--all-orphans")
+    assert orphans(report) == []
+    kept = [c["reason"] for h in report["hosts"] for c in h["containers"]
+            if c["operation"] == receipt["operation_id"]]
+    assert len(kept) == 2 and all("returned unit-" in r and "to serving" in r for r in kept)
+
+
+@pytest.mark.parametrize("phase", ["restore.start-restore", "restore.gpu-restore"])
+def test_sigterm_during_restore_after_staging_removes_every_unit(
+        ops: Ops, artifact: str, clean: None, phase: str) -> None:
+    request = ops.request("tp2-two-hosts-restore-moved", suffix=f"sigterm-{phase[8:]}",
+                          artifact=artifact)
+    run = start(ops, "restore", "--request", str(request))
+    run.wait_for(phase, "host-3")
+    run.signal(signal.SIGTERM)
+    status, err, receipt = run.finish()
+
+    assert status == 143, err
+    assert receipt["state"] == "failed" and receipt["error"]["code"] == "cancelled"
+    said = "cancelled by SIGTERM; rollback: unit-0 on host-2 removed; unit-1 on host-3 removed"
+    assert receipt["error"]["message"] == said
+    assert said in err
+    spans = {s["name"] for s in receipt["timing"]["spans"]}
+    assert "restore.rollback" in spans and "restore.validate" not in spans
+    assert labelled(ops, receipt["operation_id"]) == {}
+    assert ops.running_units() == {}
+    assert orphans(gc(ops, "--all-orphans")) == []
+
+
+def test_a_second_sigint_does_not_interrupt_the_rollback(
+        ops: Ops, artifact: str, clean: None) -> None:
+    """host-3's dockerd is frozen as the first SIGINT arrives, so the rollback cannot end
+    before it is thawed: the second SIGINT lands in the middle of it, deterministically."""
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="sigint-twice",
+                          artifact=artifact)
+    dockerd = int((ops.inventory.parent / "host-3" / "docker" / "docker.pid").read_text())
+    run = start(ops, "restore", "--request", str(request))
+    run.wait_for("restore.gpu-restore", "host-3")
+    os.kill(dockerd, signal.SIGSTOP)
+    try:
+        run.signal(signal.SIGINT)
+        run.wait_for("restore.rollback", timeout=60)
+        run.signal(signal.SIGINT)
+        time.sleep(2)
+        assert run.proc.poll() is None, "the second SIGINT ended the process"
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
+    status, err, receipt = run.finish()
+
+    assert status == 130, err
+    assert "SIGINT again: the rollback of" in err and "goes on" in err
+    assert "UNCONFIRMED" not in err
+    assert receipt["error"]["message"] == (
+        "cancelled by SIGINT; rollback: unit-0 on host-2 removed; unit-1 on host-3 removed")
+    assert labelled(ops, receipt["operation_id"]) == {}
+
+
+def test_gc_removes_a_killed_restores_units_and_spares_a_running_operation(
+        ops: Ops, artifact: str, clean: None) -> None:
+    # A restore killed with SIGKILL mid-way: nothing of it could clean up.
+    killed = start(ops, "restore", "--request", str(ops.request(
+        "tp2-two-hosts-restore-moved", suffix="killed", artifact=artifact)))
+    killed.wait_for("restore.gpu-restore", "host-3")
+    killed.signal(signal.SIGKILL)
+    killed.proc.communicate(timeout=60)
+    dead_id = json.loads(killed.events.read_text().splitlines()[0])["operation_id"]
+    assert sorted(labelled(ops, dead_id)) == ["host-2", "host-3"]
+
+    # Another restore, on the captured hosts, held still (SIGSTOP) while its units exist.
+    running = start(ops, "restore", "--artifact", artifact)
+    running.wait_for("restore.gpu-restore", "host-1")
+    running.signal(signal.SIGSTOP)
+    try:
+        live_id = json.loads(running.events.read_text().splitlines()[0])["operation_id"]
+        assert sorted(labelled(ops, live_id)) == ["host-0", "host-1"]
+
+        listed = gc(ops, "--operation", dead_id, "--dry-run")
+        assert sorted(h for h, _ in orphans(listed)) == ["host-2", "host-3"]
+        assert sorted(labelled(ops, dead_id)) == ["host-2", "host-3"], "dry run removed"
+
+        report = gc(ops, "--all-orphans")
+        removed = {(h["host"], c["operation"]) for h in report["hosts"]
+                   for c in h["containers"] if c["removed"]}
+        assert removed == {("host-2", dead_id), ("host-3", dead_id)}
+        spared = [c for h in report["hosts"] for c in h["containers"]
+                  if c["operation"] == live_id]
+        assert len(spared) == 2
+        assert all(not c["orphan"] and "is running" in c["reason"] for c in spared)
+        assert labelled(ops, dead_id) == {}
+        assert sorted(labelled(ops, live_id)) == ["host-0", "host-1"]
+    finally:
+        running.signal(signal.SIGCONT)
+    status, err, receipt = running.finish()
+    assert status == 0, err
+    assert receipt["state"] == "succeeded"
+    assert _complete(ops, "host-0", 8000) == EXPECTED
+    # A succeeded operation's units are its result: gc keeps them.
+    assert orphans(gc(ops, "--all-orphans")) == []
+    assert sorted(labelled(ops, live_id)) == ["host-0", "host-1"]

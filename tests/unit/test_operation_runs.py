@@ -1,0 +1,139 @@
+"""Operation run records (coldsnap.operations.runs) and what the receipt says about a rollback:
+the lock says "running", the record says how it ended, and `orphan_reason` decides from both."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coldsnap.formats.receipt import Receipt
+from coldsnap.operations.context import (
+    OperationCancelled,
+    OperationContext,
+    OperationFailed,
+    UnitRollback,
+)
+from coldsnap.operations.runs import OperationRun, RunRecord, RunStatus, orphan_reason, run_status
+
+REPO = Path(__file__).resolve().parents[2]
+SHA = "sha256:" + "cd" * 32
+
+
+def test_a_run_is_running_while_held_then_records_how_it_ended(tmp_path: Path) -> None:
+    ctx = OperationContext("restore", operation_id="restore-ok")
+    assert run_status(tmp_path, "restore-ok").record is None
+    with OperationRun(tmp_path, ctx):
+        status = run_status(tmp_path, "restore-ok")
+        assert status.running
+        assert status.record is not None and status.record.state == "running"
+        assert status.record.pid == os.getpid()
+        assert orphan_reason(status, "unit-0") == (
+            False, f"operation restore-ok is running (pid {os.getpid()})")
+        with pytest.raises(OperationFailed, match="already running") as refused:
+            OperationRun(tmp_path, ctx).__enter__()
+        assert refused.value.code == "operation-running"
+    status = run_status(tmp_path, "restore-ok")
+    assert not status.running
+    assert status.record is not None and status.record.state == "succeeded"
+    assert status.record.completed_at is not None
+    assert orphan_reason(status, "unit-0")[0] is False
+
+
+def test_a_failed_run_keeps_only_the_units_its_rollback_returned_to_serving(
+        tmp_path: Path) -> None:
+    ctx = OperationContext("capture", operation_id="cap-1")
+    with pytest.raises(OperationFailed), OperationRun(tmp_path, ctx):
+        ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
+                        UnitRollback("host-1", "unit-1", "failed", "host-1 unreachable")]
+        raise OperationFailed("dump-failed", "host-1: dump failed")
+    status = run_status(tmp_path, "cap-1")
+    assert status.record is not None and status.record.state == "failed"
+    assert status.record.kept_units == ("unit-0",)
+    assert orphan_reason(status, "unit-0") == (
+        False, "the rollback of cap-1 returned unit-0 to serving")
+    orphan, why = orphan_reason(status, "unit-1")
+    assert orphan and "outlived its rollback" in why
+    assert orphan_reason(status, None)[0] is True
+
+
+def test_a_run_killed_mid_way_leaves_orphans(tmp_path: Path) -> None:
+    """kill -9 of the process that holds the run: the kernel drops the lock, the record still
+    says running, so every container of that operation is an orphan."""
+    script = ("import sys, time\n"
+              "from pathlib import Path\n"
+              "from coldsnap.operations.context import OperationContext\n"
+              "from coldsnap.operations.runs import OperationRun\n"
+              "with OperationRun(Path(sys.argv[1]), OperationContext('restore', "
+              "operation_id='restore-dies')):\n"
+              "    print('held', flush=True)\n"
+              "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert run_status(tmp_path, "restore-dies").running
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    status = run_status(tmp_path, "restore-dies")
+    assert not status.running
+    assert status.record is not None and status.record.state == "running"
+    orphan, why = orphan_reason(status, "unit-0")
+    assert orphan and f"pid {proc.pid}" in why and "ended without finishing" in why
+
+
+def test_unknown_and_unreadable_records_are_never_orphans(tmp_path: Path) -> None:
+    assert orphan_reason(run_status(tmp_path, "elsewhere"), "unit-0") == (
+        False, "operation elsewhere is not recorded in this store")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "torn.json").write_text("{not json")
+    orphan, why = orphan_reason(run_status(tmp_path, "torn"), "unit-0")
+    assert not orphan and "unreadable record" in why
+    (tmp_path / "run" / "odd.json").write_text(json.dumps({"state": "paused"}))
+    orphan, why = orphan_reason(run_status(tmp_path, "odd"), "unit-0")
+    assert not orphan and "bad record" in why
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "", ".hidden", "x" * 129])
+def test_operation_ids_from_labels_never_become_paths(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match="not an operation id"):
+        run_status(tmp_path, bad)
+
+
+def test_record_round_trips() -> None:
+    record = RunRecord("op", "restore", 12, "node", "2026-12-01T00:00:00.000000000Z",
+                       "failed", "2026-12-01T00:00:01.000000000Z", ("unit-1",))
+    assert RunRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    status = RunStatus("op", running=False, record=record)
+    assert orphan_reason(status, "unit-1")[0] is False
+
+
+def test_the_receipt_says_what_the_rollback_did() -> None:
+    ctx = OperationContext("capture")
+    ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
+                    UnitRollback("host-1", "unit-1", "failed", "timed out after 120 s")]
+    receipt = ctx.finish(request_sha256=SHA, engine="vllm", snapshot_driver="n610",
+                         error=OperationCancelled(signal.SIGTERM))
+    Receipt.model_validate(receipt.to_json())  # still the strict format 2
+    assert receipt.state == "failed"
+    assert receipt.error is not None and receipt.error.code == "cancelled"
+    assert receipt.error.message == (
+        "cancelled by SIGTERM; rollback: unit-0 on host-0 returned to serving; "
+        "unit-1 on host-1 failed (timed out after 120 s)")
+
+
+def test_a_cancellation_before_any_unit_started_says_so() -> None:
+    ctx = OperationContext("restore")
+    error = OperationCancelled(signal.SIGINT)
+    assert error.exit_status == 130
+    assert ctx.failure_message(error) == "cancelled by SIGINT; no unit had to be rolled back"
+    plain = OperationFailed("staging", "host-2: disk full")
+    assert plain.exit_status == 1
+    assert ctx.failure_message(plain) == "host-2: disk full"

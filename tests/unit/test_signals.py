@@ -67,6 +67,12 @@ class Child:
     def send(self, sig: signal.Signals) -> None:
         os.kill(self.proc.pid, sig)
 
+    def cancel(self, sig: signal.Signals) -> None:
+        """The first signal, once the operation runs; returns once its rollback started."""
+        self.expect("running")
+        self.send(sig)
+        self.expect("rolling back")
+
     def finish(self, timeout: float = 20) -> tuple[int, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out, err
@@ -101,9 +107,7 @@ def test_first_signal_cancels_and_the_rollback_runs(sig: signal.Signals, status:
 
 def test_a_second_sigint_does_not_interrupt_the_rollback() -> None:
     with child(rollback_s=2) as c:
-        c.expect("running")
-        c.send(signal.SIGINT)
-        c.expect("rolling back")
+        c.cancel(signal.SIGINT)
         c.send(signal.SIGINT)
         code, out, err = c.finish()
     assert code == 130
@@ -114,9 +118,7 @@ def test_a_second_sigint_does_not_interrupt_the_rollback() -> None:
 
 def test_a_third_signal_exits_at_once_and_says_cleanup_is_unconfirmed() -> None:
     with child(rollback_s=60) as c:
-        c.expect("running")
-        c.send(signal.SIGTERM)
-        c.expect("rolling back")
+        c.cancel(signal.SIGTERM)
         c.send(signal.SIGINT)
         time.sleep(0.2)
         started = time.monotonic()

@@ -389,11 +389,11 @@ async def rollback_units(
         try:
             async with deadline:
                 if not await r.session.settle(ROLLBACK_SETTLE_S):
-                    ctx.log.warning("rollback.unsettled", host=host, unit=unit,
-                                    waited_s=ROLLBACK_SETTLE_S)
+                    with contextlib.suppress(OSError, ValueError):
+                        ctx.log.warning("rollback.unsettled", host=host, unit=unit,
+                                        waited_s=ROLLBACK_SETTLE_S)
                 await hosts.on_session(host, r.session, attempt)
-            outcome, detail = done[-1] if isinstance(done[-1], tuple) else \
-                (done[-1] or "removed", "")
+            outcome, detail = done[-1] if isinstance(done[-1], tuple) else (done[-1], "")
             report = UnitRollback(host, unit, outcome, detail)
         except TimeoutError as exc:
             why = (f"timed out after {ROLLBACK_UNIT_S:g} s, cleanup unconfirmed"
@@ -404,8 +404,9 @@ async def rollback_units(
             report = UnitRollback(host, unit, "failed", _explain(exc))
         reports.append(report)
         log = ctx.log.error if report.outcome == "failed" else ctx.log.info
-        log("rollback.unit", host=host, unit=unit, outcome=report.outcome,
-            detail=report.detail or None)
+        with contextlib.suppress(OSError, ValueError):  # a closed stderr stops no rollback
+            log("rollback.unit", host=host, unit=unit, outcome=report.outcome,
+                detail=report.detail or None)
 
     with ctx.span(f"{ctx.operation}.rollback"):
         await asyncio.shield(asyncio.gather(*(one(r) for r in runs)))

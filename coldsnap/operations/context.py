@@ -65,10 +65,12 @@ class OperationCancelled(OperationFailed):
         self.exit_status = 128 + signum
 
 
-RollbackOutcome = Literal["returned to serving", "removed", "nothing to undo", "failed"]
-# What one unit's undo returns: the outcome, with a detail when there is more to say; None
-# stands for "removed".
-Undone = RollbackOutcome | tuple[RollbackOutcome, str] | None
+# "back as it was": a lifecycle step undone (e.g. a sleep's GPUs running again, its engine as
+# it was before).
+RollbackOutcome = Literal["returned to serving", "removed", "back as it was", "nothing to undo",
+                          "failed"]
+# What one unit's undo returns: the outcome, with a detail when there is more to say.
+Undone = RollbackOutcome | tuple[RollbackOutcome, str]
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class OperationContext:
         # One entry per unit once a rollback ran (filled in as units finish, so that a
         # rollback cut short still reports what it did); None when none ran.
         self.rollback: list[UnitRollback] | None = None
+        # Every unit's state when an operation without a rollback (wake) was cancelled.
+        self.units_now: str | None = None
 
     def rollback_summary(self) -> str | None:
         if self.rollback is None:
@@ -154,12 +158,15 @@ class OperationContext:
 
     def failure_message(self, error: OperationFailed) -> str:
         """The error's message and what the rollback did, for the receipt and stderr."""
+        parts = [error.message]
         summary = self.rollback_summary()
         if summary is not None:
-            return f"{error.message}; rollback: {summary}"
-        if isinstance(error, OperationCancelled):
-            return f"{error.message}; no unit had to be rolled back"
-        return error.message
+            parts.append(f"rollback: {summary}")
+        if self.units_now is not None:
+            parts.append(f"units now: {self.units_now}")
+        if len(parts) == 1 and isinstance(error, OperationCancelled):
+            parts.append("no unit had to be rolled back")
+        return "; ".join(parts)
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:

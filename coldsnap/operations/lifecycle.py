@@ -45,7 +45,7 @@ from coldsnap.capsule.spec import UnitSpec
 from coldsnap.formats.request import Launch, Request, Validation
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.capture import UnitRun, phase, rollback_units
-from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
 from coldsnap.operations.restore import capsule_meta, restore_placement
@@ -221,12 +221,18 @@ async def _find(ctx: OperationContext, t: Target, hosts: HostSet,
                               + summary(missing))
 
 
+async def _units_now(ctx: OperationContext, t: Target, hosts: HostSet,
+                     runs: Sequence[LifecycleRun]) -> str:
+    """What status says of every unit now."""
+    with ctx.span(f"{ctx.operation}.status"):
+        return summary(await asyncio.shield(_statuses(t, hosts, runs)))
+
+
 async def _failed(ctx: OperationContext, t: Target, hosts: HostSet,
                   runs: Sequence[LifecycleRun], exc: OperationFailed) -> OperationFailed:
     """The failure, ending with what status says of every unit now."""
-    with ctx.span(f"{ctx.operation}.status"):
-        now = await asyncio.shield(_statuses(t, hosts, runs))
-    return OperationFailed(exc.code, f"{exc.message}; units now: {summary(now)}")
+    return OperationFailed(exc.code,
+                           f"{exc.message}; units now: {await _units_now(ctx, t, hosts, runs)}")
 
 
 def _captured(store: LocalStore, t: Target) -> dict[str, tuple[str, ...]]:
@@ -302,14 +308,15 @@ async def _rollback_sleep(ctx: OperationContext, hosts: HostSet,
     """Every unit this sleep changed goes back to what it was: GPUs running (checkpointed on
     the devices the container holds, so no device map) and, if it was awake, the engine."""
 
-    async def undo(r: LifecycleRun, s: CapsuleSession) -> None:
+    async def undo(r: LifecycleRun, s: CapsuleSession) -> RollbackOutcome:
         if r.engine == "awake":
             await return_to_serving(s, r.started)
-            return
+            return "returned to serving"
         container = await s.container(r.started.container_id, r.placed.unit_id, "rollback")
         problems = await gpu_return_to_running(s, container, r.started.worker_pids)
         if problems:
             raise CapsuleError(s.host, r.placed.unit_id, "rollback", "; ".join(problems))
+        return "back as it was"
 
     await rollback_units(ctx, hosts, [r for r in runs if r.touched], undo)
 
@@ -322,6 +329,11 @@ async def wake(stored: StoredArtifact, request: Request, hosts: HostSet, store: 
             validated = await _wake_units(ctx, t, hosts, runs, captured)
         except OperationFailed as exc:
             raise await _failed(ctx, t, hosts, runs, exc) from None
+        except asyncio.CancelledError:
+            # A wake has no rollback: cancelled (SIGINT/SIGTERM), it says where it left
+            # every unit, as after a failure.
+            ctx.units_now = await _units_now(ctx, t, hosts, runs)
+            raise
         return await _statuses(t, hosts, runs), validated
 
 

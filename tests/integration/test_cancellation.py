@@ -26,6 +26,7 @@ from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.conftest import REPO
 from tests.integration.engine_view import engine_view_sync
 from tests.integration.ops_fixtures import Ops, dev_requests, ops, wait_for_span
+from tests.integration.test_lifecycle import MOVED, _ask, _restore, _workload
 from tests.integration.test_operations_e2e import _complete
 
 pytestmark = pytest.mark.integration
@@ -167,9 +168,15 @@ def test_sigterm_during_restore_after_staging_removes_every_unit(
 
     assert status == 143, err
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "cancelled"
-    said = "cancelled by SIGTERM; rollback: unit-0 on host-2 removed; unit-1 on host-3 removed"
-    assert receipt["error"]["message"] == said
-    assert said in err
+    message = receipt["error"]["message"]
+    assert message in err
+    # Cancelled as the containers were being created, a unit's may not exist yet: then there
+    # was nothing to undo. Once they run, each is removed.
+    outcomes = ("removed", "nothing to undo") if phase == "restore.start-restore" else \
+        ("removed",)
+    assert message in {
+        f"cancelled by SIGTERM; rollback: unit-0 on host-2 {a}; unit-1 on host-3 {b}"
+        for a in outcomes for b in outcomes}, message
     spans = {s["name"] for s in receipt["timing"]["spans"]}
     assert "restore.rollback" in spans and "restore.validate" not in spans
     assert labelled(ops, receipt["operation_id"]) == {}
@@ -247,3 +254,43 @@ def test_gc_removes_a_killed_restores_units_and_spares_a_running_operation(
     # A succeeded operation's units are its result: gc keeps them.
     assert orphans(gc(ops, "--all-orphans")) == []
     assert sorted(labelled(ops, live_id)) == ["host-0", "host-1"]
+
+
+def test_sigterm_during_sleep_returns_the_units_to_serving_and_a_cancelled_wake_says_where(
+        ops: Ops, artifact: str, clean: None) -> None:
+    wl = _workload(ops, "cancel")
+    _restore(ops, artifact, wl, "cancel-sleep")
+    assert _ask(ops, "host-2") == (200, EXPECTED)
+
+    def lifecycle(operation: str, suffix: str) -> Started:
+        request = ops.request(MOVED, suffix=f"{wl['intent_id']}-{suffix}", operation=operation,
+                              artifact=artifact, workload=wl)
+        return start(ops, operation, "--request-json", str(request))
+
+    # Cancelled once every engine is quiesced and the GPUs are being checkpointed: the
+    # rollback wakes them (they were serving), as after a failed sleep.
+    sleep = lifecycle("sleep", "sleep-1")
+    sleep.wait_for("sleep.gpu-checkpoint", "host-3")
+    sleep.signal(signal.SIGTERM)
+    status, err, receipt = sleep.finish()
+    assert status == 143, err
+    assert receipt["error"]["message"] == (
+        "cancelled by SIGTERM; rollback: unit-0 on host-2 returned to serving; unit-1 on host-3 "
+        "returned to serving")
+    assert _ask(ops, "host-2") == (200, EXPECTED)
+
+    # A wake has no rollback: cancelled, it says where it left every unit.
+    assert ops.coldsnapd("sleep", "--request-json", str(ops.request(
+        MOVED, suffix=f"{wl['intent_id']}-sleep-2", operation="sleep", artifact=artifact,
+        workload=wl))).status == 0
+    wake = lifecycle("wake", "wake-1")
+    wake.wait_for("wake.placement", "host-3")
+    wake.signal(signal.SIGTERM)
+    status, err, receipt = wake.finish()
+    assert status == 143, err
+    message = receipt["error"]["message"]
+    assert message.startswith("cancelled by SIGTERM; units now: ") and "unit-1" in message
+    assert message in err
+    # A later wake finishes the job.
+    assert lifecycle("wake", "wake-2").finish()[0] == 0
+    assert _ask(ops, "host-2") == (200, EXPECTED)

@@ -134,6 +134,11 @@ def test_a_cancellation_before_any_unit_started_says_so() -> None:
     error = OperationCancelled(signal.SIGINT)
     assert error.exit_status == 130
     assert ctx.failure_message(error) == "cancelled by SIGINT; no unit had to be rolled back"
+    # A cancelled operation without a rollback (wake) says where it left every unit instead.
+    ctx.units_now = "unit-0 on host-2 running; unit-1 on host-3 checkpointed"
+    assert ctx.failure_message(error) == (
+        "cancelled by SIGINT; units now: unit-0 on host-2 running; unit-1 on host-3 checkpointed")
+    ctx.units_now = None
     plain = OperationFailed("staging", "host-2: disk full")
     assert plain.exit_status == 1
     assert ctx.failure_message(plain) == "host-2: disk full"

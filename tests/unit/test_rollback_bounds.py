@@ -5,11 +5,15 @@ cancelled step's own clean-up and Docker calls have ended."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from coldsnap import logs
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.operations import capture
 from coldsnap.operations.capture import UnitRun, phase, rollback_units
@@ -29,13 +33,22 @@ class _Hosts:
         await fn(session)
 
 
+@pytest.fixture(autouse=True)
+def log_lines() -> Iterator[io.StringIO]:
+    """The structured lines the rollback writes (stderr in the CLI)."""
+    stream = io.StringIO()
+    logs.configure(stream=stream, json=True)
+    yield stream
+    logs.configure()
+
+
 def _run(unit: str, host: str) -> UnitRun:
     placed: Any = _Placed(unit, host)
     return UnitRun(placed=placed, session=CapsuleSession(None, None))  # type: ignore[arg-type]
 
 
 async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, log_lines: io.StringIO) -> None:
     monkeypatch.setattr(capture, "ROLLBACK_UNIT_S", 2.0)
     ctx = OperationContext("capture")
 
@@ -49,7 +62,7 @@ async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
             await asyncio.sleep(3600)  # its dockerd never answers
         if r.placed.unit_id == "unit-2":
             raise RuntimeError("engine gone")
-        return None
+        return "removed"
 
     runs = [_run(f"unit-{i}", f"host-{i}") for i in range(5)]
     reports = await rollback_units(ctx, _Hosts(), runs, undo)  # type: ignore[arg-type]
@@ -61,6 +74,11 @@ async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
         "unit-4 on host-4 removed (it could not return to serving: engine exited)",
     ]
     assert ctx.rollback == reports
+    lines = [json.loads(x) for x in log_lines.getvalue().splitlines()]
+    said = {(x["unit"], x["outcome"], x["level"]) for x in lines if x["event"] == "rollback.unit"}
+    assert said == {("unit-0", "returned to serving", "info"), ("unit-1", "failed", "error"),
+                    ("unit-2", "failed", "error"), ("unit-3", "removed", "info"),
+                    ("unit-4", "removed", "info")}
     assert [s.name for s in ctx.recorder.timing().spans] == ["capture.rollback"]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
+from coldsnap.hosts.durable import fsync_dir
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -58,14 +59,6 @@ def default_store_root() -> Path:
     return Path(env) if env else Path("/var/lib/coldsnap/store")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None:
     """Write to a temporary sibling, fsync, then rename: readers never see a partial file.
 
@@ -82,7 +75,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None
             os.replace(tmp, path)
         else:
             os.link(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -145,7 +138,7 @@ class LocalStore:
             path.unlink()  # deduplicated: identical bytes are already stored
         else:
             os.replace(path, dest)
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
         return actual, size
 
     def add_file(self, src: Path) -> tuple[str, int]:

@@ -26,6 +26,10 @@ def log(msg: str) -> None:
 
 
 def sshd_config_ok(config: Path) -> None:
+    # sshd refuses even to check a config without its privilege separation directory,
+    # which a fresh machine's /run lacks until openssh's own service first ran.
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    Path("/run/sshd").chmod(0o755)
     r = subprocess.run([SSHD, "-t", "-f", str(config)], capture_output=True, text=True,
                        check=False)
     if r.returncode != 0:
@@ -53,8 +57,6 @@ def start_sshd(net: HostNet, paths: HostPaths) -> None:
     if procs.pid_alive(paths.sshd_pid):
         return
     paths.sshd_pid.unlink(missing_ok=True)
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation directory
-    Path("/run/sshd").chmod(0o755)
     sshd_config_ok(paths.sshd_config)
     # `ip netns exec` also gives sshd (and so every session) the namespace's own /sys.
     r = subprocess.run(

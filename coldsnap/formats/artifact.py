@@ -41,6 +41,12 @@ COMPATIBILITY_POLICY: Final = "placement-independent-v1"
 ROLE_CAPSULE = "oci-capsule"
 ROLE_WEIGHTS = "model-weight-payload"
 ROLE_REPLAY_PLAN = "replay-plan"
+# Control-node-only objects: never staged to a host.
+ROLE_CAPSULE_MANIFEST = "capsule-manifest"
+# The canonical capture request: a restore without a request takes its policy and validation
+# from it. Like the manifest, it stays on the control node and is never staged.
+ROLE_CAPTURE_REQUEST = "capture-request"
+CAPTURE_REQUEST_PATH = "capture-request.json"
 
 # A typed owner: its kind, then the id of the unit, worker, service or group.
 OWNER_PATTERN = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")

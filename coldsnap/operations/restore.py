@@ -39,18 +39,18 @@ from coldsnap.capsule.runtime import (
 )
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount
-from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ROLE_WEIGHTS, Artifact, ArtifactObject
+from coldsnap.formats.artifact import (
+    ROLE_CAPSULE_MANIFEST,
+    ROLE_REPLAY_PLAN,
+    ROLE_WEIGHTS,
+    Artifact,
+    ArtifactObject,
+)
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
-from coldsnap.operations.capture import (
-    ROLE_CAPSULE_MANIFEST,
-    UnitRun,
-    captured_request,
-    phase,
-    rollback_units,
-)
+from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
@@ -60,6 +60,7 @@ from coldsnap.operations.staging import (
     remote_object_path,
     stage_host,
 )
+from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units, service_heads
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from coldsnap.operations.capture import UnitRun, phase
 from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.unit_runs import UnitRun, phase
 
 
 class _Placed:

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.formats.artifact import Artifact, ArtifactObject
-from coldsnap.formats.canonical import canonical_json
-from coldsnap.formats.request import Policy, Request, Validation, load_request
-from coldsnap.operations.capture import (
+from coldsnap.formats.artifact import (
     CAPTURE_REQUEST_PATH,
     ROLE_CAPTURE_REQUEST,
-    captured_request,
+    Artifact,
+    ArtifactObject,
 )
+from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.request import Policy, Request, Validation, load_request
+from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.restore import restore_placement
 from coldsnap.operations.staging import objects_by_host

@@ -15,9 +15,9 @@ import pytest
 
 from coldsnap import logs
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.operations import capture
-from coldsnap.operations.capture import UnitRun, phase, rollback_units
+from coldsnap.operations import unit_runs
 from coldsnap.operations.context import OperationContext, RollbackOutcome, Undone
+from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 
 
 class _Placed:
@@ -49,7 +49,7 @@ def _run(unit: str, host: str) -> UnitRun:
 
 async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
         monkeypatch: pytest.MonkeyPatch, log_lines: io.StringIO) -> None:
-    monkeypatch.setattr(capture, "ROLLBACK_UNIT_S", 2.0)
+    monkeypatch.setattr(unit_runs, "ROLLBACK_UNIT_S", 2.0)
     ctx = OperationContext("capture")
 
     async def undo(r: UnitRun, s: CapsuleSession) -> Undone:

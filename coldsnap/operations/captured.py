@@ -1,0 +1,30 @@
+"""The capture request an artifact keeps: a restore without a request takes its policy and
+validation from it."""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from coldsnap.formats.artifact import ROLE_CAPTURE_REQUEST, Artifact
+from coldsnap.formats.request import Request
+from coldsnap.operations.context import OperationFailed
+from coldsnap.store import LocalStore, StoreError
+
+
+def captured_request(store: LocalStore, artifact: Artifact) -> Request | None:
+    """The request an artifact was captured from, verified against its digest; None for an
+    artifact captured before coldsnapd kept it."""
+    obj = next((o for o in artifact.objects if o.role == ROLE_CAPTURE_REQUEST), None)
+    if obj is None:
+        return None
+    try:
+        # Read as written, without today's cross-field rules: a rule added since the capture
+        # must not make its artifact unrestorable.
+        return Request.model_validate(json.loads(store.read_bytes(obj.sha256)))
+    except StoreError as exc:
+        raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
+    except (ValueError, ValidationError) as exc:
+        raise OperationFailed("capture-request", f"the captured request of "
+                              f"{artifact.capture_id} is unreadable: {exc}") from None

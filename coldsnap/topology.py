@@ -14,7 +14,8 @@ Public API:
   device_slots, devices)`; `ResolvedUnit(id, index, host, devices, workers)`.
 - `Owner(kind, id)`: the typed owner string `unit/<id>`, `worker/<id>`, `service/<id>`,
   `group/<id>`; `Owner.parse(text)`, `str(owner)`.
-- `PlannedObject(owner, role)`; roles `ROLE_CAPSULE` (`oci-capsule`), `ROLE_WEIGHTS`
+- `PlannedObject(owner, role)`; roles `ROLE_CAPSULE` (`oci-capsule`), `ROLE_CRIU_IMAGE`
+  (`criu-image`: a unit's CRIU images, as many objects as its dump needs), `ROLE_WEIGHTS`
   (`model-weight-payload`), `ROLE_REPLAY_PLAN` (`replay-plan`).
 """
 
@@ -23,7 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from coldsnap.formats.artifact import OWNER_PATTERN, ROLE_CAPSULE, ROLE_REPLAY_PLAN, ROLE_WEIGHTS
+from coldsnap.formats.artifact import (
+    OWNER_PATTERN,
+    ROLE_CAPSULE,
+    ROLE_CRIU_IMAGE,
+    ROLE_REPLAY_PLAN,
+    ROLE_WEIGHTS,
+)
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import Launch, Request, launch_issues
 
@@ -156,7 +163,8 @@ class Topology:
         return [w for w in self.workers if w.host == host]
 
     def objects_for_host(self, host: str) -> list[PlannedObject]:
-        """What `host` must receive: its units' capsules and its own workers' objects only.
+        """What `host` must receive: its units' capsules and CRIU images, and its own workers'
+        objects only.
 
         One capsule per unit, never one per GPU; a worker's payload and replay plan go only to
         the host of the unit that owns the worker. A host that runs nothing receives nothing.
@@ -164,6 +172,7 @@ class Topology:
         out: list[PlannedObject] = []
         for unit in self.units_on(host):
             out.append(PlannedObject(Owner.unit(unit.id), ROLE_CAPSULE))
+            out.append(PlannedObject(Owner.unit(unit.id), ROLE_CRIU_IMAGE))
         for unit in self.units_on(host):
             for worker_id in unit.workers:
                 owner = Owner.worker(worker_id)

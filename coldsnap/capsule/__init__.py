@@ -25,8 +25,11 @@ Capture, in this order (the operations layer's barriers go between the lines)::
                                              # host's view of the unit's processes
     await quiesce(s, h)                      # engine asleep: drained, KV released, peers closed
     await checkpoint_gpus(s, h)              # cuda-checkpoint lock + checkpoint per worker
-    d = await dump(s, h)                     # criu dump --leave-running -> DumpResult
-    c = await commit(s, h, capture_id, d)    # docker commit + save -> CapsuleImage
+    d = await dump(s, h)                     # criu dump --leave-running into a host directory
+                                             # mounted at CRIU_IMAGES_DIR -> DumpResult
+    c = await commit(s, h, capture_id, d, registry=...)  # images packed into objects,
+                                             # rootfs diff committed, then pushed or exported
+                                             # -> CommittedCapsule
     objs = await collect_worker_objects(s, h, capture_id)   # -> [WorkerObjects]
     await remove_unit(s, h)                  # the original is no longer needed
 
@@ -36,16 +39,19 @@ running) or `remove_unit(s, h)`; `discard_capsule(s, c)` deletes a committed cap
 `checkpoint_gpus` and `dump` already roll their own unit back before raising.
 
 What capture leaves on the capture host, under data_dir:
-    capsules/<capture_id>/<unit_id>/capsule.tar        (CapsuleImage.tar_path, .tar_sha256)
+    capsules/<capture_id>/<unit_id>/criu/<hex>           (role criu-image: chunks and packs)
+    capsules/<capture_id>/<unit_id>/capsule.tar          (role oci-capsule, when not pushed)
     capsules/<capture_id>/<unit_id>/replay-<worker>.json (WorkerObjects.replay_plan)
 and each worker's payload where it already lies (WorkerObjects.payload.path, its bind-mount
-source). `CapsuleImage.to_json()/from_json()` carries everything restore needs.
+source). `CommittedCapsule.manifest` (coldsnap.formats.capsule.CapsuleManifest) carries
+everything restore needs; `.objects` are the files to pull, each with its role.
 
-Restore, in this order::
+Restore, in this order (the CRIU images staged and assembled first, coldsnap.capsule.images)::
 
     await probe_criu(s, capsule.base_image, unit=...)   # `criu check` from the pinned image
-    await load_capsule(s, capsule, staged_tar)          # tar staged on THIS host by the caller
-    h = await start_restore_container(s, spec, capsule) # spec: destination devices/mounts
+    await load_capsule(s, capsule, staged_layers)       # pulled, or layers staged on THIS host
+    h = await start_restore_container(s, spec, capsule, images_dir)  # spec: destination
+                                              # devices/mounts; images_dir mounted read-only
         # (or create_restore_container while preparing + start_created_container here)
     await criu_restore(s, h)                  # restored-stopped: PIDs preserved, GPUs still
                                               # checkpointed, intake still closed
@@ -60,14 +66,14 @@ Every failure is a `CapsuleError` subclass carrying `.host`, `.unit`, `.step`, `
 """
 
 from coldsnap.capsule.capture import (
-    CapsuleImage,
+    CapsuleObject,
+    CommittedCapsule,
     DumpResult,
     capture_unit,
     checkpoint_gpus,
     commit,
     discard_capsule,
     dump,
-    ensure_image,
     quiesce,
     remove_unit,
     resume,
@@ -88,6 +94,7 @@ from coldsnap.capsule.errors import (
     RestoreFailed,
     ValidationFailed,
 )
+from coldsnap.capsule.oci import ensure_image, load_capsule
 from coldsnap.capsule.restore import (
     CriuProbe,
     RestoreResult,
@@ -96,7 +103,6 @@ from coldsnap.capsule.restore import (
     criu_restore,
     deliver_placement,
     device_map,
-    load_capsule,
     probe_criu,
     release,
     restore_gpus,
@@ -118,9 +124,10 @@ from coldsnap.capsule.spec import (
 __all__ = [
     "CapsuleError",
     "CapsuleHost",
-    "CapsuleImage",
+    "CapsuleObject",
     "CapsuleSession",
     "CommitFailed",
+    "CommittedCapsule",
     "CriuProbe",
     "CriuProbeFailed",
     "DumpFailed",

@@ -6,20 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-import re
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import docker.errors
 import structlog
 
 from coldsnap.capsule.collect import (
+    HostFile,
     WorkerObjects,
     capsule_dir,
     collect_worker_objects,
-    host_sha256,
+    remove_capsule_files,
 )
 from coldsnap.capsule.errors import (
     CapsuleError,
@@ -27,10 +26,18 @@ from coldsnap.capsule.errors import (
     DumpFailed,
     EngineNotReady,
     GpuCheckpointFailed,
-    ImageDigestMismatch,
     QuiesceFailed,
 )
+from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir, pack_images
+from coldsnap.capsule.oci import (
+    capsule_repository,
+    ensure_image,
+    export_layers,
+    push,
+    rootfs_layers,
+)
 from coldsnap.capsule.runtime import (
+    LABEL_OPERATION,
     UnitHandle,
     create_container,
     criu_errors,
@@ -39,20 +46,25 @@ from coldsnap.capsule.runtime import (
     endpoint,
     fail,
     gpu_return_to_running,
+    new_container_name,
     pids_alive,
     remove_container,
 )
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
+    CRIU_WORK_DIR,
     ENGINE_LOG,
     ENGINE_LOG_MODE,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
+    Mount,
     UnitSpec,
     docker_name,
 )
 from coldsnap.engines import EngineCallFailed
+from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
+from coldsnap.formats.capsule import CapsuleManifest
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -69,8 +81,6 @@ setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
 echo $!
 """
 
-_BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-
 
 @dataclass(frozen=True)
 class DumpResult:
@@ -80,96 +90,25 @@ class DumpResult:
 
 
 @dataclass(frozen=True)
-class CapsuleImage:
-    """A committed capsule: an OCI image (rootfs diff + CRIU images) saved as a tar on the
-    capture host. `image_id` is the config digest, identical wherever the tar is loaded."""
+class CapsuleObject:
+    """One object of a committed capsule, where it lies on the capture host."""
 
-    unit_id: str
-    host: str
-    image_id: str
-    reference: str  # local tag on the capture host, e.g. coldsnap/capsule/u0:cap-1
-    tar_path: str  # on the capture host, under its data_dir
-    tar_sha256: str  # "sha256:<hex>"
-    tar_bytes: int
-    criu_images_bytes: int
-    engine_pid: int
-    worker_pids: Mapping[str, int]
-    captured_devices: tuple[str, ...]
-    base_image: str
-    base_image_digest: str
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["worker_pids"] = dict(self.worker_pids)
-        d["captured_devices"] = list(self.captured_devices)
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> CapsuleImage:
-        return cls(**{**d, "worker_pids": dict(d["worker_pids"]),
-                      "captured_devices": tuple(d["captured_devices"])})
+    role: str  # ROLE_CAPSULE (the layers above the base) or ROLE_CRIU_IMAGE
+    file: HostFile
 
 
-def split_reference(ref: str) -> tuple[str, str | None, str | None]:
-    """`repo[:tag][@sha256:...]` -> (repo, tag, digest); a registry port is not a tag, and a
-    bare `sha256:<hex>` (which the request format allows) has no repository at all."""
-    if _BARE_DIGEST.fullmatch(ref):
-        return "", None, ref
-    name, _, digest = ref.partition("@")
-    slash = name.rfind("/")
-    colon = name.rfind(":")
-    tag = None
-    if colon > slash:
-        name, tag = name[:colon], name[colon + 1:]
-    return name, tag, digest or None
+@dataclass(frozen=True)
+class CommittedCapsule:
+    """A committed capsule: its manifest (what the artifact records) and the objects on the
+    capture host that the controller pulls into the store."""
 
+    manifest: CapsuleManifest
+    objects: tuple[CapsuleObject, ...]
+    capture_id: str
 
-async def _bare_digest_image(s: CapsuleSession, spec: UnitSpec) -> Any:
-    """A bare digest names no repository to pull from: Docker resolves it as a local image
-    id, so the image must already be on the host."""
-    try:
-        return await s.call(s.client.images.get, spec.image_digest)
-    except docker.errors.NotFound:
-        raise fail(s, spec.unit_id, "pull",
-                   f"image {spec.image_digest} is not on this host, and a bare digest names no "
-                   "repository to pull it from: load it there first, or write the image as "
-                   "REPOSITORY@DIGEST", ImageDigestMismatch) from None
-    except docker.errors.DockerException as exc:
-        raise fail(s, spec.unit_id, "pull", f"cannot inspect {spec.image_digest}: {exc}") from exc
-
-
-async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
-    """Pull the unit's image and prove it is `image_digest`; returns the local image id.
-
-    `image_digest` is matched against the image's repository digests, and for a bare-digest
-    image (no repository) against its local image id too, which is what Docker resolves a
-    bare digest to."""
-    step = "pull"
-    repo, tag, ref_digest = split_reference(spec.image)
-    if ref_digest is not None and ref_digest != spec.image_digest:
-        raise fail(s, spec.unit_id, step,
-                   f"image {spec.image} pins {ref_digest}, but the unit's image_digest is "
-                   f"{spec.image_digest}", ImageDigestMismatch)
-    if not repo:
-        image = await _bare_digest_image(s, spec)
-    else:
-        want = ref_digest or tag or "latest"
-        try:
-            try:
-                image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
-            except docker.errors.NotFound:
-                image = await s.call(s.client.images.pull, repo, tag=want)
-        except docker.errors.DockerException as exc:
-            raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
-                       ImageDigestMismatch if ref_digest else CapsuleError) from exc
-    digests = {d.partition("@")[2] for d in image.attrs.get("RepoDigests") or []}
-    if not repo:
-        digests.add(str(image.id))
-    if spec.image_digest not in digests:
-        raise fail(s, spec.unit_id, step,
-                   f"pulled {spec.image} has digest {', '.join(sorted(digests)) or 'none'}, "
-                   f"not the unit's image_digest {spec.image_digest}", ImageDigestMismatch)
-    return str(image.id)
+    @property
+    def unit_id(self) -> str:
+        return self.manifest.unit_id
 
 
 async def start_unit(
@@ -180,15 +119,29 @@ async def start_unit(
 
     Returns at once; `wait_ready` waits for the engine's health endpoint."""
     step = "start"
-    image_id = await ensure_image(s, spec)
-    handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
-                                    step=step, error=CapsuleError)
+    image_id = await ensure_image(s, spec.unit_id, spec.image, spec.image_digest)
+    name = new_container_name(spec, role)
+    images: Mount | None = None
+    if role == "capture":
+        # CRIU dumps into the host, never into the rootfs that the capsule commits.
+        operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
+        host_dir = dump_dir(s.target.data_dir, operation, name)
+        await make_private_dir(s.target.host, host_dir)
+        images = Mount(host_dir, CRIU_IMAGES_DIR)
+    try:
+        handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
+                                        step=step, error=CapsuleError, images=images,
+                                        name=name)
+    except BaseException:
+        if images is not None:
+            await discard_dir(s.target.host, images.source)
+        raise
     container = await s.container(handle.container_id, spec.unit_id, step)
     out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])
     try:
         handle.engine_pid = int(out.stdout.split()[-1])
     except (ValueError, IndexError):
-        await remove_container(s, handle.container_id)
+        await remove_unit(s, handle)
         raise fail(s, spec.unit_id, step, f"engine launch failed: {out.tail()}") from None
     log.info("capsule.started", host=s.host, unit=spec.unit_id, step=step,
              container=handle.container_name, engine_pid=handle.engine_pid)
@@ -285,35 +238,50 @@ async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
     if problems:
         raise fail(s, handle.unit, step, "; ".join(problems))
     await resume(s, handle, step=step)
-    # A dump left in a serving container is the engine's memory, kept for nothing (after a
-    # commit it lives in the capsule; after a failure it is never used).
-    await s.exec(container, ["rm", "-rf", CRIU_IMAGES_DIR], timeout_s=120)
+    # A dump left beside a serving container is the engine's memory, kept for nothing (after
+    # a commit it lives in the capsule's objects; after a failure it is never used).
+    await _clear_dump(s, handle)
+
+
+async def _clear_dump(s: CapsuleSession, handle: UnitHandle) -> None:
+    if handle.images_dir is not None:
+        await s.target.host.run(["find", handle.images_dir, "-mindepth", "1", "-delete"],
+                                timeout=120, check=False)
 
 
 async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
-    """CRIU dump of the engine tree into the container's rootfs, leaving the tree running
-    (quiesced, GPUs checkpointed) so that a later failure elsewhere can still roll it back.
+    """CRIU dump of the engine tree into the host directory mounted at CRIU_IMAGES_DIR,
+    leaving the tree running (quiesced, GPUs checkpointed) so that a later failure elsewhere
+    can still roll it back. CRIU's log goes to CRIU_WORK_DIR, removed afterwards so that the
+    capsule's rootfs diff does not carry it.
 
     On failure the partial images are deleted, the unit is returned to serving and
     DumpFailed carries CRIU's own error lines."""
     step = "dump"
     container = await s.container(handle.container_id, handle.unit, step)
     assert handle.engine_pid is not None
-    await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_IMAGES_DIR])
+    if handle.images_dir is None:
+        raise fail(s, handle.unit, step, "the container has no host directory for its CRIU "
+                   "images (started for a capture?)", DumpFailed)
+    await _clear_dump(s, handle)
+    await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
     t0 = time.monotonic()
     out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
-                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"])
+                                   "-D", CRIU_IMAGES_DIR, "-W", CRIU_WORK_DIR,
+                                   "--leave-running", "-o", "dump.log"])
     seconds = time.monotonic() - t0
+    why = "" if out.ok else await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
+    await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
     if not out.ok:
-        why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/dump.log")
-        await s.exec(container, ["rm", "-rf", CRIU_IMAGES_DIR])
+        await _clear_dump(s, handle)
         detail = f"criu dump exited {out.exit_code}:\n{why}"
         try:
             await return_to_serving(s, handle)
         except CapsuleError as exc:
             detail += f"\n(rollback failed: {exc.detail})"
         raise fail(s, handle.unit, step, detail, DumpFailed)
-    du = await s.exec(container, ["du", "-sb", CRIU_IMAGES_DIR])
+    du = await s.target.host.run(["du", "-sb", "--", handle.images_dir], timeout=60,
+                                 check=False)
     size = int(du.stdout.split()[0]) if du.ok else 0
     log.info("capsule.dumped", host=s.host, unit=handle.unit, step=step, bytes=size,
              seconds=round(seconds, 3))
@@ -322,74 +290,103 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
 
 def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
     """Repository and tag of a unit's committed capsule on its capture host."""
-    return f"coldsnap/capsule/{docker_name(unit_id)}", docker_name(capture_id)
+    return capsule_repository(unit_id), docker_name(capture_id)
 
 
-async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
-                 dumped: DumpResult) -> CapsuleImage:
-    """`docker commit` the dumped container (rootfs diff + CRIU images) and `docker save` it
-    to <data_dir>/capsules/<capture>/<unit>/capsule.tar on this host. All or nothing."""
+async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
+                 *, registry: str | None = None) -> CommittedCapsule:
+    """The dumped unit as a capsule, all or nothing:
+    - its CRIU images packed into objects on this host, under
+      <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
+    - `docker commit` of its container: the rootfs diff over the base image only;
+    - with a `registry`, that image pushed there (the manifest names it by digest); without
+      one, its layers above the base exported to .../capsule.tar (the `oci-capsule` object).
+    """
     step = "commit"
     spec = handle.spec
     container = await s.container(handle.container_id, handle.unit, step)
     repo, tag = capsule_reference(spec.unit_id, capture_id)
     out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
-    final = f"{out_dir}/capsule.tar"
-    tmp = f"{final}.partial"
+    host = s.target.host
     image_id: str | None = None
     marks = [time.monotonic()]
+    objects: list[CapsuleObject] = []
+    pushed: str | None = None
     try:
+        if handle.images_dir is None:
+            raise ValueError("the unit has no dumped CRIU images")
+        await make_private_dir(host, out_dir)
+        image_set, packed = await pack_images(host, handle.images_dir, f"{out_dir}/criu",
+                                              size_hint=dumped.images_bytes)
+        objects += [CapsuleObject(ROLE_CRIU_IMAGE, HostFile(s.host, p.path, p.sha256, p.bytes))
+                    for p in packed]
+        await _clear_dump(s, handle)
+        marks.append(time.monotonic())
         image = await s.call(container.commit, repository=repo, tag=tag,
                              message=f"coldsnap capsule of unit {spec.unit_id}")
         image_id = str(image.id)
+        base = await rootfs_layers(s, spec.image)
+        layers = await rootfs_layers(s, image_id)
+        if layers[:len(base)] != base:
+            raise ValueError(f"the committed capsule {image_id} is not layered on its base "
+                             f"{spec.image}")
         marks.append(time.monotonic())
-        await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])
-        await s.host_docker("save", "-o", tmp, f"{repo}:{tag}", timeout_s=3600)
-        marks.append(time.monotonic())
-        sha, size = await host_sha256(s, tmp)
-        # Private (it holds the engine's memory), on disk before it is published.
-        await s.target.host.run(["chmod", "0600", tmp])
-        await s.target.host.run(["sync", "--", tmp])
-        await s.target.host.run(["mv", "-f", tmp, final])
+        if registry:
+            pushed = await push(s, spec.unit_id, image_id, capsule_repository(spec.unit_id,
+                                                                               registry), tag)
+        else:
+            exported = await export_layers(s, spec.unit_id, f"{repo}:{tag}", len(base),
+                                           f"{out_dir}/capsule.tar")
+            objects.append(CapsuleObject(ROLE_CAPSULE, HostFile(
+                s.host, exported.path, exported.sha256, exported.bytes)))
         marks.append(time.monotonic())
     except Exception as exc:
-        await s.target.host.run(["rm", "-f", tmp, final], check=False)
+        await discard_dir(host, out_dir)
         if image_id is not None:
             with contextlib.suppress(docker.errors.DockerException):
                 await s.call(s.client.images.remove, image_id, force=True)
         raise fail(s, handle.unit, step, f"{type(exc).__name__}: {exc}", CommitFailed) from exc
     assert handle.engine_pid is not None
     log.info("capsule.committed", host=s.host, unit=handle.unit, step=step, image=image_id,
-             tar=final, bytes=size, commit_seconds=round(marks[1] - marks[0], 3),
-             save_seconds=round(marks[2] - marks[1], 3), hash_seconds=round(marks[3] - marks[2], 3))
-    return CapsuleImage(
-        unit_id=spec.unit_id, host=s.host, image_id=image_id, reference=f"{repo}:{tag}",
-        tar_path=final, tar_sha256=sha, tar_bytes=size, criu_images_bytes=dumped.images_bytes,
+             pushed=pushed, criu_objects=len(packed), criu_bytes=image_set.total_bytes,
+             pack_seconds=round(marks[1] - marks[0], 3),
+             commit_seconds=round(marks[2] - marks[1], 3),
+             export_seconds=round(marks[3] - marks[2], 3))
+    manifest = CapsuleManifest(
+        unit_id=spec.unit_id,
+        image=CapsuleImage(unit=spec.unit_id, reference=pushed or f"{repo}:{tag}",
+                                   digest=pushed.partition("@")[2] if pushed else image_id),
+        image_id=image_id, pushed=pushed, base_image=spec.image,
+        base_image_digest=spec.image_digest, criu_images=image_set,
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
-        captured_devices=handle.devices, base_image=spec.image,
-        base_image_digest=spec.image_digest)
+        captured_devices=list(handle.devices))
+    return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 
 async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
     """Remove the unit's container and everything running in it."""
     removed = await remove_container(s, handle.container_id)
+    if handle.role == "capture" and handle.images_dir is not None:
+        await discard_dir(s.target.host, handle.images_dir)
     log.info("capsule.removed", host=s.host, unit=handle.unit, container=handle.container_name,
              removed=removed)
     return removed
 
 
-async def discard_capsule(s: CapsuleSession, capsule: CapsuleImage) -> None:
-    """Delete a committed capsule from its capture host (image, tar and the replay plans
-    beside it), e.g. on rollback."""
-    await s.target.host.run(["rm", "-rf", "--", posixpath.dirname(capsule.tar_path)],
-                            check=False)
+async def discard_capsule(s: CapsuleSession, capsule: CommittedCapsule) -> None:
+    """Delete a committed capsule from its capture host (image, objects and the replay plans
+    beside them), e.g. on rollback. A pushed capsule stays in the registry: nothing names it
+    once no artifact does."""
+    await remove_capsule_files(s.target.host, s.target.data_dir, capsule.capture_id,
+                               capsule.unit_id)
     with contextlib.suppress(docker.errors.DockerException):
-        await s.call(s.client.images.remove, capsule.image_id, force=True)
+        await s.call(s.client.images.remove, capsule.manifest.image_id, force=True)
 
 
 async def capture_unit(
-    s: CapsuleSession, spec: UnitSpec, capture_id: str, *, remove: bool = True
-) -> tuple[CapsuleImage, list[WorkerObjects]]:
+    s: CapsuleSession, spec: UnitSpec, capture_id: str, *, remove: bool = True,
+    registry: str | None = None,
+) -> tuple[CommittedCapsule, list[WorkerObjects]]:
     """All capture steps for a lone unit, in order (tests, benchmarks; the operations layer
     calls the steps itself to put barriers between units)."""
     handle = await start_unit(s, spec)
@@ -398,7 +395,7 @@ async def capture_unit(
         await quiesce(s, handle)
         await checkpoint_gpus(s, handle)
         dumped = await dump(s, handle)
-        capsule = await commit(s, handle, capture_id, dumped)
+        capsule = await commit(s, handle, capture_id, dumped, registry=registry)
         objects = await collect_worker_objects(s, handle, capture_id)
     except BaseException:
         await remove_unit(s, handle)
@@ -409,7 +406,8 @@ async def capture_unit(
 
 
 __all__ = [
-    "CapsuleImage",
+    "CapsuleObject",
+    "CommittedCapsule",
     "DumpResult",
     "capsule_reference",
     "capture_unit",
@@ -417,12 +415,10 @@ __all__ = [
     "commit",
     "discard_capsule",
     "dump",
-    "ensure_image",
     "quiesce",
     "remove_unit",
     "resume",
     "return_to_serving",
-    "split_reference",
     "start_unit",
     "wait_ready",
 ]

@@ -1,6 +1,7 @@
 """Restore steps for one unit on one host, plus the CRIU capability probe.
 
-Order for one unit: probe_criu -> load_capsule -> start_restore_container -> criu_restore
+Order for one unit: probe_criu -> load_capsule (coldsnap.capsule.oci) -> start_restore_container
+(its CRIU images assembled on the host first: coldsnap.capsule.images) -> criu_restore
 (restored, GPUs still checkpointed, intake still closed) -> restore_gpus -> release -> validate.
 """
 
@@ -18,13 +19,13 @@ import docker.errors
 import structlog
 
 from coldsnap.admission import criu_inet_refusal
-from coldsnap.capsule.capture import CapsuleImage, resume
+from coldsnap.capsule.capture import resume
 from coldsnap.capsule.errors import (
     CriuProbeFailed,
-    ImageDigestMismatch,
     RestoreFailed,
     ValidationFailed,
 )
+from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.runtime import (
     LABEL_ROLE,
     UnitHandle,
@@ -42,13 +43,16 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
     CRIU_SECURITY_OPT,
+    CRIU_WORK_DIR,
     ENGINE_LOG,
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
     UNMASKED_PATHS,
+    Mount,
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
+from coldsnap.formats.capsule import CapsuleManifest
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -139,33 +143,12 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
     return CriuProbe(s.host, image, output, version)
 
 
-async def load_capsule(s: CapsuleSession, capsule: CapsuleImage, staged_tar: str) -> str:
-    """Load the capsule tar staged on this host into its dockerd (skipped when the image is
-    already there) and prove it is the captured image; returns the image id."""
-    step = "load"
-    try:
-        await s.call(s.client.images.get, capsule.image_id)
-        return capsule.image_id
-    except docker.errors.NotFound:
-        pass
-    try:
-        await s.host_docker("load", "-q", "-i", staged_tar, timeout_s=3600)
-    except Exception as exc:
-        raise fail(s, capsule.unit_id, step, f"docker load {staged_tar}: {exc}",
-                   RestoreFailed) from exc
-    try:
-        await s.call(s.client.images.get, capsule.image_id)
-    except docker.errors.NotFound:
-        raise fail(s, capsule.unit_id, step, f"{staged_tar} does not hold image "
-                   f"{capsule.image_id}", ImageDigestMismatch) from None
-    return capsule.image_id
-
-
 async def create_restore_container(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str
 ) -> UnitHandle:
     """Create (not start) a quiet container from the capsule with the destination's devices
-    and mounts: preparation that may run ahead, e.g. right after `load_capsule`."""
+    and mounts, and the unit's assembled CRIU images (`images_dir` on this host) mounted
+    read-only: preparation that may run ahead, e.g. right after `load_capsule`."""
     step = "create-restore"
     if spec.unit_id != capsule.unit_id:
         raise fail(s, spec.unit_id, step, f"capsule belongs to unit {capsule.unit_id}",
@@ -175,7 +158,8 @@ async def create_restore_container(
                    f"{len(spec.devices)} devices given, the unit was captured with "
                    f"{len(capsule.captured_devices)}", RestoreFailed)
     handle = await create_container(s, spec, capsule.image_id, devices=spec.devices,
-                                    role="restore", step=step, error=RestoreFailed, start=False)
+                                    role="restore", step=step, error=RestoreFailed, start=False,
+                                    images=Mount(images_dir, CRIU_IMAGES_DIR, read_only=True))
     handle.engine_pid = capsule.engine_pid
     handle.worker_pids = dict(capsule.worker_pids)
     return handle
@@ -187,11 +171,11 @@ async def start_created_container(s: CapsuleSession, handle: UnitHandle) -> None
 
 
 async def start_restore_container(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str
 ) -> UnitHandle:
     """A fresh quiet container from the capsule, with the destination's devices and mounts:
     `create_restore_container` + `start_created_container`."""
-    handle = await create_restore_container(s, spec, capsule)
+    handle = await create_restore_container(s, spec, capsule, images_dir)
     await start_created_container(s, handle)
     return handle
 
@@ -199,20 +183,21 @@ async def start_restore_container(
 # Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
 # the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
 # runs again before all of its memory is read back. The daemon's stdio goes to a file: with
-# the exec's pipes it would hold the exec open until it exits.
+# the exec's pipes it would hold the exec open until it exits. The images ($1) are mounted
+# read-only: logs and the daemon's socket go to the work directory ($2).
 _LAZY_RESTORE = """set -e
-setsid criu lazy-pages -D "$1" -o lazy-pages.log </dev/null >>"$1/lazy-pages.out" 2>&1 &
+setsid criu lazy-pages -D "$1" -W "$2" -o lazy-pages.log </dev/null >>"$2/lazy-pages.out" 2>&1 &
 i=0
-until [ -S "$1/lazy-pages.socket" ]; do
+until [ -S "$2/lazy-pages.socket" ]; do
   i=$((i + 1)); [ "$i" -le 1000 ] || { echo "lazy-pages daemon did not start" >&2; exit 97; }
   sleep 0.01
 done
-criu restore -D "$1" -d --lazy-pages -o restore.log
+criu restore -D "$1" -W "$2" -d --lazy-pages -o restore.log
 """
-_FULL_RESTORE = 'criu restore -D "$1" -d -o restore.log || exit $?\n'
+_FULL_RESTORE = 'criu restore -D "$1" -W "$2" -d -o restore.log || exit $?\n'
 # The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
-_LOG_MODE = f"chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n"
-_CHECK_PIDS = 'd=$1; shift; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
+_PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$2"\n'
+_CHECK_PIDS = 'shift 2; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
 
 
 async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
@@ -227,12 +212,12 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     t0 = time.monotonic()
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
-    script = _LOG_MODE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
-    out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
+    script = _PREPARE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
+    out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR,
                                    *[str(p) for p in want]])
     seconds = time.monotonic() - t0
     if not out.ok:
-        why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/restore.log")
+        why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/restore.log")
         raise fail(s, handle.unit, step, f"criu restore exited {out.exit_code}:\n{why}",
                    RestoreFailed)
     missing = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("missing ")]
@@ -313,16 +298,17 @@ async def validate(s: CapsuleSession, handle: UnitHandle, *,
 
 
 async def restore_unit(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleImage, staged_tar: str, *,
-    placement: Mapping[str, Any] | None = None,
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str,
+    staged_layers: str | None, *, placement: Mapping[str, Any] | None = None,
 ) -> tuple[UnitHandle, ValidationResult]:
-    """All restore steps for a lone unit, in order (tests, benchmarks). On failure the
-    container it started is removed."""
+    """All restore steps for a lone unit, in order (tests, benchmarks): the capsule's CRIU
+    images already assembled at `images_dir` on this host, its layers staged at
+    `staged_layers` unless it was pushed. On failure the container it started is removed."""
     from coldsnap.capsule.capture import remove_unit
 
     await probe_criu(s, capsule.base_image, unit=spec.unit_id)
-    await load_capsule(s, capsule, staged_tar)
-    handle = await start_restore_container(s, spec, capsule)
+    await load_capsule(s, capsule, staged_layers)
+    handle = await start_restore_container(s, spec, capsule, images_dir)
     try:
         await criu_restore(s, handle)
         await restore_gpus(s, handle, device_map(capsule.captured_devices, spec.devices))

@@ -22,6 +22,7 @@ from coldsnap.capsule.spec import (
     CRIU_SECURITY_OPT,
     RUNTIME_DIR,
     UNMASKED_PATHS,
+    Mount,
     UnitSpec,
     container_name,
 )
@@ -54,6 +55,9 @@ class UnitHandle:
     devices: tuple[str, ...]  # GPU UUIDs this container was given, by device slot
     engine_pid: int | None = None  # PID of the engine tree's root inside the container
     worker_pids: dict[str, int] = field(default_factory=dict)  # worker id -> PID inside
+    # Host directory mounted at CRIU_IMAGES_DIR: a capture's dump target (private to this
+    # container), or a restore's published image set (read-only, shared).
+    images_dir: str | None = None
 
     @property
     def unit(self) -> str:
@@ -75,10 +79,14 @@ async def create_container(
     step: str,
     error: type[CapsuleError],
     start: bool = True,
+    images: Mount | None = None,
+    name: str | None = None,
 ) -> UnitHandle:
-    name = container_name(spec.unit_id, role, secrets.token_hex(4), spec.cluster_id)
+    """A quiet container of the unit; `images` is the host directory of its CRIU images."""
+    name = name or new_container_name(spec, role)
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
+    mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
     api = s.client.api
     host_config: dict[str, Any] = api.create_host_config(
         # Engines serve on TCP and their workers talk across hosts, as on real machines: the
@@ -89,7 +97,7 @@ async def create_container(
         mounts=[
             docker.types.Mount(target=m.target, source=m.source, type="bind",
                                read_only=m.read_only)
-            for m in spec.container_mounts()
+            for m in mounts
         ],
         device_requests=(
             [docker.types.DeviceRequest(device_ids=list(devices), capabilities=[["gpu"]])]
@@ -106,10 +114,15 @@ async def create_container(
             labels=labels, detach=True)
     except docker.errors.DockerException as exc:
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
-    handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices))
+    handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices),
+                        images_dir=images.source if images is not None else None)
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
+
+
+def new_container_name(spec: UnitSpec, role: str) -> str:
+    return container_name(spec.unit_id, role, secrets.token_hex(4), spec.cluster_id)
 
 
 async def _blank_workload_labels(s: CapsuleSession, image: str) -> dict[str, str]:

@@ -30,9 +30,13 @@ CRIU_SECURITY_OPT: tuple[str, ...] = (
 # it into these HostConfig fields): /proc/sys writable and unmasked, needed for ns_last_pid.
 UNMASKED_PATHS: dict[str, list[str]] = {"MaskedPaths": [], "ReadonlyPaths": []}
 
-# Paths inside the capsule. They live in the container's rootfs, so a commit carries them.
+# Paths inside the capsule. They live in the container's rootfs, so a commit carries them,
+# except the CRIU images: a host directory is mounted there (coldsnap.capsule.images).
 CAPSULE_STATE_DIR = "/var/lib/coldsnap"
 CRIU_IMAGES_DIR = f"{CAPSULE_STATE_DIR}/images"
+# CRIU's logs and the lazy-pages socket: never in the images directory, which a restore
+# mounts read-only; removed before a commit.
+CRIU_WORK_DIR = f"{CAPSULE_STATE_DIR}/criu-work"
 # The unit's runtime directory: where the controller hands the engine what only it knows, such
 # as the placement after a restore (CRIU brings back the captured argv and environment).
 RUNTIME_DIR = f"{CAPSULE_STATE_DIR}/runtime"

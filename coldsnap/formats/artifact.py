@@ -41,6 +41,9 @@ COMPATIBILITY_POLICY: Final = "placement-independent-v1"
 ROLE_CAPSULE = "oci-capsule"
 ROLE_WEIGHTS = "model-weight-payload"
 ROLE_REPLAY_PLAN = "replay-plan"
+# A unit's CRIU images, as content-addressed chunks and packs (several objects per unit; the
+# unit's capsule manifest says how they make up the image files).
+ROLE_CRIU_IMAGE = "criu-image"
 # Control-node-only objects: never staged to a host.
 ROLE_CAPSULE_MANIFEST = "capsule-manifest"
 # The canonical capture request: a restore without a request takes its policy and validation
@@ -69,6 +72,10 @@ def payload_path(sha256: str) -> str:
 
 def replay_plan_path(worker_id: str) -> str:
     return f"replay-plans/{worker_id}.json"
+
+
+def criu_image_path(sha256: str) -> str:
+    return f"criu-images/sha256/{sha256.removeprefix('sha256:')}"
 
 
 class ArtifactSnapshotDriver(StrictModel):
@@ -155,6 +162,9 @@ class Artifact(StrictModel):
 
     def objects_owned_by(self, owner: str) -> list[ArtifactObject]:
         return [o for o in self.objects if o.owner == owner]
+
+    def objects_with(self, role: str, owner: str) -> list[ArtifactObject]:
+        return [o for o in self.objects if o.role == role and o.owner == owner]
 
     def object(self, role: str, owner: str) -> ArtifactObject:
         for obj in self.objects:

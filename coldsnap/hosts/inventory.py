@@ -17,6 +17,9 @@
           - {uuid: GPU-..., name: NVIDIA GB10, compute_capability: "12.1",
              memory_bytes: 137438953472}
 
+    registry: 198.18.0.1:5000             # optional, top level: an OCI registry every host's
+                                          # Docker can push to and pull from (HOST[:PORT])
+
 Relative `identity_file` / `known_hosts` paths are taken relative to the inventory file.
 """
 
@@ -127,10 +130,32 @@ class HostEntry(BaseModel):
         return f"{self.user}@{self.address}:{self.port}"
 
 
+# A registry as Docker names it in a reference: a DNS name or IPv4 address, or an IPv6
+# address in brackets, and an optional port. No scheme, path, user or whitespace.
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_REGISTRY = re.compile(rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::(\d{{1,5}}))?")
+
+
 class Inventory(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     hosts: list[HostEntry] = Field(min_length=1)
+    # Where capture pushes each unit's capsule and restore hosts pull it, both by digest.
+    registry: str | None = None
+
+    @field_validator("registry")
+    @classmethod
+    def _registry_shape(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        match = _REGISTRY.fullmatch(v)
+        if match is None or len(v) > 255:
+            raise ValueError("must be HOST or HOST:PORT (a DNS name, an IPv4 address or a "
+                             "bracketed IPv6 address; no scheme, path or spaces), e.g. "
+                             "198.18.0.1:5000")
+        if match.group(1) is not None and not 1 <= int(match.group(1)) <= 65535:
+            raise ValueError("port must be 1-65535")
+        return v
 
     @model_validator(mode="after")
     def _unique_and_resolvable(self) -> Inventory:

@@ -50,10 +50,10 @@ from coldsnap.formats.artifact import (
     RecoveryRecord,
     ReplayPlanEntry,
     WeightsRecord,
+    criu_image_path,
     payload_path,
     replay_plan_path,
 )
-from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import Host, ProgressCallback
@@ -156,7 +156,8 @@ async def _capture_units(
     dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
 
     async def do_commit(r: UnitRun) -> None:
-        r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id])
+        r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
+                                 registry=hosts.inventory.registry)
 
     await phase(ctx, "commit", runs, do_commit)
 
@@ -175,12 +176,14 @@ async def _capture_units(
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
-        digest, size = await _fetch(host, r.capsule.tar_path, store, r.capsule.tar_sha256,
-                                    progress(f"capsule of {unit_owner}"))
-        objects.append(ArtifactObject(role=ROLE_CAPSULE, owner=unit_owner,
-                                      path=f"capsules/{r.placed.unit_id}.tar", bytes=size,
-                                      sha256=digest))
-        manifest = canonical_json(r.capsule.to_json())
+        for obj in r.capsule.objects:
+            digest, size = await _fetch(host, obj.file.path, store, obj.file.sha256,
+                                        progress(f"{obj.role} of {unit_owner}"))
+            path = (f"capsules/{r.placed.unit_id}.tar" if obj.role == ROLE_CAPSULE
+                    else criu_image_path(digest))
+            objects.append(ArtifactObject(role=obj.role, owner=unit_owner, path=path,
+                                          bytes=size, sha256=digest))
+        manifest = canonical_json(r.capsule.manifest.to_json())
         m_digest, m_size = store.add_bytes(manifest)
         objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,
                                       path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
@@ -217,8 +220,7 @@ async def _capture_units(
         compat.append(compatibility_entry(r.placed, facts[r.placed.host],
                                           driver.minimum_driver_major,
                                           cuda_userspace=r.placed.spec.image_digest))
-        images.append(ArtifactCapsuleImage(unit=r.placed.unit_id, reference=r.capsule.reference,
-                                           digest=r.capsule.image_id))
+        images.append(r.capsule.manifest.image)
     objects.sort(key=lambda o: (o.owner.split("/")[0] != "unit", o.owner, o.role))
     replay.sort(key=lambda e: e.worker)
     artifact = Artifact(

@@ -237,7 +237,7 @@ async def _failed(ctx: OperationContext, t: Target, hosts: HostSet,
 
 def _captured(store: LocalStore, t: Target) -> dict[str, tuple[str, ...]]:
     """Unit id -> the devices it was captured on (the capsule manifest's)."""
-    return {u.id: capsule_meta(store, t.stored.artifact, u.id).captured_devices
+    return {u.id: tuple(capsule_meta(store, t.stored.artifact, u.id).captured_devices)
             for u in t.launch.units}
 
 

@@ -17,14 +17,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from coldsnap.admission import HostFacts, check_admission
-from coldsnap.capsule.capture import CapsuleImage, start_unit, wait_ready
+from coldsnap.capsule.capture import start_unit, wait_ready
 from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.lifecycle import GpuRecord, write_gpu_record
+from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import (
     criu_restore,
     deliver_placement,
     device_map,
-    load_capsule,
     probe_criu,
     release,
     restore_gpus,
@@ -40,13 +41,15 @@ from coldsnap.capsule.runtime import (
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import (
+    ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,
     ROLE_REPLAY_PLAN,
     ROLE_WEIGHTS,
     Artifact,
     ArtifactObject,
 )
-from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.capsule import CapsuleManifest, parse_capsule_manifest
+from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
@@ -70,7 +73,7 @@ Fallback = Literal["none", "replay"]
 
 @dataclass
 class RestoreRun(UnitRun):
-    capsule_meta: CapsuleImage | None = None
+    capsule_meta: CapsuleManifest | None = None
     replay_reason: str | None = None  # set when the unit is re-created natively instead
 
 
@@ -119,10 +122,14 @@ def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -
             raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
 
 
-def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
+def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleManifest:
     obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
     data: Any = json.loads(store.read_bytes(obj.sha256))
-    return CapsuleImage.from_json(data)
+    try:
+        return parse_capsule_manifest(data)
+    except ArtifactInvalid as exc:
+        raise OperationFailed("artifact", f"the capsule manifest of unit {unit_id}: "
+                              f"{exc}") from None
 
 
 async def restore(
@@ -170,17 +177,16 @@ async def restore(
                 # are freed by that replacement, not a conflict.
                 replaced = await _replaced_units(placed, sessions)
                 await check_ports_free(hosts, unit_ports(launch, topology), exempt=replaced)
-        with ctx.span("restore.stage"):
-            outcome.staging = await _stage(hosts, store, per_host, ctx)
-
         runs = [RestoreRun(p, sessions[p.host]) for p in placed]
         for r in runs:
             r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
             if r.placed.unit_id in replay_units:
                 r.replay_reason = _issues_text(refusals[r.placed.unit_id])
+        with ctx.span("restore.stage"):
+            outcome.staging = await _stage(hosts, store, per_host, runs, ctx)
 
-        await _load_and_probe(ctx, hosts, runs, facts, kernel_policy=policy.compatibility.kernel,
-                              fallback=fallback)
+        await _load_and_probe(ctx, hosts, artifact, runs, facts,
+                              kernel_policy=policy.compatibility.kernel, fallback=fallback)
         outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
         for r in runs:
             if r.replay_reason:
@@ -224,12 +230,15 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
 
 
 async def _stage(hosts: HostSet, store: LocalStore,
-                 per_host: dict[str, list[ArtifactObject]],
+                 per_host: dict[str, list[ArtifactObject]], runs: Sequence[RestoreRun],
                  ctx: OperationContext) -> list[HostStaging]:
     async def one(name: str) -> HostStaging:
+        sets = [r.capsule_meta.criu_images for r in runs
+                if r.placed.host == name and r.capsule_meta is not None]
         with ctx.span("restore.stage-host", host=name):
             return await stage_host(hosts.host(name), hosts.entries[name].data_dir,
-                                    per_host[name], store, progress=ctx.progress)
+                                    per_host[name], store, progress=ctx.progress,
+                                    image_sets=sets, operation_id=ctx.operation_id)
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
     for name, res in zip(per_host, results, strict=True):
@@ -256,8 +265,8 @@ async def _replaced_units(placed: Sequence[PlacedUnit],
     return [u for u in await asyncio.gather(*(one(p) for p in placed)) if u]
 
 
-async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[RestoreRun],
-                          facts: dict[str, HostFacts], *,
+async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artifact,
+                          runs: list[RestoreRun], facts: dict[str, HostFacts], *,
                           kernel_policy: str, fallback: Fallback) -> None:
     """Load each capsule on its destination and run its pinned CRIU's probe there. A failing
     probe makes the unit's snapshot inadmissible: refused, or replayed with --fallback."""
@@ -267,8 +276,9 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[Rest
         if r.replay_reason:
             return
         data_dir = hosts.entries[r.placed.host].data_dir
-        tar = remote_object_path(data_dir, r.capsule_meta.tar_sha256)
-        await load_capsule(r.session, r.capsule_meta, tar)
+        layers = artifact.objects_with(ROLE_CAPSULE, f"unit/{r.placed.unit_id}")
+        staged = remote_object_path(data_dir, layers[0].sha256) if layers else None
+        await load_capsule(r.session, r.capsule_meta, staged)
         if kernel_policy == "capability":
             try:
                 await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id,
@@ -315,7 +325,10 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     async def start(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
-        r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta)
+        images = image_set_dir(hosts.entries[r.placed.host].data_dir,
+                               r.capsule_meta.criu_images)
+        r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta,
+                                                 images)
 
     captured = {u.id: u for u in artifact.launch.units}
 
@@ -361,8 +374,8 @@ async def hold_warm(r: RestoreRun) -> None:
     GPU state checkpointed on the captured devices, until a `wake` restores the GPUs with the
     map from those devices (the GPU record says so) and wakes the engine."""
     assert r.capsule_meta is not None
-    await write_gpu_record(r.session, r.started,
-                           GpuRecord(r.capsule_meta.captured_devices, dict(r.started.worker_pids)))
+    await write_gpu_record(r.session, r.started, GpuRecord(
+        tuple(r.capsule_meta.captured_devices), dict(r.started.worker_pids)))
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:

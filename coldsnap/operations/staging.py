@@ -2,16 +2,37 @@
 
 The far side's copy is named by digest under `<data_dir>/objects/sha256/<hex>`; a copy that is
 already there and hashes right is not sent again.
+
+A unit's CRIU images (role `criu-image`) are reassembled on the host while they arrive: each
+object is placed into the image directory as soon as it has landed, while the next one is in
+flight, and once all are placed the directory is published under the image set's digest and
+the staged objects are dropped (their bytes live on in it). A host that holds the published
+directory already, verified, receives none of them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from coldsnap.capsule.images import (
+    begin_assembly,
+    discard_dir,
+    finish_assembly,
+    image_set_ready,
+    place_object,
+)
 from coldsnap.digests import check_digest
-from coldsnap.formats.artifact import Artifact, ArtifactObject
+from coldsnap.formats.artifact import (
+    ROLE_CAPSULE,
+    ROLE_CRIU_IMAGE,
+    Artifact,
+    ArtifactObject,
+)
+from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
 from coldsnap.hosts.transfer_protocol import remote_file_digest
 from coldsnap.store import LocalStore, ObjectCorrupt
@@ -35,6 +56,13 @@ def remote_object_path(data_dir: str, object_digest: str) -> str:
     return posixpath.join(data_dir, "objects", "sha256", check_digest(object_digest))
 
 
+# Roles a unit may own any number of: CRIU image chunks, and no `oci-capsule` when the capsule
+# was pushed to a registry.
+_SEVERAL = (ROLE_CRIU_IMAGE, ROLE_CAPSULE)
+# CRIU objects placed at once on one host while the next ones arrive.
+_PLACING = 2
+
+
 def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[ArtifactObject]]:
     """Which artifact objects each host of `topology` (the restore placement) must hold.
 
@@ -45,10 +73,14 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
         seen: set[str] = set()
         chosen: list[ArtifactObject] = []
         for item in planned:
-            obj = artifact.object(item.role, str(item.owner))
-            if obj.sha256 not in seen:
-                seen.add(obj.sha256)
-                chosen.append(obj)
+            if item.role in _SEVERAL:
+                found = artifact.objects_with(item.role, str(item.owner))
+            else:
+                found = [artifact.object(item.role, str(item.owner))]
+            for obj in found:
+                if obj.sha256 not in seen:
+                    seen.add(obj.sha256)
+                    chosen.append(obj)
         plan[host] = chosen
     return plan
 
@@ -58,35 +90,94 @@ async def remote_has(host: Host, path: str, object_digest: str) -> bool:
     return found is not None and found[1] == object_digest
 
 
+async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStore,
+                progress: Callable[[str], ProgressCallback | None] | None,
+                result: HostStaging) -> str:
+    """The object's staged copy on the host, sent unless it is there and hashes right."""
+    remote = remote_object_path(data_dir, obj.sha256)
+    if await remote_has(host, remote, obj.sha256):
+        result.skipped.append(obj.sha256)
+        return remote
+    local = store.object_path(obj.sha256)
+    if not local.is_file():
+        raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
+                            f"from the store")
+    # Staged objects (CRIU memory dumps among them) are private to the owner.
+    await host.run(["mkdir", "-m", "0700", "-p", "--", posixpath.dirname(remote)])
+    callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
+    sent = await host.put(local, remote, progress=callback)
+    if sent.sha256 != obj.sha256:
+        # The store's bytes changed under us: the far copy is of no use and must not stay.
+        await host.run(["rm", "-f", "--", remote], check=False)
+        raise ObjectCorrupt(f"object {obj.sha256} in the store hashed to {sent.sha256} while "
+                            f"being sent to {host.name}")
+    result.sent_bytes += sent.sent_bytes
+    result.sent.append(obj.sha256)
+    return remote
+
+
 async def stage_host(
     host: Host,
     data_dir: str,
     objects: Sequence[ArtifactObject],
     store: LocalStore,
     progress: Callable[[str], ProgressCallback | None] | None = None,
+    *,
+    image_sets: Sequence[CriuImageSet] = (),
+    operation_id: str = "adhoc",
 ) -> HostStaging:
-    """Send the missing objects to one host; every local read is digest-verified in flight."""
+    """Send the missing objects to one host; every local read is digest-verified in flight.
+    The CRIU objects of `image_sets` (the host's units') are assembled into their published
+    image directories on the way; an assembly left unfinished is removed."""
     result = HostStaging(host.name, list(objects))
-    for obj in objects:
-        remote = remote_object_path(data_dir, obj.sha256)
-        if await remote_has(host, remote, obj.sha256):
-            result.skipped.append(obj.sha256)
-            continue
-        local = store.object_path(obj.sha256)
-        if not local.is_file():
-            raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
-                                f"from the store")
-        # Staged objects (CRIU memory dumps among them) are private to the owner.
-        await host.run(["mkdir", "-m", "0700", "-p", "--", posixpath.dirname(remote)])
-        callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
-        sent = await host.put(local, remote, progress=callback)
-        if sent.sha256 != obj.sha256:
-            # The store's bytes changed under us: the far copy is of no use and must not stay.
-            await host.run(["rm", "-f", "--", remote], check=False)
-            raise ObjectCorrupt(f"object {obj.sha256} in the store hashed to {sent.sha256} while "
-                                f"being sent to {host.name}")
-        result.sent_bytes += sent.sent_bytes
-        result.sent.append(obj.sha256)
+    todo: dict[str, CriuImageSet] = {}
+    for image_set in image_sets:
+        if image_set.digest not in todo and not await image_set_ready(host, data_dir,
+                                                                       image_set):
+            todo[image_set.digest] = image_set
+    wanted = {o.sha256 for st in todo.values() for o in st.objects}
+    parts: dict[str, str] = {}
+    placing: list[asyncio.Task[None]] = []
+    slots = asyncio.Semaphore(_PLACING)
+    staged_criu: list[str] = []
+
+    async def place(part: str, remote: str, image_set: CriuImageSet, digest: str) -> None:
+        async with slots:
+            await place_object(host, part, remote, image_set, digest)
+
+    try:
+        for key, image_set in todo.items():
+            parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
+        for obj in objects:
+            if obj.role == ROLE_CRIU_IMAGE and obj.sha256 not in wanted:
+                result.skipped.append(obj.sha256)  # its image set is on the host already
+                continue
+            remote = await _send(host, data_dir, obj, store, progress, result)
+            if obj.role != ROLE_CRIU_IMAGE:
+                continue
+            staged_criu.append(remote)
+            for key, image_set in todo.items():
+                if any(o.sha256 == obj.sha256 for o in image_set.objects):
+                    placing.append(asyncio.create_task(
+                        place(parts[key], remote, image_set, obj.sha256)))
+            # A failed placement stops the staging now, not after every byte is sent.
+            for task in placing:
+                if task.done() and task.exception() is not None:
+                    await task
+        await asyncio.gather(*placing)
+        for key, image_set in todo.items():
+            await finish_assembly(host, parts.pop(key), data_dir, image_set)
+    except BaseException:
+        for task in placing:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*placing, return_exceptions=True)
+        for part in parts.values():
+            await asyncio.shield(discard_dir(host, part))
+        raise
+    if staged_criu:
+        # Their bytes live on in the published image directories.
+        await host.run(["rm", "-f", "--", *staged_criu], check=False)
     return result
 
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coldsnap.capsule.capture import CapsuleImage
+from coldsnap.capsule.capture import CommittedCapsule
 from coldsnap.capsule.collect import WorkerObjects
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.runtime import UnitHandle
@@ -37,7 +37,7 @@ class UnitRun:
     placed: PlacedUnit
     session: CapsuleSession
     handle: UnitHandle | None = None
-    capsule: CapsuleImage | None = None
+    capsule: CommittedCapsule | None = None
     workers: list[WorkerObjects] | None = None
 
     @property

@@ -1,0 +1,309 @@
+"""The host side of CRIU image packing and capsule layer export: a small program the
+controller sends with every call (`python3 -c <this file's source> MODE ARGS`), nothing is
+installed on the host. Python 3.8 and the standard library only: only this text crosses.
+
+Modes:
+  pack SRC OUT CHUNK SMALL  the regular files of SRC as content-addressed objects OUT/<hex>:
+                            a file over SMALL bytes cut into CHUNK-byte objects, smaller files
+                            packed together up to CHUNK; prints the layout as JSON
+  place ROOT OBJ HEX        stdin [[name, file_offset, object_offset, length], ...]: write
+                            OBJ's bytes into ROOT's files while hashing it; exit 4 when OBJ is
+                            not HEX
+  finish PART FINAL         stdin [[name, size, mode], ...]: check, fsync, publish PART as FINAL
+  verify DIR                stdin [[hex, size, [[name, file_offset, length], ...]], ...]:
+                            exit 0 when DIR holds exactly those bytes, 1 when DIR is absent,
+                            4 (naming the object) when they differ
+  layers SRC DST NBASE      a `docker save` tar without its first NBASE layers: what
+                            `docker load` needs on a host that has the base image; prints
+                            "HEX SIZE" of DST
+
+Objects and published files are fsync'd before their rename and their directory after it;
+everything is private to the owner (0600 files, 0700 directories): CRIU images hold the
+engine's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import sys
+import tarfile
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+EXIT_ABSENT = 1
+EXIT_MISMATCH = 4
+BUF = 1 << 20
+
+
+def fail(code: int, msg: str) -> NoReturn:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: str, final: str) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+class ObjectWriter:
+    """Objects written under a temporary name while hashed, published under their digest."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.objects: list[tuple[str, int]] = []
+        self.listed: set[str] = set()
+        self.f: Any = None
+        self.h: Any = None
+        self.size = 0
+
+    def start(self) -> None:
+        tmp = os.path.join(self.out, ".object.partial")
+        # Kept open across write() calls until close(): not a with-block's lifetime.
+        self.f = open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")  # noqa: SIM115
+        self.h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> None:
+        if self.f is None:
+            self.start()
+        self.f.write(data)
+        self.h.update(data)
+        self.size += len(data)
+
+    def close(self) -> str:
+        """Publish the object being written; returns its hex digest."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        self.f = None
+        hexd = str(self.h.hexdigest())
+        tmp = os.path.join(self.out, ".object.partial")
+        final = os.path.join(self.out, hexd)
+        if hexd in self.listed:  # identical bytes already packed (a zero page chunk, say)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, final)
+            self.listed.add(hexd)
+            self.objects.append((hexd, self.size))
+        return hexd
+
+
+def pack(src: str, out: str, chunk: int, small: int) -> None:
+    os.makedirs(out, mode=0o700, exist_ok=True)
+    os.chmod(out, 0o700)
+    names = sorted(os.listdir(src))
+    files: list[Any] = []
+    w = ObjectWriter(out)
+    buf = bytearray(BUF)
+    mv = memoryview(buf)
+    # Small files go into one pack object at a time; their extents name it once it is closed.
+    pending: list[Any] = []
+
+    def close_pack() -> None:
+        if w.f is None:
+            return
+        hexd = w.close()
+        for extent in pending:
+            extent["object"] = "sha256:" + hexd
+        del pending[:]
+
+    for name in names:
+        path = os.path.join(src, name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            fail(EXIT_USAGE, f"{path} is not a regular file: a CRIU image directory holds only "
+                             "files")
+        entry: dict[str, Any] = {"name": name, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
+                 "extents": []}
+        files.append(entry)
+        if st.st_size == 0:
+            continue
+        with open(path, "rb") as f:
+            if st.st_size <= small:
+                if w.f is not None and w.size + st.st_size > chunk:
+                    close_pack()
+                extent = {"object": "", "offset": w.size, "length": st.st_size}
+                left = st.st_size
+                while left:
+                    k = f.readinto(mv[:min(BUF, left)])
+                    if not k:
+                        fail(EXIT_USAGE, f"{path} shrank while packing")
+                    w.write(mv[:k])
+                    left -= k
+                entry["extents"].append(extent)
+                pending.append(extent)
+                continue
+            close_pack()
+            left = st.st_size
+            while left:
+                piece = min(chunk, left)
+                n = piece
+                while n:
+                    k = f.readinto(mv[:min(BUF, n)])
+                    if not k:
+                        fail(EXIT_USAGE, f"{path} shrank while packing")
+                    w.write(mv[:k])
+                    n -= k
+                entry["extents"].append({"object": "sha256:" + w.close(), "offset": 0,
+                                         "length": piece})
+                left -= piece
+    close_pack()
+    sync_dir(out)
+    json.dump({"files": files, "objects": [{"sha256": "sha256:" + h, "bytes": n}
+                                           for h, n in w.objects]}, sys.stdout)
+
+
+def place(root: str, obj: str, hexd: str) -> None:
+    pieces = json.load(sys.stdin)
+    h = hashlib.sha256()
+    fds = {}
+    buf = bytearray(BUF)
+    mv = memoryview(buf)
+    at = 0
+    try:
+        with open(obj, "rb") as f:
+            for name, file_off, obj_off, length in pieces:
+                if obj_off != at or os.sep in name or name.startswith("."):
+                    fail(EXIT_USAGE, f"bad piece {[name, file_off, obj_off, length]!r}")
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT,
+                                        0o600)
+                left = length
+                pos = file_off
+                while left:
+                    k = f.readinto(mv[:min(BUF, left)])
+                    if not k:
+                        fail(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
+                    h.update(mv[:k])
+                    os.pwrite(fds[name], mv[:k], pos)
+                    pos += k
+                    left -= k
+                at += length
+            if f.read(1):
+                fail(EXIT_MISMATCH, f"{obj} is longer than its pieces")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if h.hexdigest() != hexd:
+        fail(EXIT_MISMATCH, f"{obj} hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
+
+
+def finish(part: str, final: str) -> None:
+    for name, size, mode in json.load(sys.stdin):
+        path = os.path.join(part, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                fail(EXIT_MISMATCH, f"{path} is {os.fstat(fd).st_size} bytes, not {size}")
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    sync_dir(part)
+    if os.path.isdir(final):  # another restore assembled the same set meanwhile
+        return
+    os.rename(part, final)
+    sync_dir(os.path.dirname(final))
+
+
+def verify(root: str) -> None:
+    if not os.path.isdir(root):
+        fail(EXIT_ABSENT, f"{root} is absent")
+    buf = bytearray(BUF)
+    mv = memoryview(buf)
+    for hexd, size, pieces in json.load(sys.stdin):
+        h = hashlib.sha256()
+        total = 0
+        for name, file_off, length in pieces:
+            try:
+                with open(os.path.join(root, name), "rb") as f:
+                    f.seek(file_off)
+                    left = length
+                    while left:
+                        k = f.readinto(mv[:min(BUF, left)])
+                        if not k:
+                            break
+                        h.update(mv[:k])
+                        left -= k
+                        total += k
+            except OSError as exc:
+                fail(EXIT_MISMATCH, f"{name}: {exc}")
+        if total != size or h.hexdigest() != hexd:
+            fail(EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}")
+
+
+def layers(src: str, dst: str, nbase: int) -> None:
+    with tarfile.open(src, "r:") as tin:
+        manifest = json.load(tin.extractfile("manifest.json"))  # type: ignore[arg-type]
+        if len(manifest) != 1:
+            fail(EXIT_USAGE, f"{src} holds {len(manifest)} images, not one")
+        all_layers = manifest[0]["Layers"]
+        if nbase > len(all_layers):
+            fail(EXIT_USAGE, f"the image has {len(all_layers)} layers, fewer than its "
+                             f"base's {nbase}")
+        keep = {os.path.dirname(p) for p in all_layers[nbase:]}
+        tmp = dst + ".partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:") as tout:
+            for m in tin.getmembers():
+                top = m.name.split("/", 1)[0]
+                if ("/" in m.name or m.isdir()) and top not in keep:
+                    continue
+                if m.issym() or m.islnk():
+                    # A layer identical to another one is saved as a link to it, which may
+                    # be a base layer left out here: carry the bytes instead.
+                    data = tin.extractfile(m)
+                    if data is None:
+                        fail(EXIT_USAGE, f"{src}: dangling link {m.name}")
+                    body = data.read()
+                    info = tarfile.TarInfo(m.name)
+                    info.size, info.mode, info.mtime = len(body), 0o644, m.mtime
+                    tout.addfile(info, io.BytesIO(body))
+                    continue
+                tout.addfile(m, tin.extractfile(m) if m.isfile() else None)
+            tout.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+    os.replace(tmp, dst)
+    sync_dir(os.path.dirname(dst) or ".")
+    h = hashlib.sha256()
+    with open(dst, "rb") as f:
+        for block in iter(lambda: f.read(BUF), b""):
+            h.update(block)
+    sys.stdout.write(f"{h.hexdigest()} {os.path.getsize(dst)}\n")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) == 5 and argv[0] == "pack":
+        pack(argv[1], argv[2], int(argv[3]), int(argv[4]))
+    elif len(argv) == 4 and argv[0] == "place":
+        place(argv[1], argv[2], argv[3])
+    elif len(argv) == 3 and argv[0] == "finish":
+        finish(argv[1], argv[2])
+    elif len(argv) == 2 and argv[0] == "verify":
+        verify(argv[1])
+    elif len(argv) == 4 and argv[0] == "layers":
+        layers(argv[1], argv[2], int(argv[3]))
+    else:
+        fail(EXIT_USAGE, "usage: pack|place|finish|verify|layers ARGS")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

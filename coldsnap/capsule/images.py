@@ -1,0 +1,172 @@
+"""A unit's CRIU images outside Docker's image store.
+
+Capture: CRIU dumps into a private host directory bind-mounted into the unit's container
+(`dump_dir`, named by operation so that leftovers are found), which `pack_images` turns into
+content-addressed objects on the host: a file over SMALL_FILE_BYTES is cut into
+CHUNK_BYTES-sized objects, smaller files are packed together, and every object is hashed
+where it is written. The controller pulls them into the store like any other object.
+
+Restore: the objects are staged to the host, each one placed into the image directory as soon
+as it has landed (`place_object`, while the next one is still in flight), then the directory
+is published under the image set's digest (`image_set_dir`) and bind-mounted read-only into
+the restore container. A host that holds the published directory already (verified against
+the objects' digests) receives nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from coldsnap.digests import check_digest
+from coldsnap.formats.capsule import CriuImageSet
+from coldsnap.hosts.base import Host, HostError
+
+CHUNK_BYTES = 64 * 1024 * 1024
+SMALL_FILE_BYTES = 1024 * 1024
+
+HELPER = resources.files("coldsnap.capsule").joinpath("image_helper.py").read_text()
+_EXIT_ABSENT = 1
+_EXIT_MISMATCH = 4
+# Packing, placing and verifying read and write at disk speed on the host; a minute plus this
+# rate bounds each call.
+_BYTES_PER_SECOND = 50 * 1024 * 1024
+
+
+class ImageSetError(HostError):
+    """Packing, placing or verifying CRIU images on a host failed; names the host."""
+
+
+def helper_argv(mode: str, *args: str) -> list[str]:
+    return ["python3", "-c", HELPER, mode, *args]
+
+
+def _limit(size: int) -> float:
+    return 60.0 + size / _BYTES_PER_SECOND
+
+
+def dump_dir(data_dir: str, operation_id: str, container_name: str) -> str:
+    """Where CRIU dumps a capture container's images on its host: per operation and
+    container, so that gc finds what a killed run left."""
+    return posixpath.join(data_dir, "dumps", operation_id, container_name)
+
+
+def image_set_dir(data_dir: str, image_set: CriuImageSet) -> str:
+    return posixpath.join(data_dir, "criu-images", check_digest(image_set.digest))
+
+
+def partial_set_dir(data_dir: str, image_set: CriuImageSet, operation_id: str) -> str:
+    return posixpath.join(data_dir, "criu-images",
+                          f".{check_digest(image_set.digest)}.{operation_id}.partial")
+
+
+@dataclass(frozen=True)
+class PackedObject:
+    sha256: str  # "sha256:<hex>"
+    bytes: int
+    path: str  # on the capture host
+
+
+async def make_private_dir(host: Host, path: str) -> None:
+    await host.run(["mkdir", "-m", "0700", "-p", "--", path], timeout=30)
+    await host.run(["chmod", "0700", "--", path], timeout=30)
+
+
+async def pack_images(host: Host, src: str, out: str, *, size_hint: int,
+                      chunk_bytes: int = CHUNK_BYTES,
+                      small_file_bytes: int = SMALL_FILE_BYTES) -> tuple[CriuImageSet,
+                                                                         list[PackedObject]]:
+    """The CRIU image directory `src` as objects under `out` (both on `host`)."""
+    res = await host.run(helper_argv("pack", src, out, str(chunk_bytes), str(small_file_bytes)),
+                         timeout=_limit(2 * size_hint), check=False)
+    if not res.ok:
+        raise ImageSetError(host.name, f"packing the CRIU images of {src}: "
+                            f"{res.stderr.decode(errors='replace').strip()[-800:]}")
+    layout: Any = json.loads(res.stdout)
+    image_set = CriuImageSet.model_validate({"chunk_bytes": chunk_bytes, **layout})
+    objects = [PackedObject(o.sha256, o.bytes, posixpath.join(out, check_digest(o.sha256)))
+               for o in image_set.objects]
+    return image_set, objects
+
+
+async def image_set_ready(host: Host, data_dir: str, image_set: CriuImageSet) -> bool:
+    """Whether the host holds the set's published directory with exactly its bytes (every
+    object's digest recomputed from the files). A directory that differs is removed."""
+    root = image_set_dir(data_dir, image_set)
+    plan = [[check_digest(o.sha256), o.bytes,
+             [[name, file_off, length] for name, file_off, _, length in image_set.pieces(o.sha256)]]
+            for o in image_set.objects]
+    res = await host.run(helper_argv("verify", root), input=json.dumps(plan).encode(),
+                         timeout=_limit(image_set.total_bytes), check=False)
+    if res.exit_status == 0:
+        return True
+    if res.exit_status == _EXIT_MISMATCH:
+        await host.run(["rm", "-rf", "--", root], timeout=120, check=False)
+        return False
+    if res.exit_status == _EXIT_ABSENT:
+        return False
+    raise ImageSetError(host.name, f"verifying {root}: "
+                        f"{res.stderr.decode(errors='replace').strip()[-800:]}")
+
+
+async def begin_assembly(host: Host, data_dir: str, image_set: CriuImageSet,
+                         operation_id: str) -> str:
+    """A fresh private directory to assemble the set in; returns its path."""
+    part = partial_set_dir(data_dir, image_set, operation_id)
+    await host.run(["rm", "-rf", "--", part], timeout=120)
+    await make_private_dir(host, part)
+    return part
+
+
+async def place_object(host: Host, part: str, staged: str, image_set: CriuImageSet,
+                       object_digest: str) -> None:
+    """Write one staged object's bytes into the files of the assembly, verifying its digest
+    while reading it."""
+    pieces = image_set.pieces(object_digest)
+    size = sum(p[3] for p in pieces)
+    res = await host.run(helper_argv("place", part, staged, check_digest(object_digest)),
+                         input=json.dumps(pieces).encode(), timeout=_limit(size), check=False)
+    if not res.ok:
+        raise ImageSetError(host.name, f"placing {object_digest} into {part}: "
+                            f"{res.stderr.decode(errors='replace').strip()[-800:]}")
+
+
+async def finish_assembly(host: Host, part: str, data_dir: str,
+                          image_set: CriuImageSet) -> str:
+    """Check and fsync every file, then publish the assembly under the set's digest."""
+    final = image_set_dir(data_dir, image_set)
+    files = [[f.name, f.size, f.mode] for f in image_set.files]
+    res = await host.run(helper_argv("finish", part, final), input=json.dumps(files).encode(),
+                         timeout=_limit(image_set.total_bytes), check=False)
+    if not res.ok:
+        raise ImageSetError(host.name, f"publishing {part}: "
+                            f"{res.stderr.decode(errors='replace').strip()[-800:]}")
+    # Lost a race with another restore that published the same set: its copy serves.
+    await host.run(["rm", "-rf", "--", part], timeout=120, check=False)
+    return final
+
+
+async def discard_dir(host: Host, path: str) -> None:
+    await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "SMALL_FILE_BYTES",
+    "ImageSetError",
+    "PackedObject",
+    "begin_assembly",
+    "discard_dir",
+    "dump_dir",
+    "finish_assembly",
+    "helper_argv",
+    "image_set_dir",
+    "image_set_ready",
+    "make_private_dir",
+    "pack_images",
+    "partial_set_dir",
+    "place_object",
+]

@@ -1,0 +1,152 @@
+"""The capsule manifest (role `capsule-manifest`, owner `unit/<id>`, control node only): what a
+restore needs to know about one unit's capture besides the artifact's own fields.
+
+- `image`: the unit's entry of the artifact's `capsule.images[]` (the OCI capsule: the rootfs
+  diff of the unit's container over its digest-pinned base image). `image_id` is its config
+  digest, which every host that loaded or pulled it knows it by.
+- `criu_images`: the unit's CRIU image directory as content-addressed objects (role
+  `criu-image`): every file is a list of extents into objects; a large file is cut into
+  fixed-size chunks, small files are packed together. Its `digest` names the directory once
+  it is reassembled on a host.
+- the engine and worker PIDs and the captured GPU UUIDs (the `--device-map` at restore).
+
+Decoding is strict, like every format here: `parse_capsule_manifest` raises ArtifactInvalid
+naming each bad path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final
+
+from pydantic import AfterValidator, Field, ValidationError, model_validator
+
+from coldsnap.formats.artifact import CapsuleImage
+from coldsnap.formats.canonical import digest as canonical_digest
+from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
+from coldsnap.formats.request import Digest, Id, NonEmpty, NonNegative, StrictModel
+
+CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
+
+# CRIU names its images like `pages-1.img`, `core-10001.img`, `stats-dump`: a plain file name,
+# never a path (it becomes a path on the restore host).
+_IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def _check_image_name(value: str) -> str:
+    if _IMAGE_NAME.fullmatch(value) is None:
+        raise ValueError("must be a plain file name: a letter or digit, then letters, digits, "
+                         "'.', '_' or '-'")
+    return value
+
+
+ImageName = Annotated[str, AfterValidator(_check_image_name)]
+
+
+class CriuExtent(StrictModel):
+    """`length` bytes of the file, in order, read from `object` at `offset`."""
+
+    object: Digest
+    offset: NonNegative
+    length: int = Field(ge=1)
+
+
+class CriuImageFile(StrictModel):
+    name: ImageName
+    size: NonNegative
+    mode: int = Field(ge=0, le=0o777)
+    extents: list[CriuExtent] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _extents_fill_the_file(self) -> CriuImageFile:
+        if sum(e.length for e in self.extents) != self.size:
+            raise ValueError("the extents' lengths must add up to size")
+        return self
+
+
+class CriuImageObject(StrictModel):
+    sha256: Digest
+    bytes: int = Field(ge=1)
+
+
+class CriuImageSet(StrictModel):
+    chunk_bytes: int = Field(ge=1)
+    files: list[CriuImageFile]
+    objects: list[CriuImageObject]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CriuImageSet:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("files: names must be unique")
+        sizes = {o.sha256: o.bytes for o in self.objects}
+        if len(sizes) != len(self.objects):
+            raise ValueError("objects: digests must be unique")
+        used: dict[str, int] = {}
+        for f in self.files:
+            for e in f.extents:
+                if e.object not in sizes:
+                    raise ValueError(f"files: {f.name} names an object the set does not list")
+                if e.offset + e.length > sizes[e.object]:
+                    raise ValueError(f"files: {f.name} reads past the end of {e.object}")
+                used[e.object] = used.get(e.object, 0) + e.length
+        if used != sizes:
+            raise ValueError("objects: every object's bytes must belong to exactly the files' "
+                             "extents")
+        return self
+
+    @property
+    def digest(self) -> str:
+        """Names the reassembled directory on a host: same layout and bytes, same name."""
+        return canonical_digest(self.model_dump(mode="json"))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.bytes for o in self.objects)
+
+    def pieces(self, object_digest: str) -> list[tuple[str, int, int, int]]:
+        """Where an object's bytes go: (file name, file offset, object offset, length), in
+        the object's order."""
+        out: list[tuple[str, int, int, int]] = []
+        for f in self.files:
+            at = 0
+            for e in f.extents:
+                if e.object == object_digest:
+                    out.append((f.name, at, e.offset, e.length))
+                at += e.length
+        return sorted(out, key=lambda p: p[2])
+
+
+class CapsuleManifest(StrictModel):
+    format: str = CAPSULE_MANIFEST_FORMAT
+    unit_id: Id
+    image: CapsuleImage
+    image_id: Digest
+    # The registry reference the capsule was pushed to (`REGISTRY/REPO@sha256:...`); None: its
+    # layers above the base travel as the unit's `oci-capsule` object instead.
+    pushed: NonEmpty | None = None
+    base_image: NonEmpty
+    base_image_digest: Digest
+    criu_images: CriuImageSet
+    engine_pid: int = Field(ge=1)
+    worker_pids: dict[Id, Annotated[int, Field(ge=1)]]
+    captured_devices: list[NonEmpty]
+
+    @model_validator(mode="after")
+    def _format(self) -> CapsuleManifest:
+        if self.format != CAPSULE_MANIFEST_FORMAT:
+            raise ValueError(f"format: must be {CAPSULE_MANIFEST_FORMAT}")
+        if self.image.unit != self.unit_id:
+            raise ValueError("image.unit: must be the manifest's unit_id")
+        return self
+
+
+def parse_capsule_manifest(data: Any) -> CapsuleManifest:
+    try:
+        return CapsuleManifest.model_validate(data)
+    except ValidationError as exc:
+        raise ArtifactInvalid([
+            ValidationIssue("capsule-manifest." + format_path(
+                [p for p in e["loc"] if p != "[key]"]), e["msg"])
+            for e in exc.errors(include_url=False)
+        ]) from None

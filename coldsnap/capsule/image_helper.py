@@ -139,7 +139,8 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
             if st.st_size <= small:
                 if w.f is not None and w.size + st.st_size > chunk:
                     close_pack()
-                extent = {"object": "", "offset": w.size, "length": st.st_size}
+                extent = {"object": "", "offset": w.size if w.f is not None else 0,
+                          "length": st.st_size}
                 left = st.st_size
                 while left:
                     k = f.readinto(mv[:min(BUF, left)])

@@ -24,14 +24,15 @@ import pytest_asyncio
 
 from coldsnap.capsule import (
     CapsuleHost,
-    CapsuleImage,
     CapsuleSession,
+    CommittedCapsule,
     Mount,
     UnitSpec,
     Validation,
     WorkerSpec,
     open_session,
 )
+from coldsnap.capsule.images import begin_assembly, finish_assembly, place_object
 from coldsnap.hosts.inventory import HostEntry, Inventory, load_inventory
 from coldsnap.hosts.ssh import SSHHost
 
@@ -197,19 +198,42 @@ def placement_for(spec: UnitSpec, host: ClusterHost, captured_devices: tuple[str
                          "host_address": host.address} for w in spec.workers]}
 
 
-async def stage(src: ClusterHost, dst: ClusterHost, capsule: CapsuleImage) -> str:
-    """What the controller does between capture and restore: fetch the capsule tar from the
-    capture host, put it content-addressed into the destination's data dir."""
+@dataclass(frozen=True)
+class Staged:
+    """A capsule staged on a restore host: its assembled CRIU images and, when it was not
+    pushed, its layers above the base."""
+
+    images_dir: str
+    layers: str | None
+    paths: tuple[str, ...]  # what cleanup_paths removes
+
+
+async def stage(src: ClusterHost, dst: ClusterHost, capsule: CommittedCapsule) -> Staged:
+    """What the controller does between capture and restore: fetch every object of the
+    capsule from the capture host, put it content-addressed into the destination's data dir,
+    and assemble the CRIU images there."""
+    objects = f"{dst.entry.data_dir}/objects/sha256"
+    await dst.target.host.run(["mkdir", "-p", objects])
+    staged: dict[str, str] = {}
+    layers: str | None = None
     with tempfile.TemporaryDirectory() as tmp:
-        local = Path(tmp) / "capsule.tar"
-        got = await src.target.host.get(capsule.tar_path, local)
-        assert got.sha256 == capsule.tar_sha256
-        hexd = capsule.tar_sha256.split(":", 1)[1]
-        remote = f"{dst.entry.data_dir}/objects/sha256/{hexd}"
-        await dst.target.host.run(["mkdir", "-p", f"{dst.entry.data_dir}/objects/sha256"])
-        put = await dst.target.host.put(local, remote)
-        assert put.sha256 == capsule.tar_sha256
-    return remote
+        for obj in capsule.objects:
+            local = Path(tmp) / "object"
+            got = await src.target.host.get(obj.file.path, local)
+            assert got.sha256 == obj.file.sha256
+            remote = f"{objects}/{obj.file.sha256.split(':', 1)[1]}"
+            put = await dst.target.host.put(local, remote)
+            assert put.sha256 == obj.file.sha256
+            if obj.role == "oci-capsule":
+                layers = remote
+            else:
+                staged[obj.file.sha256] = remote
+    image_set = capsule.manifest.criu_images
+    part = await begin_assembly(dst.target.host, dst.entry.data_dir, image_set, "test")
+    for digest, remote in staged.items():
+        await place_object(dst.target.host, part, remote, image_set, digest)
+    images_dir = await finish_assembly(dst.target.host, part, dst.entry.data_dir, image_set)
+    return Staged(images_dir, layers, (images_dir, *staged.values(), *([layers] if layers else [])))
 
 
 async def cleanup_paths(host: ClusterHost, *paths: str | None) -> None:
@@ -231,12 +255,12 @@ async def cleanup_unit(host: ClusterHost, unit_id: str) -> None:
             await host.session.call(c.remove, force=True)
 
 
-async def cleanup_capsule(host: ClusterHost, capsule: CapsuleImage | None) -> None:
+async def cleanup_capsule(host: ClusterHost, capsule: CommittedCapsule | None) -> None:
     if capsule is None:
         return
     s = host.session
     with contextlib.suppress(docker.errors.DockerException):
-        await s.call(s.client.images.remove, capsule.image_id, force=True)
+        await s.call(s.client.images.remove, capsule.manifest.image_id, force=True)
 
 
 def unique(prefix: str) -> str:
@@ -251,6 +275,7 @@ __all__ = [
     "EXPECTED",
     "PROMPT",
     "ClusterHost",
+    "Staged",
     "capsule_cluster",
     "capsule_inventory",
     "capsule_ref",

@@ -3,9 +3,11 @@ on host-1 and prove the warm state came back (not a second warm-up)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 
+import docker.errors
 import pytest
 
 from coldsnap.capsule import (
@@ -27,9 +29,11 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import capsule_dir
+from coldsnap.capsule.images import dump_dir
 from coldsnap.capsule.restore import deliver_placement
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request
+from coldsnap.hosts.inventory import Inventory
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
     ENGINE_PORT,
@@ -65,9 +69,17 @@ async def ask(host: ClusterHost, body: dict) -> HttpAnswer:  # type: ignore[type
                               "/v1/completions", body)
 
 
-@pytest.mark.parametrize(("workers", "lazy"), [(1, True), (2, True), (1, False)])
+async def top_layer_bytes(host: ClusterHost, image_id: str) -> int:
+    s = host.session
+    history = await s.call(s.client.api.history, image_id)
+    return int(history[0]["Size"])
+
+
+@pytest.mark.parametrize(("workers", "lazy", "pushed"),
+                         [(1, True, False), (2, True, True), (1, False, True)])
 async def test_capture_on_host0_restore_on_host1(
-    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, workers: int, lazy: bool
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, capsule_inventory: Inventory,
+    workers: int, lazy: bool, pushed: bool,
 ) -> None:
     h0, h1 = capsule_cluster["host-0"], capsule_cluster["host-1"]
     s0, s1 = h0.session, h1.session
@@ -101,12 +113,39 @@ async def test_capture_on_host0_restore_on_host1(
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
         dumped = await dump(s0, h)
         assert dumped.images_bytes > workers * SHARD_BYTES
-        capsule = await commit(s0, h, capture_id, dumped)
+        # CRIU dumped into the host, into the private directory mounted for it
+        assert h.images_dir == dump_dir(h0.entry.data_dir, "adhoc", h.container_name)
+        listed = await h0.target.host.run(["ls", "-ld", h.images_dir])
+        assert listed.stdout.startswith(b"drwx------"), listed.stdout
+        assert (await h0.target.host.run(["ls", h.images_dir])).stdout.count(b".img") > 3
+        registry = capsule_inventory.registry if pushed else None
+        assert not pushed or registry, "the dev cluster's inventory names its registry"
+        capsule = await commit(s0, h, capture_id, dumped, registry=registry)
         objects = await collect_worker_objects(s0, h, capture_id)
-        assert capsule.image_id.startswith("sha256:")
-        assert capsule.tar_path.startswith(h0.entry.data_dir + "/capsules/")
-        assert capsule.captured_devices == h0.gpus[:workers]
-        assert capsule.engine_pid == h.engine_pid
+        manifest = capsule.manifest
+        assert manifest.image_id.startswith("sha256:")
+        assert manifest.captured_devices == list(h0.gpus[:workers])
+        assert manifest.engine_pid == h.engine_pid
+        # the images were packed into objects and the dump emptied
+        criu = [o for o in capsule.objects if o.role == "criu-image"]
+        assert sum(o.file.bytes for o in criu) == manifest.criu_images.total_bytes
+        assert manifest.criu_images.total_bytes > workers * SHARD_BYTES
+        assert all(o.file.path.startswith(capsule_dir(h0.entry.data_dir, capture_id, unit_id))
+                   for o in criu)
+        assert (await h0.target.host.run(["ls", "-A", h.images_dir])).stdout == b""
+        # the capsule is only the rootfs diff: the memory dump is not in it
+        assert await top_layer_bytes(h0, manifest.image_id) < SHARD_BYTES
+        layers = [o for o in capsule.objects if o.role == "oci-capsule"]
+        if pushed:
+            assert layers == []
+            assert manifest.pushed is not None
+            assert manifest.pushed.startswith(f"{registry}/coldsnap/capsule/")
+            assert manifest.image.reference == manifest.pushed
+            assert manifest.image.digest == manifest.pushed.partition("@")[2]
+        else:
+            assert manifest.pushed is None and len(layers) == 1
+            # the base image's layers stay out of the object
+            assert layers[0].file.bytes < SHARD_BYTES
         assert len(objects) == workers
         for obj in objects:
             assert obj.payload.path.startswith(models0)
@@ -119,31 +158,38 @@ async def test_capture_on_host0_restore_on_host1(
         # --- the original is gone before the restore starts, and so is its listener
         await remove_unit(s0, h)
         assert await unit_containers(h0, unit_id) == []
+        assert not (await h0.target.host.run(["test", "-e", h.images_dir], check=False)).ok
         gone = await ask(h0, {"prompt": spec0.validation.prompt})
         assert gone.status is None, gone
 
         # --- restore on host-1 from the staged capsule
         staged = await stage(h0, h1, capsule)
         spec1 = for_host(spec0, h1, models1)
-        probe = await probe_criu(s1, capsule.base_image, unit=unit_id)
+        probe = await probe_criu(s1, manifest.base_image, unit=unit_id)
         assert "Looks good" in probe.output
-        assert await load_capsule(s1, capsule, staged) == capsule.image_id
-        r = await start_restore_container(s1, spec1, capsule)
+        with contextlib.suppress(docker.errors.NotFound):
+            await s1.call(s1.client.images.remove, manifest.image_id, force=True)
+        assert await load_capsule(s1, manifest, staged.layers) == manifest.image_id
+        r = await start_restore_container(s1, spec1, manifest, staged.images_dir)
         await criu_restore(s1, r, lazy=lazy)
         c1 = await s1.container(r.container_id, unit_id, "test")
-        lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_IMAGES_DIR}/lazy-pages.log"])
+        lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_WORK_DIR}/lazy-pages.log"])
         assert lazy_log.ok == lazy, "lazy restore runs criu's lazy-pages daemon, full does not"
+        # the images are mounted read-only from the host's assembled set
+        wrote = await s1.exec(c1, ["touch", f"{CRIU_IMAGES_DIR}/x"])
+        assert not wrote.ok and "Read-only" in wrote.tail(), wrote
         # restored-stopped: processes back, GPUs still checkpointed, requests refused
         st = await status(h1, r)
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
         # the restored listener serves on host-1's address, but the engine is still asleep
         refused = await ask(h1, {"prompt": spec1.validation.prompt})
         assert refused.status == 503, refused
-        dmap = device_map(capsule.captured_devices, spec1.devices)
+        dmap = device_map(manifest.captured_devices, spec1.devices)
         await restore_gpus(s1, r, dmap)
         # the captured argv names host-0 as master and ens0 as interface: only the placement
         # lets the engine form its group on host-1
-        await deliver_placement(s1, r, placement_for(spec1, h1, capsule.captured_devices))
+        await deliver_placement(s1, r, placement_for(spec1, h1,
+                                                     tuple(manifest.captured_devices)))
         await release(s1, r)
         v = await validate(s1, r)
         assert v.text == EXPECTED
@@ -170,4 +216,4 @@ async def test_capture_on_host0_restore_on_host1(
         await cleanup_capsule(h1, capsule)
         await cleanup_paths(
             h0, models0, posixpath.dirname(capsule_dir(h0.entry.data_dir, capture_id, unit_id)))
-        await cleanup_paths(h1, models1, staged)
+        await cleanup_paths(h1, models1, *(staged.paths if staged else ()))

@@ -6,11 +6,11 @@ Modes:
   pack SRC OUT CHUNK SMALL  the regular files of SRC as content-addressed objects OUT/<hex>:
                             a file over SMALL bytes cut into CHUNK-byte objects, smaller files
                             packed together up to CHUNK; prints the layout as JSON
-  place ROOT OBJ HEX        stdin [[name, file_offset, object_offset, length], ...]: write
-                            OBJ's bytes into ROOT's files while hashing it; exit 4 when OBJ is
-                            not HEX
+  place ROOT OBJ HEX        stdin: the object's copies, each [[name, file_offset,
+                            object_offset, length], ...] from offset 0 to its end: write OBJ's
+                            bytes into ROOT's files while hashing it; exit 4 when OBJ is not HEX
   finish PART FINAL         stdin [[name, size, mode], ...]: check, fsync, publish PART as FINAL
-  verify DIR                stdin [[hex, size, [[name, file_offset, length], ...]], ...]:
+  verify DIR                stdin [[hex, size, copies], ...] (copies as for place):
                             exit 0 when DIR holds exactly those bytes, 1 when DIR is absent,
                             4 (naming the object) when they differ
   layers SRC DST NBASE      a `docker save` tar without its first NBASE layers: what
@@ -108,7 +108,9 @@ class ObjectWriter:
 def pack(src: str, out: str, chunk: int, small: int) -> None:
     os.makedirs(out, mode=0o700, exist_ok=True)
     os.chmod(out, 0o700)
-    names = sorted(os.listdir(src))
+    # Small files first, so that they all share pack objects; then the large ones.
+    names = sorted(os.listdir(src),
+                   key=lambda n: (os.lstat(os.path.join(src, n)).st_size > small, n))
     files: list[Any] = []
     w = ObjectWriter(out)
     buf = bytearray(BUF)
@@ -171,34 +173,47 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
                                            for h, n in w.objects]}, sys.stdout)
 
 
+def write_range(fds: dict[str, int], copy: list[Any], pos: int, data: Any) -> None:
+    """Write object bytes [pos, pos + len(data)) where one copy of the object goes."""
+    end = pos + len(data)
+    for name, file_off, obj_off, length in copy:
+        lo, hi = max(pos, obj_off), min(end, obj_off + length)
+        if lo < hi:
+            os.pwrite(fds[name], data[lo - pos:hi - pos], file_off + lo - obj_off)
+
+
 def place(root: str, obj: str, hexd: str) -> None:
-    pieces = json.load(sys.stdin)
+    copies = json.load(sys.stdin)
     h = hashlib.sha256()
-    fds = {}
+    fds: dict[str, int] = {}
     buf = bytearray(BUF)
     mv = memoryview(buf)
-    at = 0
+    size = 0
     try:
-        with open(obj, "rb") as f:
-            for name, file_off, obj_off, length in pieces:
+        for copy in copies:
+            at = 0
+            for name, _file_off, obj_off, length in copy:
                 if obj_off != at or os.sep in name or name.startswith("."):
-                    fail(EXIT_USAGE, f"bad piece {[name, file_off, obj_off, length]!r}")
+                    fail(EXIT_USAGE, f"bad piece {name!r} at {obj_off}")
+                at += length
                 if name not in fds:
                     fds[name] = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT,
                                         0o600)
-                left = length
-                pos = file_off
-                while left:
-                    k = f.readinto(mv[:min(BUF, left)])
-                    if not k:
-                        fail(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
-                    h.update(mv[:k])
-                    os.pwrite(fds[name], mv[:k], pos)
-                    pos += k
-                    left -= k
-                at += length
-            if f.read(1):
-                fail(EXIT_MISMATCH, f"{obj} is longer than its pieces")
+            size = at
+        pos = 0
+        with open(obj, "rb") as f:
+            while True:
+                k = f.readinto(mv)
+                if not k:
+                    break
+                if pos + k > size:
+                    fail(EXIT_MISMATCH, f"{obj} is longer than its pieces")
+                h.update(mv[:k])
+                for copy in copies:
+                    write_range(fds, copy, pos, mv[:k])
+                pos += k
+        if pos != size:
+            fail(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -229,25 +244,26 @@ def verify(root: str) -> None:
         fail(EXIT_ABSENT, f"{root} is absent")
     buf = bytearray(BUF)
     mv = memoryview(buf)
-    for hexd, size, pieces in json.load(sys.stdin):
-        h = hashlib.sha256()
-        total = 0
-        for name, file_off, length in pieces:
-            try:
-                with open(os.path.join(root, name), "rb") as f:
-                    f.seek(file_off)
-                    left = length
-                    while left:
-                        k = f.readinto(mv[:min(BUF, left)])
-                        if not k:
-                            break
-                        h.update(mv[:k])
-                        left -= k
-                        total += k
-            except OSError as exc:
-                fail(EXIT_MISMATCH, f"{name}: {exc}")
-        if total != size or h.hexdigest() != hexd:
-            fail(EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}")
+    for hexd, size, copies in json.load(sys.stdin):
+        for copy in copies:
+            h = hashlib.sha256()
+            total = 0
+            for name, file_off, _obj_off, length in copy:
+                try:
+                    with open(os.path.join(root, name), "rb") as f:
+                        f.seek(file_off)
+                        left = length
+                        while left:
+                            k = f.readinto(mv[:min(BUF, left)])
+                            if not k:
+                                break
+                            h.update(mv[:k])
+                            left -= k
+                            total += k
+                except OSError as exc:
+                    fail(EXIT_MISMATCH, f"{name}: {exc}")
+            if total != size or h.hexdigest() != hexd:
+                fail(EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}")
 
 
 def layers(src: str, dst: str, nbase: int) -> None:

@@ -96,8 +96,7 @@ async def image_set_ready(host: Host, data_dir: str, image_set: CriuImageSet) ->
     """Whether the host holds the set's published directory with exactly its bytes (every
     object's digest recomputed from the files). A directory that differs is removed."""
     root = image_set_dir(data_dir, image_set)
-    plan = [[check_digest(o.sha256), o.bytes,
-             [[name, file_off, length] for name, file_off, _, length in image_set.pieces(o.sha256)]]
+    plan = [[check_digest(o.sha256), o.bytes, image_set.copies(o.sha256)]
             for o in image_set.objects]
     res = await host.run(helper_argv("verify", root), input=json.dumps(plan).encode(),
                          timeout=_limit(image_set.total_bytes), check=False)
@@ -125,10 +124,10 @@ async def place_object(host: Host, part: str, staged: str, image_set: CriuImageS
                        object_digest: str) -> None:
     """Write one staged object's bytes into the files of the assembly, verifying its digest
     while reading it."""
-    pieces = image_set.pieces(object_digest)
-    size = sum(p[3] for p in pieces)
+    copies = image_set.copies(object_digest)
+    size = sum(p[3] for copy in copies for p in copy)
     res = await host.run(helper_argv("place", part, staged, check_digest(object_digest)),
-                         input=json.dumps(pieces).encode(), timeout=_limit(size), check=False)
+                         input=json.dumps(copies).encode(), timeout=_limit(size), check=False)
     if not res.ok:
         raise ImageSetError(host.name, f"placing {object_digest} into {part}: "
                             f"{res.stderr.decode(errors='replace').strip()[-800:]}")

@@ -82,17 +82,15 @@ class CriuImageSet(StrictModel):
         sizes = {o.sha256: o.bytes for o in self.objects}
         if len(sizes) != len(self.objects):
             raise ValueError("objects: digests must be unique")
-        used: dict[str, int] = {}
         for f in self.files:
             for e in f.extents:
                 if e.object not in sizes:
                     raise ValueError(f"files: {f.name} names an object the set does not list")
-                if e.offset + e.length > sizes[e.object]:
-                    raise ValueError(f"files: {f.name} reads past the end of {e.object}")
-                used[e.object] = used.get(e.object, 0) + e.length
-        if used != sizes:
-            raise ValueError("objects: every object's bytes must belong to exactly the files' "
-                             "extents")
+        for o in self.objects:
+            for copy in self.copies(o.sha256):
+                if copy[-1][2] + copy[-1][3] != o.bytes:
+                    raise ValueError("objects: every object's bytes must belong to exactly "
+                                     "the files' extents")
         return self
 
     @property
@@ -115,6 +113,25 @@ class CriuImageSet(StrictModel):
                     out.append((f.name, at, e.offset, e.length))
                 at += e.length
         return sorted(out, key=lambda p: p[2])
+
+    def copies(self, object_digest: str) -> list[list[tuple[str, int, int, int]]]:
+        """The object's pieces as whole copies of it: each copy's pieces follow each other
+        from object offset 0 to its end. Identical chunks (zero pages) are one object that
+        several extents copy. Raises ValueError when the pieces do not form whole copies."""
+        copies: list[list[tuple[str, int, int, int]]] = []
+        for piece in self.pieces(object_digest):
+            for copy in copies:
+                if copy[-1][2] + copy[-1][3] == piece[2]:
+                    copy.append(piece)
+                    break
+            else:
+                if piece[2] != 0:
+                    raise ValueError(f"objects: the bytes of {object_digest} before offset "
+                                     f"{piece[2]} belong to no file")
+                copies.append([piece])
+        if not copies:
+            raise ValueError(f"objects: no file uses {object_digest}")
+        return copies
 
 
 class CapsuleManifest(StrictModel):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
-from coldsnap.capsule.capture import split_reference
+from coldsnap.capsule.oci import split_reference
 from coldsnap.capsule.restore import criu_version
 from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
 

@@ -1,0 +1,185 @@
+"""CRIU images as content-addressed objects, on this machine (LocalHost runs the same host-side
+helper that SSH hosts run): packing into chunks and packs, staging with assembly on the way,
+reuse of a published image set, and digest checks on every read."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from coldsnap.capsule.images import (
+    ImageSetError,
+    begin_assembly,
+    finish_assembly,
+    image_set_dir,
+    image_set_ready,
+    pack_images,
+    place_object,
+)
+from coldsnap.formats.artifact import ArtifactObject, criu_image_path
+from coldsnap.formats.capsule import CriuImageSet
+from coldsnap.hosts.local import LocalHost
+from coldsnap.operations.staging import stage_host
+from coldsnap.store import LocalStore, ObjectCorrupt
+
+CHUNK = 64 * 1024
+SMALL = 16 * 1024
+
+
+def make_dump(root: Path) -> dict[str, bytes]:
+    """A directory shaped like a CRIU dump: page files over the chunk size, small images."""
+    root.mkdir(parents=True)
+    files = {
+        "pages-1.img": os.urandom(3 * CHUNK + 123),
+        "pages-2.img": b"\0" * (2 * CHUNK),  # two identical chunks: one object
+        "core-10000.img": os.urandom(900),
+        "mm-10000.img": os.urandom(SMALL),
+        "pstree.img": os.urandom(40),
+        "stats-dump": b"",
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+        (root / name).chmod(0o600 if name.startswith("pages") else 0o644)
+    return files
+
+
+async def packed(tmp_path: Path) -> tuple[dict[str, bytes], CriuImageSet, list[Path]]:
+    files = make_dump(tmp_path / "dump")
+    image_set, objects = await pack_images(LocalHost(), str(tmp_path / "dump"),
+                                           str(tmp_path / "objects"), size_hint=1 << 20,
+                                           chunk_bytes=CHUNK, small_file_bytes=SMALL)
+    return files, image_set, [Path(o.path) for o in objects]
+
+
+async def test_pack_cuts_large_files_and_packs_small_ones(tmp_path: Path) -> None:
+    files, image_set, paths = await packed(tmp_path)
+    by_name = {f.name: f for f in image_set.files}
+    assert sorted(by_name) == sorted(files)
+    # 3 full chunks and a tail; the zero file's two chunks are one object
+    assert [e.length for e in by_name["pages-1.img"].extents] == [CHUNK] * 3 + [123]
+    zero = by_name["pages-2.img"].extents
+    assert len(zero) == 2 and zero[0].object == zero[1].object
+    small = [by_name[n].extents[0].object for n in ("core-10000.img", "mm-10000.img",
+                                                    "pstree.img")]
+    assert len(set(small)) == 1, "small files share one pack object"
+    assert by_name["stats-dump"].extents == []
+    assert by_name["core-10000.img"].mode == 0o644
+    assert by_name["pages-1.img"].mode == 0o600
+    # every object is named by its digest, private, and listed once
+    assert len(paths) == len(image_set.objects) == len({o.sha256 for o in image_set.objects})
+    for obj, path in zip(image_set.objects, paths, strict=True):
+        data = path.read_bytes()
+        assert "sha256:" + hashlib.sha256(data).hexdigest() == obj.sha256 == "sha256:" + path.name
+        assert len(data) == obj.bytes
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert image_set.total_bytes < sum(len(d) for d in files.values())  # the zero chunk once
+
+
+async def test_pack_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    make_dump(tmp_path / "dump")
+    (tmp_path / "dump" / "link").symlink_to("/etc/passwd")
+    with pytest.raises(ImageSetError, match="link is not a regular file"):
+        await pack_images(LocalHost(), str(tmp_path / "dump"), str(tmp_path / "objects"),
+                          size_hint=0, chunk_bytes=CHUNK, small_file_bytes=SMALL)
+
+
+async def test_assembly_in_any_order_gives_back_the_dump(tmp_path: Path) -> None:
+    files, image_set, paths = await packed(tmp_path)
+    host, data_dir = LocalHost(), str(tmp_path / "data")
+    assert not await image_set_ready(host, data_dir, image_set)
+    part = await begin_assembly(host, data_dir, image_set, "op-1")
+    assert ".op-1.partial" in part, "an unfinished assembly names its operation"
+    for obj, path in reversed(list(zip(image_set.objects, paths, strict=True))):
+        await place_object(host, part, str(path), image_set, obj.sha256)
+    final = await finish_assembly(host, part, data_dir, image_set)
+    assert final == image_set_dir(data_dir, image_set)
+    assert not Path(part).exists()
+    for name, data in files.items():
+        assert (Path(final) / name).read_bytes() == data
+    assert stat.S_IMODE((Path(final) / "core-10000.img").stat().st_mode) == 0o644
+    assert stat.S_IMODE(Path(final).stat().st_mode) == 0o700
+    assert await image_set_ready(host, data_dir, image_set)
+
+    # a published set whose bytes changed is not used, and is removed
+    with open(Path(final) / "pages-1.img", "r+b") as f:
+        f.seek(CHUNK + 5)
+        f.write(b"X")
+    assert not await image_set_ready(host, data_dir, image_set)
+    assert not Path(final).exists()
+
+
+async def test_placing_an_object_that_is_not_its_digest_fails(tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    host, data_dir = LocalHost(), str(tmp_path / "data")
+    part = await begin_assembly(host, data_dir, image_set, "op-2")
+    tampered = tmp_path / "tampered"
+    data = bytearray(paths[0].read_bytes())
+    data[7] ^= 1
+    tampered.write_bytes(bytes(data))
+    with pytest.raises(ImageSetError, match="hashes to"):
+        await place_object(host, part, str(tampered), image_set, image_set.objects[0].sha256)
+
+
+def store_with(tmp_path: Path, paths: list[Path]) -> tuple[LocalStore, list[ArtifactObject]]:
+    store = LocalStore(tmp_path / "store").ensure()
+    objects = []
+    for p in paths:
+        digest, size = store.add_file(p)
+        objects.append(ArtifactObject(role="criu-image", owner="unit/u0",
+                                      path=criu_image_path(digest), bytes=size, sha256=digest))
+    return store, objects
+
+
+async def test_staging_assembles_then_a_warm_host_receives_nothing(tmp_path: Path) -> None:
+    files, image_set, paths = await packed(tmp_path)
+    store, objects = store_with(tmp_path, paths)
+    host, data_dir = LocalHost(), str(tmp_path / "host")
+
+    cold = await stage_host(host, data_dir, objects, store, image_sets=[image_set],
+                            operation_id="op-3")
+    assert cold.sent_bytes == image_set.total_bytes and cold.skipped == []
+    final = Path(image_set_dir(data_dir, image_set))
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == files
+    # the staged objects live on in the published directory only
+    assert list((Path(data_dir) / "objects" / "sha256").iterdir()) == []
+    assert [p.name for p in (Path(data_dir) / "criu-images").iterdir()] == [final.name]
+
+    warm = await stage_host(host, data_dir, objects, store, image_sets=[image_set],
+                            operation_id="op-4")
+    assert warm.sent_bytes == 0 and sorted(warm.skipped) == sorted(o.sha256 for o in objects)
+
+
+async def test_a_failed_assembly_leaves_nothing_behind(tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    store, objects = store_with(tmp_path, paths)
+    # the store's copy of the last object rots after it was indexed
+    victim = store.object_path(objects[-1].sha256)
+    victim.chmod(0o600)
+    victim.write_bytes(b"rotten")
+    data_dir = tmp_path / "host"
+    with pytest.raises(ObjectCorrupt):
+        await stage_host(LocalHost(), str(data_dir), objects, store, image_sets=[image_set],
+                         operation_id="op-5")
+    assert list((data_dir / "criu-images").iterdir()) == []
+    assert not Path(image_set_dir(str(data_dir), image_set)).exists()
+
+
+def test_an_image_set_whose_extents_do_not_add_up_is_refused() -> None:
+    obj = "sha256:" + "a" * 64
+    good = {"chunk_bytes": 10, "objects": [{"sha256": obj, "bytes": 10}],
+            "files": [{"name": "pages-1.img", "size": 10, "mode": 0o600,
+                       "extents": [{"object": obj, "offset": 0, "length": 10}]}]}
+    CriuImageSet.model_validate(good)
+    for broken, why in [
+        ({**good, "files": [{**good["files"][0], "size": 11}]}, "add up to size"),
+        ({**good, "files": [{**good["files"][0], "name": "../etc/passwd"}]}, "plain file name"),
+        ({**good, "objects": [{"sha256": obj, "bytes": 12}]}, "exactly the files' extents"),
+        ({**good, "objects": [{"sha256": "sha256:" + "b" * 64, "bytes": 10}]},
+         "does not list"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            CriuImageSet.model_validate(broken)

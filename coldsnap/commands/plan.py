@@ -27,8 +27,10 @@ DESCRIPTION = """\
 Resolve a request's execution graph without touching any host: worker -> unit -> host,
 each worker's global rank (its position in its *:world group), its process slot inside the
 unit and the devices its slots select, and per host exactly the objects it owns:
-one oci-capsule per unit, and each worker's model-weight-payload and replay-plan only on
-the host of the worker's unit. Nothing is inferred from parallel sizes.
+one oci-capsule and its criu-image objects per unit (the oci-capsule only when no registry
+carries the capsule; the CRIU images as one or more chunks), and each worker's
+model-weight-payload and replay-plan only on the host of the worker's unit. Nothing is
+inferred from parallel sizes.
 
 An invalid request exits 2 with the same `PATH: message` lines as `coldsnapd validate`.
 With --json the document is

@@ -101,6 +101,7 @@ def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert host0["workers"] == ["worker-0", "worker-1"]
     assert host0["objects"] == [
         {"owner": "unit/unit-0", "role": "oci-capsule"},
+        {"owner": "unit/unit-0", "role": "criu-image"},
         {"owner": "worker/worker-0", "role": "model-weight-payload"},
         {"owner": "worker/worker-0", "role": "replay-plan"},
         {"owner": "worker/worker-1", "role": "model-weight-payload"},
@@ -114,6 +115,7 @@ def test_plan_text_is_a_table_per_host(capsys: pytest.CaptureFixture[str]) -> No
     assert "host host-0" in out and "host host-1" in out
     assert out.index("host host-0") < out.index("r0-worker-3") < out.index("host host-1")
     assert re.search(r"^ +unit/unit-1 +oci-capsule$", out, re.MULTILINE)
+    assert re.search(r"^ +unit/unit-1 +criu-image$", out, re.MULTILINE)
     assert "r1-worker-2" in out.split("host host-1")[1]
     assert "r1-worker-2" not in out.split("host host-1")[0]
 

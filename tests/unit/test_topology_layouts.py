@@ -10,6 +10,7 @@ from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.request import Launch, load_request, parse_request
 from coldsnap.topology import (
     ROLE_CAPSULE,
+    ROLE_CRIU_IMAGE,
     ROLE_REPLAY_PLAN,
     ROLE_WEIGHTS,
     Owner,
@@ -54,8 +55,8 @@ def test_one_capsule_per_unit_and_worker_objects_only_on_their_host(name: str) -
         owners_here |= {str(Owner.worker(w.id)) for w in t.workers_on(host)}
         assert {str(o.owner) for o in objects} == owners_here
     roles = Counter(o.role for o in every)
-    assert roles == {ROLE_CAPSULE: len(t.units), ROLE_WEIGHTS: len(t.workers),
-                     ROLE_REPLAY_PLAN: len(t.workers)}
+    assert roles == {ROLE_CAPSULE: len(t.units), ROLE_CRIU_IMAGE: len(t.units),
+                     ROLE_WEIGHTS: len(t.workers), ROLE_REPLAY_PLAN: len(t.workers)}
     assert len(set(every)) == len(every), "no object is sent twice"
 
 
@@ -70,6 +71,7 @@ def test_tp4_on_two_2gpu_hosts() -> None:
     assert {w.world_size for w in t.workers} == {4}
     assert [o.to_json() for o in t.objects_for_host("host-1")] == [
         {"owner": "unit/unit-1", "role": "oci-capsule"},
+        {"owner": "unit/unit-1", "role": "criu-image"},
         {"owner": "worker/worker-2", "role": "model-weight-payload"},
         {"owner": "worker/worker-2", "role": "replay-plan"},
         {"owner": "worker/worker-3", "role": "model-weight-payload"},

@@ -10,7 +10,6 @@ import pytest
 
 from coldsnap.capsule import (
     CapsuleError,
-    CapsuleImage,
     CriuProbeFailed,
     DumpFailed,
     ImageDigestMismatch,
@@ -25,6 +24,8 @@ from coldsnap.capsule import (
 )
 from coldsnap.capsule.collect import checked_payload
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.formats.artifact import CapsuleImage
+from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.hosts.http import http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
@@ -78,9 +79,12 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         assert sleeping.status == 200 and sleeping.json() == {"is_sleeping": False}
         v = await validate(s, h)
         assert v.text == EXPECTED
-        # no half-written capsule: no CRIU images in the container, no capsule image or tar
-        gone = await s.exec(c, ["test", "-e", CRIU_IMAGES_DIR])
-        assert gone.exit_code == 1
+        # no half-written capsule: no CRIU images left on the host, no capsule image or objects
+        assert h.images_dir is not None
+        left = await h0.target.host.run(["ls", "-A", h.images_dir])
+        assert left.stdout == b"", left.stdout
+        seen = await s.exec(c, ["ls", "-A", CRIU_IMAGES_DIR])
+        assert seen.ok and seen.stdout == "", "the container sees that same directory"
         with pytest.raises(docker.errors.ImageNotFound):
             await s.call(s.client.images.get, f"coldsnap/capsule/{unit_id}:{capture_id}")
         ls = await h0.target.host.run(["ls", f"{h0.entry.data_dir}/capsules/{capture_id}"],
@@ -123,14 +127,15 @@ async def test_destination_failing_criu_probe_is_refused_before_any_container(
     try:
         spec = for_host(unit_spec(capsule_ref, h1, unit_id, 1, "/nonexistent"), h1,
                         "/nonexistent")
-        capsule = CapsuleImage(
-            unit_id=unit_id, host="host-0", image_id=sha256_text("never loaded"),
-            reference="coldsnap/capsule/x:y", tar_path="/nonexistent/capsule.tar",
-            tar_sha256=sha256_text("x"), tar_bytes=1, criu_images_bytes=1, engine_pid=10000,
-            worker_pids={f"{unit_id}-w0": 10001}, captured_devices=("GPU-captured",),
-            base_image=broken, base_image_digest=spec.image_digest)
+        never = sha256_text("never loaded")
+        capsule = CapsuleManifest(
+            unit_id=unit_id, image=CapsuleImage(unit=unit_id, reference="coldsnap/capsule/x:y",
+                                                digest=never),
+            image_id=never, base_image=broken, base_image_digest=spec.image_digest,
+            criu_images=CriuImageSet(chunk_bytes=1, files=[], objects=[]), engine_pid=10000,
+            worker_pids={f"{unit_id}-w0": 10001}, captured_devices=["GPU-captured"])
         with pytest.raises(CriuProbeFailed) as err:
-            await restore_unit(s, spec, capsule, "/nonexistent/staged.tar")
+            await restore_unit(s, spec, capsule, "/nonexistent/images", "/nonexistent/x.tar")
         e = err.value
         assert (e.host, e.unit, e.step) == ("host-1", unit_id, "criu-probe")
         assert "vDSO" in e.detail

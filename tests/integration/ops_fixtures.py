@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -99,12 +100,20 @@ class Ops:
         objs = Path(self.hosts[host]["data_dir"]) / "objects" / "sha256"
         return {f"sha256:{p.name}" for p in objs.iterdir()} if objs.is_dir() else set()
 
+    def image_sets(self, host: str) -> set[str]:
+        """Digests of the CRIU image sets published in a host's data_dir."""
+        sets = Path(self.hosts[host]["data_dir"]) / "criu-images"
+        return ({f"sha256:{p.name}" for p in sets.iterdir() if not p.name.startswith(".")}
+                if sets.is_dir() else set())
+
     def clear_staged(self) -> None:
         for host in self.hosts:
             objs = Path(self.hosts[host]["data_dir"]) / "objects" / "sha256"
             if objs.is_dir():
                 for p in objs.iterdir():
                     p.unlink()
+            shutil.rmtree(Path(self.hosts[host]["data_dir"]) / "criu-images",
+                          ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

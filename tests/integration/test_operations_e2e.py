@@ -4,6 +4,7 @@ refusal leaving nothing running and the store intact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,9 +17,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 import yaml
 
+from coldsnap.formats.capsule import CapsuleManifest, parse_capsule_manifest
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
 from tests.integration.engine_view import engine_view_sync
@@ -41,16 +44,33 @@ def _artifact(ops: Ops, capture_id: str) -> dict[str, Any]:
 
 
 def _owned_by_host(artifact: dict[str, Any], placement: dict[str, str]) -> dict[str, set[str]]:
-    """What each host must hold: its units' capsules and its workers' payloads and plans."""
+    """What each host must hold as staged objects: its units' capsule layers (none when the
+    capsule went through the registry) and its workers' payloads and plans. Its units' CRIU
+    image objects are held assembled instead (_image_sets_by_host)."""
     launch = artifact["launch"]
     unit_of = {w["id"]: w["unit"] for w in launch["execution"]["workers"]}
     want: dict[str, set[str]] = {h: set() for h in placement.values()}
     for obj in artifact["objects"]:
         kind, owner = obj["owner"].split("/", 1)
-        if obj["role"] in ("capsule-manifest", "capture-request"):
-            continue  # control-node only
+        if obj["role"] in ("capsule-manifest", "capture-request", "criu-image"):
+            continue  # control-node only, or assembled
         unit = owner if kind == "unit" else unit_of[owner]
         want[placement[unit]].add(obj["sha256"])
+    return want
+
+
+def _manifest(ops: Ops, artifact: dict[str, Any], unit: str) -> CapsuleManifest:
+    obj = next(o for o in artifact["objects"]
+               if o["role"] == "capsule-manifest" and o["owner"] == f"unit/{unit}")
+    path = ops.store / "objects" / "sha256" / obj["sha256"][7:]
+    return parse_capsule_manifest(json.loads(path.read_text()))
+
+
+def _image_sets_by_host(ops: Ops, artifact: dict[str, Any],
+                        placement: dict[str, str]) -> dict[str, set[str]]:
+    want: dict[str, set[str]] = {h: set() for h in placement.values()}
+    for unit, host in placement.items():
+        want[host].add(_manifest(ops, artifact, unit).criu_images.digest)
     return want
 
 
@@ -71,16 +91,28 @@ def tp4(ops: Ops) -> dict[str, Any]:
 
 
 def test_tp2_capture_artifact(ops: Ops, tp2: dict[str, Any]) -> None:
-    roles = sorted((o["owner"], o["role"]) for o in tp2["objects"])
+    roles = sorted({(o["owner"], o["role"]) for o in tp2["objects"]})
+    # The dev inventory names a registry: the capsules went there, not into objects.
     assert roles == sorted([
-        ("unit/unit-0", "oci-capsule"), ("unit/unit-0", "capsule-manifest"),
+        ("unit/unit-0", "criu-image"), ("unit/unit-0", "capsule-manifest"),
         ("unit/unit-0", "capture-request"),
-        ("unit/unit-1", "oci-capsule"), ("unit/unit-1", "capsule-manifest"),
+        ("unit/unit-1", "criu-image"), ("unit/unit-1", "capsule-manifest"),
         ("unit/unit-1", "capture-request"),
         ("worker/worker-0", "model-weight-payload"), ("worker/worker-0", "replay-plan"),
         ("worker/worker-1", "model-weight-payload"), ("worker/worker-1", "replay-plan"),
     ])
     assert [i["unit"] for i in tp2["capsule"]["images"]] == ["unit-0", "unit-1"]
+    registry = yaml.safe_load(ops.inventory.read_text())["registry"]
+    for image in tp2["capsule"]["images"]:
+        assert image["reference"] == f"{registry}/coldsnap/capsule/{image['unit']}@" \
+                                     f"{image['digest']}"
+    for unit in ("unit-0", "unit-1"):
+        manifest = _manifest(ops, tp2, unit)
+        criu = [o for o in tp2["objects"]
+                if o["role"] == "criu-image" and o["owner"] == f"unit/{unit}"]
+        assert sorted(o["sha256"] for o in criu) == sorted(
+            o.sha256 for o in manifest.criu_images.objects)
+        assert all(o["path"] == f"criu-images/sha256/{o['sha256'][7:]}" for o in criu)
     compat = tp2["compatibility"]["units"]
     assert [c["nvidia_driver_captured"] for c in compat] == ["610.43.02", "610.43.02"]
     assert compat[0]["devices"] == [{"slot": 0, "gpu_name": "NVIDIA GB10",
@@ -108,12 +140,16 @@ def test_tp2_restore_same_hosts_then_warm_cache(ops: Ops, tp2: dict[str, Any]) -
     ops.clear_staged()
     first = ops.coldsnapd("restore", "--artifact", tp2["capture_id"]).ok()
     assert "answered the validation prompt" in first.stderr
-    want = _owned_by_host(tp2, {"unit-0": "host-0", "unit-1": "host-1"})
+    placement = {"unit-0": "host-0", "unit-1": "host-1"}
+    want = _owned_by_host(tp2, placement)
     assert ops.staged("host-0") == want["host-0"]
     assert ops.staged("host-1") == want["host-1"]
-    assert not want["host-0"] & want["host-1"] - {o["sha256"] for o in tp2["objects"]
-                                                  if o["role"] == "oci-capsule"}
+    assert not want["host-0"] & want["host-1"]
     assert ops.staged("host-2") == set() and ops.staged("host-3") == set()
+    sets = _image_sets_by_host(ops, tp2, placement)
+    assert ops.image_sets("host-0") == sets["host-0"]
+    assert ops.image_sets("host-1") == sets["host-1"]
+    assert ops.image_sets("host-2") == set() and ops.image_sets("host-3") == set()
 
     # Restored, not re-warmed: the engines carry their capture-time warm-up.
     for host in ("host-0", "host-1"):
@@ -125,8 +161,51 @@ def test_tp2_restore_same_hosts_then_warm_cache(ops: Ops, tp2: dict[str, Any]) -
     # Same placement again: reconcile-replace, and nothing is sent twice.
     second = ops.coldsnapd("restore", "--artifact", tp2["capture_id"]).ok()
     sent = [line for line in second.stderr.splitlines() if " owned, " in line]
-    assert len(sent) == 2 and all("sent 0 B, 3 already present" in line for line in sent), sent
+    present = {h: 2 + len(_manifest(ops, tp2, u).criu_images.objects)
+               for u, h in placement.items()}
+    assert len(sent) == 2 and all(
+        f"sent 0 B, {present[line.split()[0].rstrip(':')]} already present" in line
+        for line in sent), sent
     assert sum(len(ops.unit_containers(h)) for h in ops.hosts) == 2
+    ops.remove_units()
+
+
+def test_without_a_registry_only_the_layers_above_the_base_travel(ops: Ops) -> None:
+    doc = yaml.safe_load(ops.inventory.read_text())
+    del doc["registry"]
+    inventory = ops.work / "inventory-no-registry.yaml"
+    inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = ops.coldsnapd("capture", "--request", str(ops.request("tp2-two-hosts",
+                                                                suffix="no-registry")),
+                        inventory=inventory).ok()
+    assert run.receipt is not None
+    artifact = _artifact(ops, run.receipt["result"]["artifact"])
+    layers = {o["owner"]: o for o in artifact["objects"] if o["role"] == "oci-capsule"}
+    assert sorted(layers) == ["unit/unit-0", "unit/unit-1"]
+    for image in artifact["capsule"]["images"]:
+        manifest = _manifest(ops, artifact, image["unit"])
+        assert manifest.pushed is None and image["digest"] == manifest.image_id
+        # the rootfs diff only: neither the base image's layers nor the engine's memory
+        assert layers[f"unit/{image['unit']}"]["bytes"] < 1 << 20
+        assert manifest.criu_images.total_bytes > 4 << 20
+    ops.clear_staged()
+    for host in ("host-2", "host-3"):
+        client = ops.docker(host)
+        try:
+            for image in artifact["capsule"]["images"]:
+                with contextlib.suppress(docker.errors.ImageNotFound):
+                    client.images.remove(image["digest"], force=True)
+        finally:
+            client.close()
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="no-registry",
+                          artifact=artifact["capture_id"])
+    ops.coldsnapd("restore", "--request", str(request), inventory=inventory).ok()
+    assert _complete(ops, "host-2", 8000) == EXPECTED
+    placement = {"unit-0": "host-2", "unit-1": "host-3"}
+    want = _owned_by_host(artifact, placement)
+    assert layers["unit/unit-0"]["sha256"] in want["host-2"]
+    assert ops.staged("host-2") == want["host-2"]
+    assert ops.image_sets("host-3") == _image_sets_by_host(ops, artifact, placement)["host-3"]
     ops.remove_units()
 
 
@@ -136,10 +215,14 @@ def test_tp4_restore_moved_to_other_hosts(ops: Ops, tp4: dict[str, Any]) -> None
                           artifact=tp4["capture_id"])
     ops.coldsnapd("restore", "--request", str(request)).ok()
     assert _complete(ops, "host-2", 8000) == EXPECTED
-    want = _owned_by_host(tp4, {"unit-0": "host-2", "unit-1": "host-3"})
-    assert ops.staged("host-2") == want["host-2"] and len(want["host-2"]) == 5
+    placement = {"unit-0": "host-2", "unit-1": "host-3"}
+    want = _owned_by_host(tp4, placement)
+    assert ops.staged("host-2") == want["host-2"] and len(want["host-2"]) == 4
     assert ops.staged("host-3") == want["host-3"]
     assert ops.staged("host-0") == set() and ops.staged("host-1") == set()
+    sets = _image_sets_by_host(ops, tp4, placement)
+    assert ops.image_sets("host-2") == sets["host-2"]
+    assert ops.image_sets("host-3") == sets["host-3"]
     gpus = {h: [g["uuid"] for g in ops.hosts[h]["simulated_gpus"]] for h in ops.hosts}
     for host in ("host-2", "host-3"):
         (container,) = ops.unit_containers(host)
@@ -377,6 +460,7 @@ def test_prepare_only_stages_and_starts_nothing(ops: Ops, tp4: dict[str, Any]) -
     assert ops.running_units() == {}
     want = _owned_by_host(tp4, {"unit-0": "host-2", "unit-1": "host-3"})
     assert ops.staged("host-2") == want["host-2"]
+    assert ops.image_sets("host-2") == {_manifest(ops, tp4, "unit-0").criu_images.digest}
     again = ops.coldsnapd("restore", "--request", str(request), "--prepare-only").ok()
     sent = [line for line in again.stderr.splitlines() if " owned, " in line]
     assert len(sent) == 2 and all("sent 0 B" in line for line in sent), sent

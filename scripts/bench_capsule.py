@@ -1,12 +1,17 @@
 """Benchmark: cold start vs coldsnap capsule restore of a unit holding 1 GiB of warm state.
 
-    scripts/bench capsule [--gib 1.0] [--rounds 3] [--src host-0] [--dst host-1]
+    scripts/bench capsule [--gib 1.0] [--rounds 3] [--src host-0] [--dst host-1] [--no-registry]
 
 Per round, on the dev cluster (started with Docker and the test capsule when it is not running,
 and then stopped again at the end; a running one is used as it is):
   cold start  on SRC: container start -> engine warm-up -> validation prompt answered
-  capture     on SRC: quiesce, cuda-checkpoint (simulated), CRIU dump, commit + save
-  staging     SRC -> controller -> DST over SSH, docker load on DST (reported, not targeted)
+  capture     on SRC: quiesce, cuda-checkpoint (simulated), CRIU dump into the host, commit:
+              images packed into chunk objects, rootfs diff committed and pushed to the
+              inventory's registry (or, with --no-registry, its layers above the base exported)
+  fetch       SRC -> controller store, every object digest-verified
+  staging     controller -> DST, the CRIU images assembled while they arrive; then again on
+              the warm host (nothing sent, the assembled images verified); the capsule pulled
+              by digest (or its layers loaded) on DST
   restore     on DST: container start -> CRIU restore -> GPU restore + unlock -> release ->
               validation prompt answered (coldsnap's own steps)
   raw         on DST: the same images restored by a hand-typed `docker exec C criu restore`
@@ -35,8 +40,8 @@ from bench_common import REPO, cluster_inventory, emit, log
 
 from coldsnap.capsule import (
     CapsuleHost,
-    CapsuleImage,
     CapsuleSession,
+    CommittedCapsule,
     Mount,
     UnitSpec,
     Validation,
@@ -61,10 +66,14 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import capsule_dir
+from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.formats.artifact import ROLE_CAPSULE, ArtifactObject, criu_image_path
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
 from coldsnap.logs import configure as configure_logs
+from coldsnap.operations.staging import remote_object_path, stage_host
+from coldsnap.store import LocalStore
 
 PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
 EXPECTED = "coldsnap-cuda-snapshot-ok"
@@ -129,27 +138,30 @@ def placement(spec: UnitSpec, entry: HostEntry, captured: tuple[str, ...]) -> di
                          "host_address": entry.address} for w in spec.workers]}
 
 
-async def stage(src: CapsuleSession, dst: CapsuleSession, capsule: CapsuleImage,
-                tmp: Path) -> str:
-    local = tmp / "capsule.tar"
-    await src.target.host.get(capsule.tar_path, local)
-    remote = f"{dst.target.data_dir}/objects/sha256/{capsule.tar_sha256.split(':', 1)[1]}"
-    await dst.target.host.run(["mkdir", "-p", f"{dst.target.data_dir}/objects/sha256"])
-    await dst.target.host.put(local, remote)
-    await asyncio.to_thread(local.unlink)
-    return remote
+async def fetch(src: CapsuleSession, capsule: CommittedCapsule,
+                store: LocalStore) -> list[ArtifactObject]:
+    """What capture's fetch phase does: every object into the store, digest-verified."""
+    out = []
+    for obj in capsule.objects:
+        with store.incoming() as tmp:
+            await src.target.host.get(obj.file.path, tmp)
+            digest, size = store.commit_incoming(tmp, obj.file.sha256)
+        path = "capsule.tar" if obj.role == ROLE_CAPSULE else criu_image_path(digest)
+        out.append(ArtifactObject(role=obj.role, owner=f"unit/{capsule.unit_id}", path=path,
+                                  bytes=size, sha256=digest))
+    return out
 
 
 async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entry: HostEntry,
                     dst_entry: HostEntry, models: tuple[str, str], tmp: Path,
-                    warmup_rounds: int | None) -> dict[str, Any]:
+                    warmup_rounds: int | None, registry: str | None) -> dict[str, Any]:
     unit_id = f"bench-{secrets.token_hex(3)}"
     capture_id = f"bench-{secrets.token_hex(3)}"
     spec0 = spec_for(ref, unit_id, src_entry, models[0], warmup_rounds)
     spec1 = spec_for(ref, unit_id, dst_entry, models[1], warmup_rounds)
     r: dict[str, Any] = {}
-    capsule: CapsuleImage | None = None
-    staged = None
+    capsule: CommittedCapsule | None = None
+    staged: list[str] = []
     try:
         t0 = time.monotonic()
         h = await start_unit(src, spec0)
@@ -163,31 +175,53 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
         r["dump_seconds"] = time.monotonic() - t0
         r["image_bytes"] = dumped.images_bytes
         t0 = time.monotonic()
-        capsule = await commit(src, h, capture_id, dumped)
+        capsule = await commit(src, h, capture_id, dumped, registry=registry)
         r["commit_seconds"] = time.monotonic() - t0
-        r["capsule_tar_bytes"] = capsule.tar_bytes
+        manifest = capsule.manifest
+        r["capsule_bytes"] = sum(o.file.bytes for o in capsule.objects
+                                 if o.role == ROLE_CAPSULE)
+        r["criu_object_bytes"] = manifest.criu_images.total_bytes
+        r["criu_objects"] = len(manifest.criu_images.objects)
         await remove_unit(src, h)
 
+        store = LocalStore(tmp / "store").ensure()
         t0 = time.monotonic()
-        staged = await stage(src, dst, capsule, tmp)
+        objects = await fetch(src, capsule, store)
+        r["fetch_seconds"] = time.monotonic() - t0
+        images_dir = image_set_dir(dst.target.data_dir, manifest.criu_images)
+        staged = [images_dir, *(remote_object_path(dst.target.data_dir, o.sha256)
+                                for o in objects)]
+        t0 = time.monotonic()
+        cold = await stage_host(dst.target.host, dst.target.data_dir, objects, store,
+                                image_sets=[manifest.criu_images], operation_id=capture_id)
         r["stage_seconds"] = time.monotonic() - t0
+        r["staged_bytes"] = cold.sent_bytes
         t0 = time.monotonic()
-        await load_capsule(dst, capsule, staged)
+        warm = await stage_host(dst.target.host, dst.target.data_dir, objects, store,
+                                image_sets=[manifest.criu_images], operation_id=capture_id)
+        r["stage_warm_seconds"] = time.monotonic() - t0
+        assert warm.sent_bytes == 0
+        await asyncio.to_thread(shutil.rmtree, tmp / "store")
+        layers = [remote_object_path(dst.target.data_dir, o.sha256) for o in objects
+                  if o.role == ROLE_CAPSULE]
+        t0 = time.monotonic()
+        await load_capsule(dst, manifest, layers[0] if layers else None)
         r["load_seconds"] = time.monotonic() - t0
 
         # Creating the container is preparation (like loading the image): restore_seconds
         # starts when the container is started.
         t0 = time.monotonic()
-        rh = await create_restore_container(dst, spec1, capsule)
+        rh = await create_restore_container(dst, spec1, manifest, images_dir)
         r["container_create_seconds"] = time.monotonic() - t0
         marks = [time.monotonic()]
         await start_created_container(dst, rh)
         marks.append(time.monotonic())
         restored = await criu_restore(dst, rh)
         marks.append(time.monotonic())
-        await restore_gpus(dst, rh, device_map(capsule.captured_devices, spec1.devices))
+        await restore_gpus(dst, rh, device_map(manifest.captured_devices, spec1.devices))
         marks.append(time.monotonic())
-        await deliver_placement(dst, rh, placement(spec1, dst_entry, capsule.captured_devices))
+        await deliver_placement(dst, rh, placement(spec1, dst_entry,
+                                                   tuple(manifest.captured_devices)))
         await release(dst, rh)
         marks.append(time.monotonic())
         await validate(dst, rh)
@@ -201,12 +235,12 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
         await remove_unit(dst, rh)
 
         # The same images by hand: a fresh container of the same capsule, then one command.
-        rh = await start_restore_container(dst, spec1, capsule)
+        rh = await start_restore_container(dst, spec1, manifest, images_dir)
         sock = f"unix://{dst.target.docker_socket}"
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             "docker", "-H", sock, "exec", rh.container_name, "criu", "restore",
-            "-D", CRIU_IMAGES_DIR, "-d", "-o", "raw-restore.log")
+            "-D", CRIU_IMAGES_DIR, "-W", "/tmp", "-d", "-o", "raw-restore.log")
         if await proc.wait() != 0:
             raise RuntimeError("hand-typed criu restore failed")
         r["raw_criu_restore_seconds"] = time.monotonic() - t0
@@ -220,13 +254,14 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
                     await s.call(c.remove, force=True)
             with contextlib.suppress(Exception):
                 if capsule is not None:
-                    await s.call(s.client.images.remove, capsule.image_id, force=True)
+                    await s.call(s.client.images.remove, capsule.manifest.image_id,
+                                 force=True)
         with contextlib.suppress(Exception):
             out_dir = capsule_dir(src.target.data_dir, capture_id, unit_id)
             await src.target.host.run(["rm", "-rf", posixpath.dirname(out_dir)], check=False)
         with contextlib.suppress(Exception):
             if staged:
-                await dst.target.host.run(["rm", "-f", staged], check=False)
+                await dst.target.host.run(["rm", "-rf", "--", *staged], check=False)
     return r
 
 
@@ -241,6 +276,7 @@ async def main_async(args: argparse.Namespace, inv_path: Path) -> int:
     inv = load_inventory(inv_path)
     e0, e1 = inv.get(args.src), inv.get(args.dst)
     payload = int(args.gib * (1 << 30))
+    registry = None if args.no_registry else inv.registry
     h0, h1 = SSHHost(e0), SSHHost(e1)
     assert e0.docker_socket and e1.docker_socket
     rounds: list[dict[str, Any]] = []
@@ -257,7 +293,7 @@ async def main_async(args: argparse.Namespace, inv_path: Path) -> int:
                 await asyncio.to_thread(os.mkdir, tmp)
                 for i in range(args.rounds):
                     r = await one_round(src, dst, ref, e0, e1, models, Path(tmp),
-                                        args.warmup_rounds)
+                                        args.warmup_rounds, registry)
                     log(f"bench capsule: round {i + 1}/{args.rounds}: "
                         + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in r.items()))
@@ -279,9 +315,15 @@ async def main_async(args: argparse.Namespace, inv_path: Path) -> int:
         "image_bytes": int(statistics.median(r["image_bytes"] for r in rounds)),
         "restore_seconds": med("restore_seconds"),
         "raw_criu_restore_seconds": med("raw_criu_restore_seconds"),
+        "registry": registry,
         "commit_seconds": med("commit_seconds"),
-        "capsule_tar_bytes": int(statistics.median(r["capsule_tar_bytes"] for r in rounds)),
+        "capsule_bytes": int(statistics.median(r["capsule_bytes"] for r in rounds)),
+        "criu_object_bytes": int(statistics.median(r["criu_object_bytes"] for r in rounds)),
+        "criu_objects": int(statistics.median(r["criu_objects"] for r in rounds)),
+        "fetch_seconds": med("fetch_seconds"),
         "stage_seconds": med("stage_seconds"),
+        "staged_bytes": int(statistics.median(r["staged_bytes"] for r in rounds)),
+        "stage_warm_seconds": med("stage_warm_seconds"),
         "load_seconds": med("load_seconds"),
         "criu_restore_step_seconds": med("criu_restore_step_seconds"),
         "container_create_seconds": med("container_create_seconds"),
@@ -301,6 +343,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--src", default="host-0")
     p.add_argument("--dst", default="host-1")
+    p.add_argument("--no-registry", action="store_true",
+                   help="ship the capsule's layers as an object even when the inventory names "
+                        "a registry")
     p.add_argument("--warmup-rounds", type=int, default=None,
                    help="the test engine's warm-up cost (digest rounds per chunk; engine "
                         "default 4)")

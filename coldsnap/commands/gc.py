@@ -1,9 +1,12 @@
-"""`coldsnapd gc --operation ID | --all-orphans`: containers an operation left behind.
+"""`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind.
 
 Every inventory host is asked, concurrently, for the containers labelled
 `org.coldsnap.operation`; each one is judged from this control node's run records
 (coldsnap.operations.runs) and removed when it is an orphan: its operation is not running, and
-neither succeeded nor had its rollback return that unit to serving.
+neither succeeded nor had its rollback return that unit to serving. The directories an
+operation makes in a host's data_dir are named by its id and judged the same way: a capture's
+CRIU dump directories (`dumps/<id>/`) and its capsule objects (`capsules/<id>/`), a restore's
+unfinished image assembly (`criu-images/.<set>.<id>.partial`).
 """
 
 from __future__ import annotations
@@ -49,10 +52,55 @@ class Container:
 
 
 @dataclass
+class Leftover:
+    path: str
+    operation: str
+    orphan: bool
+    reason: str
+    removed: bool = False
+    error: str | None = None
+
+
+@dataclass
 class HostResult:
     host: str
     containers: list[Container] = field(default_factory=list)
+    leftovers: list[Leftover] = field(default_factory=list)
     error: str | None = None
+
+
+# What `find` lists: each operation's directories, the operation id at the end of the name.
+_LEFTOVER_DIRS = ("dumps", "capsules", "criu-images")
+_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(.+)\.partial$")
+
+
+def _leftover_operation(path: str) -> str | None:
+    parent, _, name = path.rpartition("/")
+    if parent.endswith("/criu-images"):
+        match = _PARTIAL.match(name)
+        return match.group(1) if match else None
+    return name
+
+
+async def _host_leftovers(hosts: HostSet, name: str, judge: Judge, operation: str | None,
+                          dry_run: bool, result: HostResult) -> None:
+    host = hosts.host(name)
+    data_dir = hosts.entries[name].data_dir
+    roots = [f"{data_dir}/{d}" for d in _LEFTOVER_DIRS]
+    listed = await host.run(["find", *roots, "-mindepth", "1", "-maxdepth", "1", "-type", "d"],
+                            timeout=30, check=False)
+    for path in sorted(listed.stdout.decode(errors="replace").splitlines()):
+        op = _leftover_operation(path)
+        if op is None or not _ID.match(op) or (operation is not None and op != operation):
+            continue
+        orphan, why = judge(op, None)
+        entry = Leftover(path, op, orphan, why)
+        result.leftovers.append(entry)
+        if orphan and not dry_run:
+            res = await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
+            entry.removed = res.ok
+            if not res.ok:
+                entry.error = res.stderr.decode(errors="replace").strip()[-300:]
 
 
 class Judge:
@@ -94,6 +142,7 @@ async def _host_gc(hosts: HostSet, name: str, judge: Judge, operation: str | Non
                         entry.removed = True
                     except docker.errors.DockerException as exc:
                         entry.error = f"cannot remove: {exc}"
+            await _host_leftovers(hosts, name, judge, operation, dry_run, result)
     except TimeoutError:
         result.error = f"timed out after {HOST_TIMEOUT_S:.0f} s"
     except (OperationFailed, HostError, CapsuleError, docker.errors.DockerException,
@@ -108,7 +157,7 @@ def _print_text(results: list[HostResult], dry_run: bool) -> None:
         if r.error:
             print(f"{r.host}: ERROR {r.error}")
             continue
-        if not r.containers:
+        if not r.containers and not r.leftovers:
             print(f"{r.host}: no container of a coldsnap operation")
         for c in r.containers:
             what = c.unit or c.role or "container"
@@ -122,6 +171,11 @@ def _print_text(results: list[HostResult], dry_run: bool) -> None:
                 kept += 1
             print(f"{r.host}: {verb} {c.name} ({what} of {c.operation}, {c.status}): {c.reason}"
                   + (f": {c.error}" if c.error else ""))
+        for d in r.leftovers:
+            verb = ("FAILED to remove" if d.error else
+                    ("would remove" if dry_run else "removed") if d.orphan else "kept")
+            print(f"{r.host}: {verb} {d.path} (of {d.operation}): {d.reason}"
+                  + (f": {d.error}" if d.error else ""))
     verb = "would remove" if dry_run else "removed"
     print(f"gc: {verb} {removed} container(s), kept {kept}", file=sys.stderr)
 
@@ -150,7 +204,8 @@ def _handler(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     else:
         _print_text(results, args.dry_run)
-    failed = [r.host for r in results if r.error or any(c.error for c in r.containers)]
+    failed = [r.host for r in results if r.error or any(c.error for c in r.containers)
+              or any(d.error for d in r.leftovers)]
     if failed:
         return fail(f"gc did not finish on {', '.join(failed)}", status=1)
     return 0
@@ -163,8 +218,11 @@ def register(subparsers: Any) -> None:
                     "host and remove the orphans: those whose operation is not running on "
                     "this control node (its run lock under <store>/run/ is free) and did not "
                     "leave them on purpose (a succeeded operation's units, or units its "
-                    "rollback returned to serving). Operations this store never recorded are "
-                    "left alone. Exit 1 when a host could not be reached or a removal failed.")
+                    "rollback returned to serving). The directories an operation names after "
+                    "itself in a host's data_dir (dumps/ID, capsules/ID, "
+                    "criu-images/.SET.ID.partial) are judged alike. Operations this store "
+                    "never recorded are left alone. Exit 1 when a host could not be reached "
+                    "or a removal failed.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--operation", metavar="ID",
                        help="only the containers of this operation (its id as in the receipt)")

@@ -116,7 +116,7 @@ def clean(ops: Ops) -> Iterator[None]:
     ops.remove_units()
 
 
-@pytest.mark.parametrize("phase", ["capture.quiesce", "capture.dump"])
+@pytest.mark.parametrize("phase", ["capture.quiesce", "capture.dump", "capture.commit"])
 def test_sigterm_during_capture_returns_every_unit_to_serving(
         ops: Ops, clean: None, phase: str) -> None:
     request = ops.request("tp2-two-hosts", suffix=f"sigterm-{phase.split('.')[1]}",
@@ -139,6 +139,9 @@ def test_sigterm_during_capture_returns_every_unit_to_serving(
     assert not (ops.store / "artifacts" / f"{doc['id']}.json").exists()
     for host in ("host-0", "host-1"):
         assert not (Path(ops.hosts[host]["data_dir"]) / "capsules" / doc["id"]).exists()
+        # The serving units keep their (empty) dump directories, nothing else of the capture.
+        dumps = Path(ops.hosts[host]["data_dir"]) / "dumps" / doc["id"]
+        assert [list(d.iterdir()) for d in dumps.iterdir()] == [[]], host
     # lifecycle running: the units serve again, with their GPUs running, and they are the
     # only containers of that operation.
     assert _complete(ops, "host-0", 8000) == EXPECTED
@@ -182,6 +185,55 @@ def test_sigterm_during_restore_after_staging_removes_every_unit(
     assert labelled(ops, receipt["operation_id"]) == {}
     assert ops.running_units() == {}
     assert orphans(gc(ops, "--all-orphans")) == []
+
+
+def _criu_dirs(ops: Ops, host: str, operation: str) -> list[Path]:
+    """What an operation named after itself in a host's data_dir."""
+    data = Path(ops.hosts[host]["data_dir"])
+    found = [p for p in (data / "dumps" / operation, data / "capsules" / operation)
+             if p.exists()]
+    images = data / "criu-images"
+    return found + (sorted(images.glob(f".*.{operation}.partial")) if images.is_dir() else [])
+
+
+def test_sigterm_while_staging_removes_the_unfinished_image_assembly(
+        ops: Ops, artifact: str, clean: None) -> None:
+    ops.clear_staged()
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="sigterm-stage",
+                          artifact=artifact)
+    run = start(ops, "restore", "--request", str(request))
+    run.wait_for("restore.stage-host", "host-3")
+    run.signal(signal.SIGTERM)
+    status, err, receipt = run.finish()
+    assert status == 143, err
+    assert receipt["error"]["code"] == "cancelled"
+    for host in ("host-2", "host-3"):
+        assert _criu_dirs(ops, host, receipt["operation_id"]) == [], host
+    assert ops.running_units() == {}
+    # Staged again from scratch, the images are whole: the restore serves.
+    again = ops.request("tp2-two-hosts-restore-moved", suffix="after-stage",
+                        artifact=artifact)
+    ops.coldsnapd("restore", "--request", str(again)).ok()
+    assert _complete(ops, "host-2", 8000) == EXPECTED
+
+
+def test_gc_removes_what_a_killed_capture_left_in_the_data_dirs(
+        ops: Ops, clean: None) -> None:
+    request = ops.request("tp2-two-hosts", suffix="killed-capture")
+    run = start(ops, "capture", "--request", str(request))
+    run.wait_for("capture.collect", "host-1")
+    run.signal(signal.SIGKILL)
+    run.proc.communicate(timeout=60)
+    dead = yaml.safe_load(request.read_text())["id"]
+    left = {h: _criu_dirs(ops, h, dead) for h in ("host-0", "host-1")}
+    assert all(any(p.parent.name == "dumps" for p in dirs) for dirs in left.values()), left
+
+    report = gc(ops, "--operation", dead)
+    removed = {(h["host"], d["path"]) for h in report["hosts"] for d in h["leftovers"]
+               if d["removed"]}
+    assert removed == {(h, str(p)) for h, dirs in left.items() for p in dirs}
+    assert _criu_dirs(ops, "host-0", dead) == [] and _criu_dirs(ops, "host-1", dead) == []
+    assert labelled(ops, dead) == {}
 
 
 def test_a_second_sigint_does_not_interrupt_the_rollback(

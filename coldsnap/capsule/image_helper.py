@@ -105,6 +105,16 @@ class ObjectWriter:
         return hexd
 
 
+def copy_in(f: Any, w: ObjectWriter, n: int, path: str, mv: memoryview) -> None:
+    """The next `n` bytes of `f` into the object being written."""
+    while n:
+        k = f.readinto(mv[:min(BUF, n)])
+        if not k:
+            fail(EXIT_USAGE, f"{path} shrank while packing")
+        w.write(mv[:k])
+        n -= k
+
+
 def pack(src: str, out: str, chunk: int, small: int) -> None:
     os.makedirs(out, mode=0o700, exist_ok=True)
     os.chmod(out, 0o700)
@@ -132,8 +142,8 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
         if not stat.S_ISREG(st.st_mode):
             fail(EXIT_USAGE, f"{path} is not a regular file: a CRIU image directory holds only "
                              "files")
-        entry: dict[str, Any] = {"name": name, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
-                 "extents": []}
+        entry: dict[str, Any] = {"name": name, "size": st.st_size,
+                                 "mode": stat.S_IMODE(st.st_mode), "extents": []}
         files.append(entry)
         if st.st_size == 0:
             continue
@@ -143,13 +153,7 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
                     close_pack()
                 extent = {"object": "", "offset": w.size if w.f is not None else 0,
                           "length": st.st_size}
-                left = st.st_size
-                while left:
-                    k = f.readinto(mv[:min(BUF, left)])
-                    if not k:
-                        fail(EXIT_USAGE, f"{path} shrank while packing")
-                    w.write(mv[:k])
-                    left -= k
+                copy_in(f, w, st.st_size, path, mv)
                 entry["extents"].append(extent)
                 pending.append(extent)
                 continue
@@ -157,13 +161,7 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
             left = st.st_size
             while left:
                 piece = min(chunk, left)
-                n = piece
-                while n:
-                    k = f.readinto(mv[:min(BUF, n)])
-                    if not k:
-                        fail(EXIT_USAGE, f"{path} shrank while packing")
-                    w.write(mv[:k])
-                    n -= k
+                copy_in(f, w, piece, path, mv)
                 entry["extents"].append({"object": "sha256:" + w.close(), "offset": 0,
                                          "length": piece})
                 left -= piece

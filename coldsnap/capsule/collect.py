@@ -40,10 +40,13 @@ def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
 
 
 async def remove_capsule_files(host: Host, data_dir: str, capture_id: str, unit_id: str) -> None:
-    """Remove a unit's capsule directory (tar, replay plans) from its capture host once the
-    store holds them."""
-    await host.run(["rm", "-rf", "--", capsule_dir(data_dir, capture_id, unit_id)],
-                   check=False)
+    """Remove a unit's capsule directory (its objects, replay plans) from its capture host once
+    the store holds them, or on rollback."""
+    unit_dir = capsule_dir(data_dir, capture_id, unit_id)
+    await host.run(["rm", "-rf", "--", unit_dir], check=False)
+    # The capture's directory goes with its last unit (other units of the capture on this
+    # host may still be using it).
+    await host.run(["rmdir", "--", posixpath.dirname(unit_dir)], check=False)
 
 
 # Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.

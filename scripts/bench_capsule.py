@@ -40,6 +40,7 @@ from bench_common import REPO, cluster_inventory, emit, log
 
 from coldsnap.capsule import (
     CapsuleHost,
+    CapsuleObject,
     CapsuleSession,
     CommittedCapsule,
     Mount,
@@ -140,16 +141,20 @@ def placement(spec: UnitSpec, entry: HostEntry, captured: tuple[str, ...]) -> di
 
 async def fetch(src: CapsuleSession, capsule: CommittedCapsule,
                 store: LocalStore) -> list[ArtifactObject]:
-    """What capture's fetch phase does: every object into the store, digest-verified."""
-    out = []
-    for obj in capsule.objects:
-        with store.incoming() as tmp:
-            await src.target.host.get(obj.file.path, tmp)
-            digest, size = store.commit_incoming(tmp, obj.file.sha256)
+    """What capture's fetch phase does: every object into the store, digest-verified, three
+    at a time."""
+    slots = asyncio.Semaphore(3)
+
+    async def one(obj: CapsuleObject) -> ArtifactObject:
+        async with slots:
+            with store.incoming() as tmp:
+                await src.target.host.get(obj.file.path, tmp)
+                digest, size = store.commit_incoming(tmp, obj.file.sha256)
         path = "capsule.tar" if obj.role == ROLE_CAPSULE else criu_image_path(digest)
-        out.append(ArtifactObject(role=obj.role, owner=f"unit/{capsule.unit_id}", path=path,
-                                  bytes=size, sha256=digest))
-    return out
+        return ArtifactObject(role=obj.role, owner=f"unit/{capsule.unit_id}", path=path,
+                              bytes=size, sha256=digest)
+
+    return list(await asyncio.gather(*(one(o) for o in capsule.objects)))
 
 
 async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entry: HostEntry,

@@ -9,6 +9,7 @@ writes nothing to `output` or the store's artifact index.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import docker.errors
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
+    CapsuleObject,
     capsule_reference,
     checkpoint_gpus,
     commit,
@@ -69,6 +71,9 @@ from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
+
+# Objects of one unit pulled from its host at once.
+_FETCHING = 3
 
 
 def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
@@ -176,13 +181,20 @@ async def _capture_units(
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
-        for obj in r.capsule.objects:
-            digest, size = await _fetch(host, obj.file.path, store, obj.file.sha256,
-                                        progress(f"{obj.role} of {unit_owner}"))
+        # A few at once: each transfer pays a fixed cost (a channel, the helper starting on
+        # the host) that overlapping hides.
+        slots = asyncio.Semaphore(_FETCHING)
+
+        async def one(obj: CapsuleObject) -> ArtifactObject:
+            async with slots:
+                digest, size = await _fetch(host, obj.file.path, store, obj.file.sha256,
+                                            progress(f"{obj.role} of {unit_owner}"))
             path = (f"capsules/{r.placed.unit_id}.tar" if obj.role == ROLE_CAPSULE
                     else criu_image_path(digest))
-            objects.append(ArtifactObject(role=obj.role, owner=unit_owner, path=path,
-                                          bytes=size, sha256=digest))
+            return ArtifactObject(role=obj.role, owner=unit_owner, path=path, bytes=size,
+                                  sha256=digest)
+
+        objects.extend(await asyncio.gather(*(one(o) for o in r.capsule.objects)))
         manifest = canonical_json(r.capsule.manifest.to_json())
         m_digest, m_size = store.add_bytes(manifest)
         objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,

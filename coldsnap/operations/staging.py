@@ -13,7 +13,6 @@ directory already, verified, receives none of them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +58,10 @@ def remote_object_path(data_dir: str, object_digest: str) -> str:
 # Roles a unit may own any number of: CRIU image chunks, and no `oci-capsule` when the capsule
 # was pushed to a registry.
 _SEVERAL = (ROLE_CRIU_IMAGE, ROLE_CAPSULE)
-# CRIU objects placed at once on one host while the next ones arrive.
+# CRIU objects in flight to one host at once, and placed at once while the next ones arrive:
+# each transfer and placement pays a fixed cost (a channel, a process on the host) that
+# overlapping hides.
+_SENDING = 3
 _PLACING = 2
 
 
@@ -137,41 +139,37 @@ async def stage_host(
             todo[image_set.digest] = image_set
     wanted = {o.sha256 for st in todo.values() for o in st.objects}
     parts: dict[str, str] = {}
-    placing: list[asyncio.Task[None]] = []
-    slots = asyncio.Semaphore(_PLACING)
+    sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
     staged_criu: list[str] = []
 
-    async def place(part: str, remote: str, image_set: CriuImageSet, digest: str) -> None:
-        async with slots:
-            await place_object(host, part, remote, image_set, digest)
+    async def criu_object(obj: ArtifactObject) -> None:
+        async with sending:
+            remote = await _send(host, data_dir, obj, store, progress, result)
+        staged_criu.append(remote)
+        for key, image_set in todo.items():
+            if any(o.sha256 == obj.sha256 for o in image_set.objects):
+                async with placing:
+                    await place_object(host, parts[key], remote, image_set, obj.sha256)
 
     try:
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
         for obj in objects:
-            if obj.role == ROLE_CRIU_IMAGE and obj.sha256 not in wanted:
-                result.skipped.append(obj.sha256)  # its image set is on the host already
-                continue
-            remote = await _send(host, data_dir, obj, store, progress, result)
             if obj.role != ROLE_CRIU_IMAGE:
-                continue
-            staged_criu.append(remote)
-            for key, image_set in todo.items():
-                if any(o.sha256 == obj.sha256 for o in image_set.objects):
-                    placing.append(asyncio.create_task(
-                        place(parts[key], remote, image_set, obj.sha256)))
-            # A failed placement stops the staging now, not after every byte is sent.
-            for task in placing:
-                if task.done() and task.exception() is not None:
-                    await task
-        await asyncio.gather(*placing)
+                await _send(host, data_dir, obj, store, progress, result)
+            elif obj.sha256 not in wanted:
+                result.skipped.append(obj.sha256)  # its image set is on the host already
+        # A failed transfer or placement cancels the others at once.
+        try:
+            async with asyncio.TaskGroup() as group:
+                for obj in objects:
+                    if obj.role == ROLE_CRIU_IMAGE and obj.sha256 in wanted:
+                        group.create_task(criu_object(obj))
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
         for key, image_set in todo.items():
             await finish_assembly(host, parts.pop(key), data_dir, image_set)
     except BaseException:
-        for task in placing:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*placing, return_exceptions=True)
         for part in parts.values():
             await asyncio.shield(discard_dir(host, part))
         raise

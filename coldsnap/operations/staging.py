@@ -51,8 +51,12 @@ class HostStaging:
         return sum(o.bytes for o in self.objects)
 
 
+def objects_dir(data_dir: str) -> str:
+    return posixpath.join(data_dir, "objects", "sha256")
+
+
 def remote_object_path(data_dir: str, object_digest: str) -> str:
-    return posixpath.join(data_dir, "objects", "sha256", check_digest(object_digest))
+    return posixpath.join(objects_dir(data_dir), check_digest(object_digest))
 
 
 # Roles a unit may own any number of: CRIU image chunks, and no `oci-capsule` when the capsule
@@ -104,8 +108,6 @@ async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStor
     if not local.is_file():
         raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
                             f"from the store")
-    # Staged objects (CRIU memory dumps among them) are private to the owner.
-    await host.run(["mkdir", "-m", "0700", "-p", "--", posixpath.dirname(remote)])
     callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
     sent = await host.put(local, remote, progress=callback)
     if sent.sha256 != obj.sha256:
@@ -152,6 +154,8 @@ async def stage_host(
                     await place_object(host, parts[key], remote, image_set, obj.sha256)
 
     try:
+        # Staged objects (CRIU memory dumps among them) are private to the owner.
+        await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
         for obj in objects:

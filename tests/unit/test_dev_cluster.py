@@ -260,14 +260,18 @@ def test_inventory_loads_with_coldsnaps_own_loader(tmp_path: Path) -> None:
     g = (h0.simulated_gpus or [])[0]
     assert (g.name, g.compute_capability, g.memory_bytes) == ("NVIDIA GB10", "12.1", 128 << 30)
     assert h0.driver_version == "610.43.02"
+    # every dockerd trusts the shared registry on the bridge: the inventory names it
+    assert inv.registry == "198.18.0.1:5000"
 
 
 def test_inventory_without_docker_and_on_another_port(tmp_path: Path) -> None:
     layout = Layout(tmp_path, ssh_port=2222, net_base=128)
     path = tmp_path / "inventory.yaml"
     path.write_text(inventory_yaml(layout, [host(layout, 0, UUIDS)], docker=False))
-    (h0,) = load_inventory(path).hosts
+    inv = load_inventory(path)
+    (h0,) = inv.hosts
     assert h0.docker_socket is None
+    assert inv.registry is None
     assert (h0.address, h0.port) == ("198.18.0.130", 2222)
 
 

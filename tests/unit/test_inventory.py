@@ -156,3 +156,28 @@ def test_cli_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "hosts[0].simulated_gpus" in r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("registry", ["198.18.0.1:5000", "registry.example.com",
+                                      "reg-1.internal:443", "[fd00::1]:5000"])
+def test_registry_is_host_and_optional_port(registry: str) -> None:
+    assert parse_inventory({"registry": registry, "hosts": [host()]}).registry == registry
+    assert parse_inventory({"hosts": [host()]}).registry is None
+
+
+@pytest.mark.parametrize(("registry", "why"), [
+    ("http://198.18.0.1:5000", "HOST or HOST:PORT"),
+    ("198.18.0.1:5000/coldsnap", "HOST or HOST:PORT"),
+    ("user@registry", "HOST or HOST:PORT"),
+    ("reg istry", "HOST or HOST:PORT"),
+    ("-registry", "HOST or HOST:PORT"),
+    ("registry:0", "port must be 1-65535"),
+    ("registry:70000", "port must be 1-65535"),
+    ("", "HOST or HOST:PORT"),
+    (5000, "valid string"),
+])
+def test_bad_registry_is_named(registry: Any, why: str) -> None:
+    with pytest.raises(InventoryError) as err:
+        parse_inventory({"registry": registry, "hosts": [host()]})
+    assert err.value.problems[0].startswith("registry: "), err.value.problems
+    assert why in err.value.problems[0]

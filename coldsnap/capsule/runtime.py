@@ -184,7 +184,9 @@ async def put_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, dat
 
 
 async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> list[int]:
-    """The subset of `pids` that exist in the container's PID namespace."""
+    """The subset of `pids` that exist in the container's PID namespace. An exec that did
+    not run (the script itself always exits 0) proves nothing: then all of them count as
+    alive, and the caller's own deadline decides."""
     if not pids:
         return []
     out = await s.exec(
@@ -192,6 +194,8 @@ async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> 
         ["sh", "-c", 'for p in "$@"; do test -d "/proc/$p" && echo "$p"; done; true', "sh",
          *[str(p) for p in pids]],
     )
+    if not out.ok:
+        return list(pids)
     return [int(x) for x in out.stdout.split()]
 
 

@@ -24,17 +24,10 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.request import (
-    DRIVER_MINIMUM_MAJOR,
-    Digest,
-    Id,
-    Launch,
-    NonEmpty,
-    NonNegative,
-    RelPath,
-    StrictModel,
-    launch_issues,
-)
+from coldsnap.formats.fields import Digest, Id, NonEmpty, NonNegative, RelPath, StrictModel
+from coldsnap.formats.request.launch import Launch
+from coldsnap.formats.request.launch_rules import launch_issues
+from coldsnap.formats.request.models import DRIVER_MINIMUM_MAJOR
 
 ARTIFACT_KIND: Final = "coldsnap-snapshot-artifact"
 COMPATIBILITY_POLICY: Final = "placement-independent-v1"

@@ -11,7 +11,8 @@ from typing import Final, Literal
 from pydantic import Field, ValidationError
 
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.request import AbsPath, Digest, Id, Mount, NonEmpty, StrictModel
+from coldsnap.formats.fields import AbsPath, Digest, Id, NonEmpty, StrictModel
+from coldsnap.formats.request.launch import Mount
 
 REPLAY_PLAN_FORMAT: Final = "coldsnap-replay-plan/1"
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.formats.request import is_clean_absolute
+from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.store.local import (
     ArtifactAmbiguous,
     ArtifactExists,

@@ -47,6 +47,7 @@ from coldsnap.formats.artifact import (
     ArtifactObject,
 )
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
@@ -120,7 +121,7 @@ def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -
 
 
 def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
-    obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
     data: Any = json.loads(store.read_bytes(obj.sha256))
     return CapsuleImage.from_json(data)
 
@@ -287,10 +288,10 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
     data_dir = hosts.entries[r.placed.host].data_dir
     extra: list[Mount] = []
     for w in r.placed.spec.workers:
-        plan_obj = artifact.object(ROLE_REPLAY_PLAN, f"worker/{w.id}")
+        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
-        payload = artifact.object(ROLE_WEIGHTS, f"worker/{w.id}")
+        payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
         if target is not None:
             extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
     return (*r.placed.spec.mounts, *extra)

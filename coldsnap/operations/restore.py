@@ -38,7 +38,6 @@ from coldsnap.capsule.runtime import (
     remove_operation_containers,
 )
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE_MANIFEST,
     ROLE_REPLAY_PLAN,
@@ -49,7 +48,7 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
-from coldsnap.formats.request import Launch, Policy, Request, Validation
+from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
@@ -293,7 +292,8 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
         target = plan.payload.container_path
         payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
         if target is not None:
-            extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
+            extra.append(Mount(source=remote_object_path(data_dir, payload.sha256), target=target,
+                               read_only=True))
     return (*r.placed.spec.mounts, *extra)
 
 

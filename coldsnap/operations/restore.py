@@ -34,6 +34,7 @@ from coldsnap.capsule.restore import (
 from coldsnap.capsule.runtime import (
     LABEL_ROLE,
     LABEL_UNIT,
+    list_containers,
     remove_container,
     remove_operation_containers,
 )
@@ -247,8 +248,8 @@ async def _replaced_units(placed: Sequence[PlacedUnit],
     async def one(p: PlacedUnit) -> str | None:
         s = sessions[p.host]
         for role in ("restore", "replay"):
-            found = await s.call(s.client.containers.list, filters={
-                "label": [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"]})
+            found = await list_containers(
+                s, [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"], stopped=False)
             if found:
                 return p.unit_id
         return None
@@ -307,8 +308,8 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         # reconcile-replace: a unit restored earlier on this host is replaced, not doubled.
         s = r.session
         for role in ("restore", "replay"):
-            old = await s.call(s.client.containers.list, all=True, filters={
-                "label": [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"]})
+            old = await list_containers(
+                s, [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"])
             for c in old:
                 await remove_container(s, c.id)
 

@@ -92,8 +92,8 @@ def unit_spec(
     workers = tuple(
         WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
                    process_slot=w.process_slot, device_slots=w.device_slots,
-                   payload_path=payload_path(w.id, index, unit.command, mounts, weights,
-                                             model_dir))
+                   payload_path=host_payload_path(w.id, index, unit.command, mounts, weights,
+                                                  model_dir))
         for w in topology.workers if w.unit == unit.id)
     return UnitSpec(
         unit_id=unit.id,
@@ -114,9 +114,13 @@ def unit_spec(
     )
 
 
-def payload_path(worker: str, unit_index: int, command: Sequence[str],
-                 mounts: Sequence[Mount], weights: WeightsPolicy | None,
-                 model_dir: str | None) -> str | None:
+def host_payload_path(worker: str, unit_index: int, command: Sequence[str],
+                      mounts: Sequence[Mount], weights: WeightsPolicy | None,
+                      model_dir: str | None) -> str | None:
+    """Where the worker's weight payload lies on its host, from policy.weights.native (a
+    staged file, or a file under the engine's model directory through the unit's mounts);
+    None when the request does not say. Not `formats.artifact.payload_path`, the object's
+    path inside an artifact."""
     if weights is None or weights.native is None:
         return None
     for entry in weights.native.staged or []:

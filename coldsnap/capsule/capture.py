@@ -58,13 +58,13 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG_MODE,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
-    Mount,
     UnitSpec,
     docker_name,
 )
 from coldsnap.engines import EngineCallFailed
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.request import Mount
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -127,7 +127,7 @@ async def start_unit(
         operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
         host_dir = dump_dir(s.target.data_dir, operation, name)
         await make_private_dir(s.target.host, host_dir)
-        images = Mount(host_dir, CRIU_IMAGES_DIR)
+        images = Mount(source=host_dir, target=CRIU_IMAGES_DIR)
     try:
         handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
                                         step=step, error=CapsuleError, images=images,

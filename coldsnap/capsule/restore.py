@@ -48,11 +48,11 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
     UNMASKED_PATHS,
-    Mount,
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.request import Mount
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -159,7 +159,8 @@ async def create_restore_container(
                    f"{len(capsule.captured_devices)}", RestoreFailed)
     handle = await create_container(s, spec, capsule.image_id, devices=spec.devices,
                                     role="restore", step=step, error=RestoreFailed, start=False,
-                                    images=Mount(images_dir, CRIU_IMAGES_DIR, read_only=True))
+                                    images=Mount(source=images_dir, target=CRIU_IMAGES_DIR,
+                                                 read_only=True))
     handle.engine_pid = capsule.engine_pid
     handle.worker_pids = dict(capsule.worker_pids)
     return handle

@@ -80,9 +80,9 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
         chosen: list[ArtifactObject] = []
         for item in planned:
             if item.role in _SEVERAL:
-                found = artifact.objects_with(item.role, str(item.owner))
+                found = artifact.objects_with(item.role, item.owner)
             else:
-                found = [artifact.object(item.role, str(item.owner))]
+                found = [artifact.object(item.role, item.owner)]
             for obj in found:
                 if obj.sha256 not in seen:
                     seen.add(obj.sha256)

@@ -149,7 +149,8 @@ async def fetch(src: CapsuleSession, capsule: CommittedCapsule,
         async with slots:
             with store.incoming() as tmp:
                 await src.target.host.get(obj.file.path, tmp)
-                digest, size = store.commit_incoming(tmp, obj.file.sha256)
+                digest, size = await asyncio.to_thread(store.commit_incoming, tmp,
+                                                       obj.file.sha256)
         path = "capsule.tar" if obj.role == ROLE_CAPSULE else criu_image_path(digest)
         return ArtifactObject(role=obj.role, owner=f"unit/{capsule.unit_id}", path=path,
                               bytes=size, sha256=digest)

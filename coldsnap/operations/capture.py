@@ -98,7 +98,8 @@ async def _fetch(host: Host, remote: str, store: LocalStore, expected: str,
     reported when the object was made."""
     with store.incoming() as tmp:
         await host.get(remote, tmp, progress=progress)
-        return store.commit_incoming(tmp, expected)
+        # Off the event loop: hashing a GiB there would stall every other transfer.
+        return await asyncio.to_thread(store.commit_incoming, tmp, expected)
 
 
 async def capture(

@@ -42,6 +42,7 @@ from coldsnap.capsule.runtime import (
     pids_alive,
     remove_container,
 )
+from coldsnap.capsule.seccomp import engine_filter_b64
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
@@ -56,18 +57,26 @@ from coldsnap.engines import EngineCallFailed
 
 log = structlog.get_logger("coldsnap.capsule")
 
-# Started with `docker exec`, then detached: its own session (setsid), stdio on regular files
-# in the rootfs (CRIU cannot resolve stdio inherited from docker exec), stdout/stderr opened
-# O_APPEND so CRIU does not pin their size, PIDs above ENGINE_PID_FLOOR. Prints the engine PID.
+# Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
+# engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
+# inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
+# PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
+# the engine's seccomp filter. It prints the engine PID.
 _LAUNCH = f"""set -e
 mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
 : > {ENGINE_STDIN}
 : >> {ENGINE_LOG}
 chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
-echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
-setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
-echo $!
+exec "$@"
 """
+
+
+def launch_argv(spec: UnitSpec) -> list[str]:
+    """The `docker exec` argv that starts the unit's engine, confined."""
+    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
+            "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
+            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
+
 
 _BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -184,7 +193,7 @@ async def start_unit(
     handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
                                     step=step, error=CapsuleError)
     container = await s.container(handle.container_id, spec.unit_id, step)
-    out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])
+    out = await s.exec(container, launch_argv(spec), timeout_s=120)
     try:
         handle.engine_pid = int(out.stdout.split()[-1])
     except (ValueError, IndexError):

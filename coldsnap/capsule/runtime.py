@@ -21,7 +21,6 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_SECURITY_OPT,
     RUNTIME_DIR,
-    UNMASKED_PATHS,
     UnitSpec,
     container_name,
 )
@@ -39,7 +38,8 @@ LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
 
 # CRIU prints these on every run in a container without CAP_SYS_RESOURCE;
 # they never decide success, so they are left out of error messages.
-_HARMLESS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE", "Can't keep kdat cache")
+HARMLESS_CRIU_ERRORS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE",
+                        "Can't keep kdat cache")
 
 
 @dataclass
@@ -96,7 +96,6 @@ async def create_container(
             if spec.gpu_mode == "nvidia" else None
         ),
     )
-    host_config.update(UNMASKED_PATHS)
     try:
         labels = {**await _blank_workload_labels(s, image), **spec.labels,
                   LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
@@ -279,7 +278,7 @@ async def gpu_return_to_running(
 async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
     out = await s.exec(container, ["tail", "-n", "200", log_path])
     lines = [ln for ln in out.stdout.splitlines()
-             if "Error" in ln and not any(h in ln for h in _HARMLESS)]
+             if "Error" in ln and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]
     return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
 
 

@@ -43,7 +43,7 @@ from coldsnap.capsule.runtime import (
     remove_container,
 )
 from coldsnap.capsule.seccomp import engine_filter_b64
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
     ENGINE_LOG,
@@ -167,7 +167,8 @@ async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
             try:
                 image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
             except docker.errors.NotFound:
-                image = await s.call(s.client.images.pull, repo, tag=want)
+                image = await s.call(s.client.images.pull, repo, tag=want,
+                                     timeout_s=LONG_DOCKER_CALL)
         except docker.errors.DockerException as exc:
             raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
                        ImageDigestMismatch if ref_digest else CapsuleError) from exc
@@ -311,7 +312,8 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_IMAGES_DIR])
     t0 = time.monotonic()
     out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
-                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"])
+                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"],
+                       timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/dump.log")
@@ -349,7 +351,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
     marks = [time.monotonic()]
     try:
         image = await s.call(container.commit, repository=repo, tag=tag,
-                             message=f"coldsnap capsule of unit {spec.unit_id}")
+                             message=f"coldsnap capsule of unit {spec.unit_id}",
+                             timeout_s=LONG_DOCKER_CALL)
         image_id = str(image.id)
         marks.append(time.monotonic())
         await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])

@@ -38,7 +38,7 @@ from coldsnap.capsule.runtime import (
     put_runtime_file,
     start_container,
 )
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
@@ -121,7 +121,7 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
         try:
             await s.call(s.client.images.get, image)
         except docker.errors.NotFound:
-            await s.call(s.client.images.pull, image)
+            await s.call(s.client.images.pull, image, timeout_s=LONG_DOCKER_CALL)
         api = s.client.api
         host_config = api.create_host_config(
             network_mode="none", cap_add=list(CRIU_CAPABILITIES),
@@ -245,7 +245,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
     script = _LOG_MODE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
     out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
-                                   *[str(p) for p in want]])
+                                   *[str(p) for p in want]], timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/restore.log")

@@ -42,6 +42,7 @@ from coldsnap.operations.context import (
     ReceiptKey,
     write_receipt,
 )
+from coldsnap.operations.deadline import default_deadline, within_deadline
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
@@ -66,7 +67,22 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
         "--timing-events", metavar="PATH|-", default=None,
         help="stream timing events (NDJSON, format 1) to stdout or to a new file at an "
              "absolute PATH (an existing file is refused); needs --receipt-json")
+    parser.add_argument(
+        "--deadline", type=_seconds, default=None, metavar="SECONDS",
+        help="cancel the operation (with its rollback) once it has run this long; the error "
+             "code is `deadline`. Default: 1800 s for a capture, 600 s for the others, plus "
+             "one second per 25 MiB the operation moves (a restore: its artifact's objects)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def check_outputs(args: argparse.Namespace) -> str | None:
@@ -109,9 +125,11 @@ def run_operation(
     snapshot_driver: str,
     inventory: Inventory,
     prepare_only: bool = False,
+    bytes_to_move: int = 0,
 ) -> int:
-    """Run one operation to exactly one receipt; 0 on success, 1 on failure, 130/143 when
-    SIGINT/SIGTERM cancelled it (coldsnap.commands.signals)."""
+    """Run one operation to exactly one receipt; 0 on success, 1 on failure (also past its
+    deadline: `--deadline`, else derived from `bytes_to_move`), 130/143 when SIGINT/SIGTERM
+    cancelled it (coldsnap.commands.signals)."""
     logs.configure(verbose=args.verbose)
     ctx = OperationContext(operation, operation_id=admission.key.operation_id,
                            timing_events=admission.events)
@@ -128,7 +146,9 @@ def run_operation(
     try:
         with board, OperationSignals(ctx.operation_id) as signals, \
                 OperationRun(open_store(args).root, ctx):
-            result = asyncio.run(signals.cancellable(main()))
+            deadline = args.deadline or default_deadline(operation, bytes_to_move)
+            result = asyncio.run(signals.cancellable(within_deadline(
+                main(), deadline, rolling_back=lambda: ctx.rollback is not None)))
     except OperationFailed as exc:
         error = exc
     except (CapsuleError, HostError) as exc:

@@ -93,7 +93,8 @@ def _handler(args: argparse.Namespace) -> int:
 
     return run_operation(args, "restore", body, admission=admission,
                          engine=artifact.launch.engine, snapshot_driver=artifact.snapshot_driver.id,
-                         inventory=inventory, prepare_only=args.prepare_only)
+                         inventory=inventory, prepare_only=args.prepare_only,
+                         bytes_to_move=sum(o.bytes for o in artifact.objects))
 
 
 def register(subparsers: Any) -> None:

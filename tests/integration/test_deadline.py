@@ -6,18 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
-from tests.integration.test_cancellation import labelled
+from tests.integration.test_cancellation import artifact, labelled
 from tests.integration.test_lifecycle import MOVED
 
 pytestmark = pytest.mark.integration
-__all__ = ["dev_requests", "ops"]  # fixtures used by name below
+__all__ = ["artifact", "dev_requests", "ops"]  # fixtures used by name below
 
 
-def test_a_restore_past_its_deadline_is_rolled_back_and_says_deadline(ops: Ops) -> None:
-    captured = ops.coldsnapd("capture", "--request",
-                             str(ops.request("tp2-two-hosts", suffix="deadline"))).ok()
-    assert captured.receipt is not None
-    artifact = str(captured.receipt["result"]["artifact"])
+def test_a_restore_past_its_deadline_is_rolled_back_and_says_deadline(
+        ops: Ops, artifact: str) -> None:
     ops.remove_units()
     # Two seconds: the restore needs several (facts, staging, load, CRIU restore, validation).
     request = ops.request(MOVED, suffix="deadline", artifact=artifact)

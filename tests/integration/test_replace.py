@@ -14,22 +14,14 @@ import pytest
 
 from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
-from tests.integration.test_cancellation import labelled, start
+from tests.integration.test_cancellation import artifact, labelled, start
 from tests.integration.test_lifecycle import MOVED, _ask, _restore, _workload
 
 pytestmark = pytest.mark.integration
-__all__ = ["dev_requests", "ops"]  # fixtures used by name below
+__all__ = ["artifact", "dev_requests", "ops"]  # fixtures used by name below
 
 HOSTS = ("host-2", "host-3")  # where MOVED places unit-0 and unit-1
 LABEL_CLUSTER_ID = "org.coldsnap.workload.cluster-id"
-
-
-@pytest.fixture(scope="module")
-def artifact(ops: Ops) -> str:
-    run = ops.coldsnapd("capture", "--request",
-                        str(ops.request("tp2-two-hosts", suffix="replace"))).ok()
-    assert run.receipt is not None
-    return str(run.receipt["result"]["artifact"])
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from coldsnap.capsule.capture import CapsuleImage
 from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, Artifact
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationFailed
 from coldsnap.store import LocalStore, StoreError
@@ -33,6 +34,6 @@ def captured_request(store: LocalStore, artifact: Artifact) -> Request | None:
 
 
 def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
-    obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
     data: Any = json.loads(store.read_bytes(obj.sha256))
     return CapsuleImage.from_json(data)

@@ -42,7 +42,6 @@ from coldsnap.capsule.runtime import (
     remove_operation_containers,
 )
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE_MANIFEST,
     ROLE_REPLAY_PLAN,
@@ -51,8 +50,9 @@ from coldsnap.formats.artifact import (
     ArtifactObject,
 )
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
-from coldsnap.formats.request import Launch, Policy, Request, Validation
+from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import capsule_meta, captured_request
 from coldsnap.operations.context import (
@@ -287,12 +287,13 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
     data_dir = hosts.entries[r.placed.host].data_dir
     extra: list[Mount] = []
     for w in r.placed.spec.workers:
-        plan_obj = artifact.object(ROLE_REPLAY_PLAN, f"worker/{w.id}")
+        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
-        payload = artifact.object(ROLE_WEIGHTS, f"worker/{w.id}")
+        payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
         if target is not None:
-            extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
+            extra.append(Mount(source=remote_object_path(data_dir, payload.sha256), target=target,
+                               read_only=True))
     return (*r.placed.spec.mounts, *extra)
 
 

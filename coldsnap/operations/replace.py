@@ -50,17 +50,19 @@ class ReplacingRun(UnitRun):
 def previous_identity(request: Request | None, artifact: Artifact) -> list[str]:
     """The labels (`KEY=VALUE`) an earlier instance must carry to be replaced: the workload's
     cluster id when the request gives one, else the same artifact (and, checked by
-    `_same_workload`, no cluster id)."""
+    `same_workload`, no cluster id)."""
     cluster_id = request.workload.cluster_id if request and request.workload else None
     if cluster_id:
         return [f"{LABEL_CLUSTER_ID}={cluster_id}"]
     return [f"{LABEL_ARTIFACT}={artifact.capture_id}"]
 
 
-def _same_workload(found: UnitContainer, identity: Sequence[str]) -> bool:
+def same_workload(found: UnitContainer, identity: Sequence[str]) -> bool:
+    """Whether a container that carries the `identity` labels is the same workload's: without
+    a cluster id to match, a container that names one belongs to that other workload."""
     if any(label.startswith(f"{LABEL_CLUSTER_ID}=") for label in identity):
         return True
-    return not found.labels.get(LABEL_CLUSTER_ID)  # a named workload is never ours
+    return not found.labels.get(LABEL_CLUSTER_ID)
 
 
 async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, CapsuleSession],
@@ -71,7 +73,7 @@ async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, Capsu
     async def one(p: PlacedUnit) -> list[UnitContainer]:
         found = await list_unit_containers(sessions[p.host], p.unit_id, identity,
                                            step="find-previous")
-        return [c for c in found if _same_workload(c, identity)]
+        return [c for c in found if same_workload(c, identity)]
 
     found = await asyncio.gather(*(one(p) for p in placed))
     return {p.unit_id: f for p, f in zip(placed, found, strict=True)}

@@ -172,6 +172,8 @@ async def restore(
                 await check_ports_free(hosts, unit_ports(launch, topology), exempt=replaced)
         with ctx.span("restore.stage"):
             outcome.staging = await _stage(hosts, store, per_host, ctx)
+        for s in outcome.staging:
+            ctx.staged[s.host] = (s.owned_bytes, s.sent_bytes)
 
         runs = [RestoreRun(p, sessions[p.host]) for p in placed]
         for r in runs:

@@ -11,6 +11,7 @@ from typing import Any
 from coldsnap.commands.common import fail, print_json
 from coldsnap.service.client import DEFAULT_SOCKET, ServiceClient, ServiceLost, answers, socket_path
 from coldsnap.service.jobs import JOB_STATES
+from coldsnap.store.refs import is_capture_id
 
 _COLUMNS = ("ID", "OPERATION", "STATE", "UID", "SUBMITTED", "HOSTS", "DETAIL")
 
@@ -54,7 +55,15 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bad_id(job_id: str) -> int | None:
+    if is_capture_id(job_id):
+        return None
+    return fail(f"{job_id!r} is not a job id (an operation id)")
+
+
 def _show(args: argparse.Namespace) -> int:
+    if (bad := _bad_id(args.id)) is not None:
+        return bad
     answer = _call(args, "GET", f"/v1/jobs/{args.id}")
     if isinstance(answer, int):
         return answer
@@ -66,6 +75,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
+    if (bad := _bad_id(args.id)) is not None:
+        return bad
     answer = _call(args, "POST", f"/v1/jobs/{args.id}/cancel", {"signal": "SIGTERM"})
     if isinstance(answer, int):
         return answer

@@ -28,6 +28,9 @@ from coldsnap.service.submission import OPERATIONS, SubmissionInvalid, parse_sub
 # rollback bounds itself at about 150 s; this is the backstop).
 ROLLBACK_BACKSTOP_S = 300.0
 
+# How many ended jobs' lines stay in memory for late followers.
+KEEP_OUTPUTS = 100
+
 Reply = tuple[int, dict[str, Any]]
 
 
@@ -154,6 +157,10 @@ class Scheduler:
         self.metrics.job_ended(receipt, ended.ctx)
         job.output.end({"exit_status": ended.exit_status, "receipt": receipt.to_json()})
         self.active.pop(job.id, None)
+        # Followers of older jobs get their end from the job store; their lines are let go.
+        ended_ids = [i for i in self.outputs if i not in self.active]
+        for old in ended_ids[:max(len(ended_ids) - KEEP_OUTPUTS, 0)]:
+            del self.outputs[old]
         self.pump()
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:

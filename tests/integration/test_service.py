@@ -181,22 +181,33 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
         store.verify(obj.sha256)
 
 
-def test_sigterm_drain_lets_a_running_job_finish(ops: Ops, service: Served,
-                                                 capture_id: str) -> None:
-    request = ops.request("tp2-two-hosts-restore-moved", suffix="drain", artifact=capture_id)
-    run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.criu-restore", "host-3")
+def test_sigterm_drain_lets_a_running_job_finish(ops: Ops, service: Served) -> None:
+    run = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="drain")))
+    run.wait_for("capture.start", "host-1")
     assert service.proc is not None
     service.proc.send_signal(signal.SIGTERM)
     assert service.wait_for("STOPPING", 60)["STOPPING"] == "1"
-    late = ops.coldsnapd("restore", "--request", str(
-        ops.request("tp2-two-hosts-restore-moved", suffix="late", artifact=capture_id)))
-    assert late.status == 1 and "shutting down" in late.stderr
+    # Draining: no new job, said to the CLI (which does not run it itself either).
+    assert service.call("POST", "/v1/jobs", {"operation": "restore"})[0] == 503
+    late = ops.coldsnapd("capture", "--request",
+                         str(ops.request("tp2-two-hosts", suffix="late")))
+    assert late.status == 1 and "shutting down" in late.stderr, late.stderr[-2000:]
     status, err, receipt = run.finish(timeout=300)
     assert status == 0, err[-3000:]
     assert receipt["state"] == "succeeded"
     assert service.proc.wait(timeout=120) == 0
-    ops.remove_units()
+    assert _job_row(service, receipt["operation_id"]) == "succeeded"
+
+
+def _job_row(service: Served, job_id: str) -> str:
+    """A job's state, read from the job store of a service that is not running."""
+    import sqlite3
+
+    db = sqlite3.connect(service.state_dir / "jobs.sqlite3")
+    try:
+        return str(db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0])
+    finally:
+        db.close()
 
 
 def test_sigterm_after_the_drain_period_cancels_and_rolls_back(

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import fail, print_json
+from coldsnap.commands.common import print_json, report_failure
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.service.client import DEFAULT_SOCKET, ServiceClient, ServiceLost, answers, socket_path
 from coldsnap.service.jobs import JOB_STATES
 from coldsnap.store.refs import is_capture_id
@@ -20,7 +21,7 @@ def _call(args: argparse.Namespace, method: str, path: str,
           body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]] | int:
     where: Path = socket_path(args)
     if not answers(where):
-        return fail(f"no coldsnapd serve answers on {where}", 1)
+        return report_failure(f"no coldsnapd serve answers on {where}", EXIT_FAILED)
 
     async def call() -> tuple[int, dict[str, Any]]:
         async with ServiceClient(where) as client:
@@ -29,7 +30,7 @@ def _call(args: argparse.Namespace, method: str, path: str,
     try:
         return asyncio.run(call())
     except ServiceLost as exc:
-        return fail(str(exc), 1)
+        return report_failure(str(exc), EXIT_FAILED)
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -39,10 +40,10 @@ def _list(args: argparse.Namespace) -> int:
         return answer
     status, doc = answer
     if status != 200:
-        return fail(str(doc.get("error", f"HTTP {status}")), 1)
+        return report_failure(str(doc.get("error", f"HTTP {status}")), EXIT_FAILED)
     if args.json:
         print_json(doc)
-        return 0
+        return EXIT_OK
     rows = [_COLUMNS] + [(
         j["id"], j["operation"], j["state"], str(j["uid"]), j["submitted_at"][:19],
         ",".join(j["hosts"]) or "-",
@@ -52,13 +53,19 @@ def _list(args: argparse.Namespace) -> int:
     for row in rows:
         sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                          .rstrip() + "\n")
-    return 0
+    return EXIT_OK
+
+
+def _answer_failed(status: int, doc: dict[str, Any]) -> int:
+    """An unknown or malformed job is bad input; anything else a failure."""
+    return report_failure(str(doc.get("error", f"HTTP {status}")),
+                          EXIT_BAD_INPUT if status in (400, 404) else EXIT_FAILED)
 
 
 def _bad_id(job_id: str) -> int | None:
     if is_capture_id(job_id):
         return None
-    return fail(f"{job_id!r} is not a job id (an operation id)")
+    return report_failure(f"{job_id!r} is not a job id (an operation id)")
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -69,9 +76,9 @@ def _show(args: argparse.Namespace) -> int:
         return answer
     status, doc = answer
     if status != 200:
-        return fail(str(doc.get("error", f"HTTP {status}")), 2 if status in (400, 404) else 1)
+        return _answer_failed(status, doc)
     print_json(doc)
-    return 0
+    return EXIT_OK
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -82,9 +89,9 @@ def _cancel(args: argparse.Namespace) -> int:
         return answer
     status, doc = answer
     if status != 202:
-        return fail(str(doc.get("error", f"HTTP {status}")), 2 if status in (400, 404) else 1)
+        return _answer_failed(status, doc)
     sys.stderr.write(f"coldsnapd: {doc['message']}\n")
-    return 0
+    return EXIT_OK
 
 
 def register(subparsers: Any) -> None:

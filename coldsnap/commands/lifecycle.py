@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Literal, TextIO
 
-from coldsnap.commands.common import add_request_option, fail, open_store, print_json
+from coldsnap.commands.common import add_request_option, open_store, print_json, report_failure
 from coldsnap.commands.operation import (
     Prepare,
     Prepared,
@@ -23,7 +23,7 @@ from coldsnap.formats.request import Request
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
-from coldsnap.store import StoreError
+from coldsnap.store import StoreError, resolve_reference
 
 LifecycleOperation = Literal["sleep", "wake", "status"]
 
@@ -65,9 +65,9 @@ def prepare_for(operation: LifecycleOperation) -> Prepare:
         inventory = load_hosts_inventory(args)
         store = open_store(args).ensure()
         try:
-            stored = store.resolve_artifact(request.artifact)
+            stored = resolve_reference(store, request.artifact)
         except (StoreError, ArtifactInvalid) as exc:
-            return fail(f"artifact: {exc}")
+            return report_failure(f"artifact: {exc}")
         as_json = getattr(args, "json", False)
         # Progress and logs go to stderr; the status report to stdout unless a receipt or
         # the timing events already own it.

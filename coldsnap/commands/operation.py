@@ -26,9 +26,9 @@ from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import (
     add_store_argument,
-    fail,
     load_request_source,
     print_issues,
+    report_failure,
 )
 from coldsnap.commands.gate import (
     Admission,
@@ -39,6 +39,7 @@ from coldsnap.commands.gate import (
     check_output_flags,
 )
 from coldsnap.commands.signals import OperationSignals
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
 from coldsnap.formats.request import Launch, Request
@@ -163,12 +164,12 @@ def operation_handler(
         problem = check_output_flags(args.receipt_json, args.timing_events) or \
             (check(args) if check else None)
         if problem:
-            return fail(problem)
+            return report_failure(problem)
         request: Request | None = None
         if args.request is not None or request_required:
             request = read_request(args.request, operation)
             if request is None:
-                return 2
+                return EXIT_BAD_INPUT
         if not args.local:
             # Imported here: the service sits above the commands it runs.
             from coldsnap.service.client import submit_if_serving
@@ -179,7 +180,7 @@ def operation_handler(
         try:
             prepared = prepare(args, request)
         except InventoryError as exc:
-            return fail(str(exc))
+            return report_failure(str(exc))
         if isinstance(prepared, int):
             return prepared
         admission = start_operation(args, prepared)
@@ -197,7 +198,7 @@ def start_operation(args: argparse.Namespace, prepared: Prepared) -> Admission |
         return admit(args, prepared.store_root, prepared.key, prepare_only=prepared.prepare_only,
                      id_generated=prepared.id_generated)
     except Refused as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     except AlreadyDone as done:
         return answer_again(done.receipt, args.receipt_json)
 
@@ -232,16 +233,17 @@ def conclude(prepared: Prepared, admission: Admission, ctx: OperationContext,
                          snapshot_driver=prepared.snapshot_driver,
                          prepare_only=prepared.prepare_only, result=admission.result(result),
                          error=error)
-    status = 0 if error is None else error.exit_status
+    status = EXIT_OK if error is None else error.exit_status
     try:
         admission.complete(receipt)
     except OSError as exc:
-        fail(f"cannot record the outcome of {prepared.key.operation_id} in the store: {exc}")
+        report_failure(f"cannot record the outcome of {prepared.key.operation_id} in the "
+                       f"store: {exc}")
     try:
         write_receipt(receipt, receipt_json)
     except OSError as exc:
-        fail(f"cannot write the receipt to {receipt_json}: {exc}")
-        status = 1
+        report_failure(f"cannot write the receipt to {receipt_json}: {exc}")
+        status = EXIT_FAILED
     if error is not None:
         sys.stderr.write(f"coldsnapd: {prepared.operation} failed ({error.code}): "
                          f"{ctx.failure_message(error)}\n")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import add_request_option, fail, human_bytes, open_store
+from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
 from coldsnap.commands.operation import (
     Prepared,
     Touches,
@@ -20,7 +20,7 @@ from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationContext, ReceiptKey, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
-from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
 
 
 def _resolve(args: argparse.Namespace, request: Request | None,
@@ -35,7 +35,7 @@ def _resolve(args: argparse.Namespace, request: Request | None,
     found: list[tuple[str, StoredArtifact]] = []
     for label, ref in refs:
         try:
-            found.append((label, store.resolve_artifact(ref)))
+            found.append((label, resolve_reference(store, ref)))
         except (StoreError, ArtifactInvalid) as exc:
             return f"{label}: {exc}"
     if len({stored.digest for _, stored in found}) > 1:
@@ -50,7 +50,7 @@ def prepare(args: argparse.Namespace, request: Request | None) -> Prepared | int
     store = open_store(args)
     stored = _resolve(args, request, store)
     if isinstance(stored, str):
-        return fail(stored)
+        return report_failure(stored)
     artifact = stored.artifact
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \

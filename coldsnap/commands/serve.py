@@ -7,8 +7,9 @@ import ipaddress
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import add_store_argument, fail, open_store
+from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, inventory_path
+from coldsnap.exits import EXIT_FAILED
 from coldsnap.hosts.inventory import InventoryError, load_inventory
 from coldsnap.service.client import DEFAULT_SOCKET
 from coldsnap.service.daemon import ServeConfig, ServeError, serve
@@ -34,15 +35,15 @@ def _handler(args: argparse.Namespace) -> int:
     if args.metrics_listen is not None:
         parsed = parse_listen(args.metrics_listen)
         if isinstance(parsed, str):
-            return fail(parsed)
+            return report_failure(parsed)
         listen = parsed
     if args.drain_seconds < 0 or args.host_check_seconds <= 0:
-        return fail("--drain-seconds must be 0 or more, --host-check-seconds more than 0")
+        return report_failure("--drain-seconds must be 0 or more, --host-check-seconds more than 0")
     inventory = inventory_path(args).absolute()
     try:
         hosts = load_inventory(inventory)
     except InventoryError as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     store = open_store(args).ensure()
     config = ServeConfig(
         socket=args.socket.absolute(), state_dir=args.state_dir.absolute(),
@@ -53,7 +54,7 @@ def _handler(args: argparse.Namespace) -> int:
     try:
         return serve(config)
     except (ServeError, OSError) as exc:
-        return fail(f"serve: {exc}", 1)
+        return report_failure(f"serve: {exc}", EXIT_FAILED)
 
 
 def register(subparsers: Any) -> None:

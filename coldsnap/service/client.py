@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from coldsnap.commands.common import fail
+from coldsnap.commands.common import report_failure
 from coldsnap.commands.gate import (
     AlreadyDone,
     Refused,
@@ -31,6 +31,7 @@ from coldsnap.commands.gate import (
     open_events_target,
 )
 from coldsnap.commands.signals import OperationSignals
+from coldsnap.exits import EXIT_FAILED
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.request import Request
 from coldsnap.formats.timing import TimingEvent
@@ -126,7 +127,7 @@ def submit_if_serving(args: argparse.Namespace, operation: str,
             check_receipt_target(args.receipt_json, key,
                                  prepare_only=bool(getattr(args, "prepare_only", False)))
         except Refused as exc:
-            return fail(str(exc))
+            return report_failure(str(exc))
         except AlreadyDone as done:
             return answer_again(done.receipt, args.receipt_json)
     return asyncio.run(_submit(args, operation, request, path))
@@ -158,26 +159,27 @@ async def _submit(args: argparse.Namespace, operation: str, request: Request | N
         try:
             status, info = await client.call("GET", "/v1/info")
             if status != 200:
-                return fail(f"{path} does not answer as coldsnapd serve (HTTP {status})", 1)
+                return report_failure(f"{path} does not answer as coldsnapd serve "
+                                      f"(HTTP {status})", EXIT_FAILED)
             problem = _differs(args, info)
             if problem:
-                return fail(problem)
+                return report_failure(problem)
             try:
                 events = open_events_target(args.timing_events)
             except Refused as exc:
-                return fail(str(exc))
+                return report_failure(str(exc))
             status, reply = await client.call("POST", "/v1/jobs",
                                               _submission(args, operation, request))
         except ServiceLost as exc:
-            return fail(str(exc), 1)
+            return report_failure(str(exc), EXIT_FAILED)
         if status != 201:
             discard_events(events, args.timing_events)
             if "already" in reply:
                 return answer_again(Receipt.model_validate(reply["already"]), args.receipt_json)
             for line in reply.get("lines") or []:
                 sys.stderr.write(line + "\n")
-            return fail(str(reply.get("error", f"HTTP {status}")),
-                        int(reply.get("exit_status", 1)))
+            return report_failure(str(reply.get("error", f"HTTP {status}")),
+                        int(reply.get("exit_status", EXIT_FAILED)))
         job_id = str(reply["job"])
         sys.stderr.write(f"coldsnapd: {operation} {job_id} runs in the service at {path}\n")
         with OperationSignals(job_id) as signals:
@@ -219,8 +221,8 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
                 await client.call("POST", f"/v1/jobs/{job_id}/cancel",
                                   {"signal": signals.first.name})
     except ServiceLost as exc:
-        return fail(f"{exc}; `coldsnapd jobs show {job_id}` says how it ended once the "
-                    "service is back", 1)
+        return report_failure(f"{exc}; `coldsnapd jobs show {job_id}` says how it ended once the "
+                    "service is back", EXIT_FAILED)
     finally:
         sink.close()
 
@@ -231,5 +233,6 @@ def _end(args: argparse.Namespace, item: dict[str, Any]) -> int:
     try:
         write_receipt(receipt, args.receipt_json)
     except OSError as exc:
-        return fail(f"cannot write the receipt to {args.receipt_json}: {exc}", 1)
+        return report_failure(f"cannot write the receipt to {args.receipt_json}: {exc}",
+                              EXIT_FAILED)
     return status

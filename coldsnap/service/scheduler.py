@@ -18,6 +18,7 @@ from typing import Any
 
 from coldsnap.commands.gate import AlreadyDone, Refused, admit
 from coldsnap.commands.operation import Touches
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.service.job import Ended, Job
 from coldsnap.service.jobs import JobState, JobStore
 from coldsnap.service.metrics import Metrics
@@ -63,11 +64,12 @@ class Scheduler:
     def submit(self, doc: Any, uid: int) -> Reply:
         if self.draining:
             return 503, {"error": "coldsnapd is shutting down and accepts no job",
-                         "exit_status": 1}
+                         "exit_status": EXIT_FAILED}
         try:
             sub = parse_submission(doc)
         except SubmissionInvalid as exc:
-            return 400, {"error": "invalid submission", "lines": exc.lines, "exit_status": 2}
+            return 400, {"error": "invalid submission", "lines": exc.lines,
+                         "exit_status": EXIT_BAD_INPUT}
         output = JobOutput(asyncio.get_running_loop())
         # What the command's checks say (a refusal names its reason on stderr) is collected
         # and sent back instead of reaching the service's journal.
@@ -77,7 +79,7 @@ class Scheduler:
                 sub.args(self.inventory, self.store_root), sub.request)
         except Exception as exc:  # an inventory or store the service cannot read
             output.write("stderr", f"coldsnapd: {type(exc).__name__}: {exc}\n")
-            prepared = 2
+            prepared = EXIT_BAD_INPUT
         finally:
             unroute(token)
         if isinstance(prepared, int):
@@ -86,19 +88,20 @@ class Scheduler:
         key = prepared.key
         if key.operation_id in self.active:
             return 409, {"error": f"job {key.operation_id} is already queued or running",
-                         "exit_status": 2}
+                         "exit_status": EXIT_BAD_INPUT}
         blockers = self._blockers(prepared.touches, before=None)
         if blockers and not sub.wait:
             return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
-                                  f"{blockers}; refused (wait: false)", "exit_status": 2}
+                                  f"{blockers}; refused (wait: false)",
+                         "exit_status": EXIT_BAD_INPUT}
         args = sub.args(self.inventory, self.store_root)
         try:
             admission = admit(args, prepared.store_root, key, prepare_only=prepared.prepare_only,
                               id_generated=prepared.id_generated)
         except Refused as exc:
-            return 400, {"error": str(exc), "exit_status": 2}
+            return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
         except AlreadyDone as done:
-            return 200, {"already": done.receipt.to_json(), "exit_status": 0}
+            return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
         job = Job(prepared, admission, uid, output, self._ended,
                   verbose=bool(sub.options.get("verbose")))
         t = prepared.touches

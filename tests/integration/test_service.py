@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from coldsnap.store import LocalStore
+from coldsnap.store import LocalStore, resolve_reference
 from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.conftest import REPO
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
@@ -176,7 +176,7 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
     assert again.status == 2 and "already used" in again.stderr
     # The store is intact: every object of the artifact hashes right.
     store = LocalStore(ops.store)
-    stored = store.resolve_artifact(capture_id)
+    stored = resolve_reference(store, capture_id)
     for obj in stored.artifact.objects:
         store.verify(obj.sha256)
 

@@ -20,12 +20,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from coldsnap.store import LocalStore, resolve_reference
+from devtools.served import Served
 from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.conftest import REPO
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
 from tests.integration.test_cancellation import labelled, start
 from tests.integration.test_operations_e2e import _complete
-from tests.service_fixtures import Served
 
 pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service_fixtures import Served
+from devtools.served import Served
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_without_a_service_the_cli_runs_in_process(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tests.service_fixtures import REPO
+    from devtools.served import REPO
 
     missing = tmp_path / "none.sock"
     run = subprocess.run([sys.executable, "-m", "coldsnap", "jobs", "list", "--socket",

@@ -1,5 +1,5 @@
-"""A real `coldsnapd serve` process for tests, with its socket, state dir and a real datagram
-socket passed as NOTIFY_SOCKET, as systemd passes one."""
+"""A real `coldsnapd serve` process for tests and benchmarks, with its socket, state dir and
+a real datagram socket passed as NOTIFY_SOCKET, as systemd passes one."""
 
 from __future__ import annotations
 

@@ -101,34 +101,32 @@ def test_jobs_commands_and_the_client_refusing_another_store(served: Served,
     assert "--store" in other.stderr and "--local" in other.stderr
 
 
-def test_one_service_per_state_dir(served: Served, tmp_path: Path) -> None:
-    (tmp_path / "second").mkdir()
-    second = Served(tmp_path / "second", served.inventory, served.store)
-    second.socket = tmp_path / "second.sock"
-    second.state_dir = served.state_dir
+def _second_service_log(served: Served, work: Path, *, socket: Path, state_dir: Path) -> str:
+    """What a second `coldsnapd serve` said before it exited 1."""
+    work.mkdir()
+    second = Served(work, served.inventory, served.store)
+    second.socket, second.state_dir = socket, state_dir
     try:
         second.start(wait_ready=False)
         assert second.proc is not None
         assert second.proc.wait(timeout=60) == 1
-        assert "another coldsnapd serve uses the state dir" in second.log.read_text()
+        return second.log.read_text()
     finally:
         second.close()
-    # Nor two on one socket.
-    (tmp_path / "third").mkdir()
-    third = Served(tmp_path / "third", served.inventory, served.store)
-    third.socket = served.socket
-    try:
-        third.start(wait_ready=False)
-        assert third.proc is not None
-        assert third.proc.wait(timeout=60) == 1
-        assert "another coldsnapd answers on" in third.log.read_text()
-    finally:
-        third.close()
+
+
+def test_one_service_per_state_dir_and_per_socket(served: Served, tmp_path: Path) -> None:
+    log = _second_service_log(served, tmp_path / "second", socket=tmp_path / "second.sock",
+                              state_dir=served.state_dir)
+    assert "another coldsnapd serve uses the state dir" in log
+    log = _second_service_log(served, tmp_path / "third", socket=served.socket,
+                              state_dir=tmp_path / "third-state")
+    assert "another coldsnapd answers on" in log
     assert served.call("GET", "/v1/info")[0] == 200
 
 
 def test_without_a_service_the_cli_runs_in_process(tmp_path: Path) -> None:
-    """No socket: the command runs here (and fails here, on an unreachable host)."""
+    """No service on the socket: `jobs` says so (operations then run in-process)."""
     import subprocess
     import sys
 

@@ -50,7 +50,8 @@ from coldsnap.capsule.runtime import (
     pids_alive,
     remove_container,
 )
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.seccomp import engine_filter_b64
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
     CRIU_WORK_DIR,
@@ -68,18 +69,25 @@ from coldsnap.formats.request import Mount
 
 log = structlog.get_logger("coldsnap.capsule")
 
-# Started with `docker exec`, then detached: its own session (setsid), stdio on regular files
-# in the rootfs (CRIU cannot resolve stdio inherited from docker exec), stdout/stderr opened
-# O_APPEND so CRIU does not pin their size, PIDs above ENGINE_PID_FLOOR. Prints the engine PID.
+# Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
+# engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
+# inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
+# PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
+# the engine's seccomp filter. It prints the engine PID.
 _LAUNCH = f"""set -e
 mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
 : > {ENGINE_STDIN}
 : >> {ENGINE_LOG}
 chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
-echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
-setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
-echo $!
+exec "$@"
 """
+
+
+def launch_argv(spec: UnitSpec) -> list[str]:
+    """The `docker exec` argv that starts the unit's engine, confined."""
+    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
+            "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
+            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ async def start_unit(
             await discard_dir(s.target.host, images.source)
         raise
     container = await s.container(handle.container_id, spec.unit_id, step)
-    out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])
+    out = await s.exec(container, launch_argv(spec), timeout_s=120)
     try:
         handle.engine_pid = int(out.stdout.split()[-1])
     except (ValueError, IndexError):
@@ -268,7 +276,8 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     t0 = time.monotonic()
     out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
                                    "-D", CRIU_IMAGES_DIR, "-W", CRIU_WORK_DIR,
-                                   "--leave-running", "-o", "dump.log"])
+                                   "--leave-running", "-o", "dump.log"],
+                       timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     why = "" if out.ok else await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
     await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
@@ -323,7 +332,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         await _clear_dump(s, handle)
         marks.append(time.monotonic())
         image = await s.call(container.commit, repository=repo, tag=tag,
-                             message=f"coldsnap capsule of unit {spec.unit_id}")
+                             message=f"coldsnap capsule of unit {spec.unit_id}",
+                             timeout_s=LONG_DOCKER_CALL)
         image_id = str(image.id)
         base = await rootfs_layers(s, spec.image)
         layers = await rootfs_layers(s, image_id)

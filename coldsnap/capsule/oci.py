@@ -11,7 +11,6 @@ making sure it has the base image: Docker reads no layer it already holds.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 from dataclasses import dataclass
@@ -23,14 +22,13 @@ import structlog
 from coldsnap.capsule.errors import CapsuleError, ImageDigestMismatch, RestoreFailed
 from coldsnap.capsule.images import helper_argv
 from coldsnap.capsule.runtime import fail
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name
 from coldsnap.formats.capsule import CapsuleManifest
 
 log = structlog.get_logger("coldsnap.capsule")
 
 _BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-_PUSH_TIMEOUT_S = 1800.0
 
 
 def split_reference(ref: str) -> tuple[str, str | None, str | None]:
@@ -80,7 +78,8 @@ async def ensure_image(s: CapsuleSession, unit: str, image: str, image_digest: s
             try:
                 found = await s.call(s.client.images.get, f"{repo}@{image_digest}")
             except docker.errors.NotFound:
-                found = await s.call(s.client.images.pull, repo, tag=want)
+                found = await s.call(s.client.images.pull, repo, tag=want,
+                                     timeout_s=LONG_DOCKER_CALL)
         except docker.errors.DockerException as exc:
             raise fail(s, unit, step, f"cannot pull {repo}@{want}: {exc}",
                        ImageDigestMismatch if ref_digest else CapsuleError) from exc
@@ -118,9 +117,9 @@ async def push(s: CapsuleSession, unit: str, image_id: str, repo: str, tag: str)
     step = "push"
     try:
         await s.call(s.client.api.tag, image_id, repo, tag)
-        lines = await asyncio.wait_for(
-            s.call(lambda: list(s.client.api.push(repo, tag=tag, stream=True, decode=True))),
-            _PUSH_TIMEOUT_S)
+        lines = await s.call(
+            lambda: list(s.client.api.push(repo, tag=tag, stream=True, decode=True)),
+            timeout_s=LONG_DOCKER_CALL)
     except (docker.errors.DockerException, TimeoutError) as exc:
         raise fail(s, unit, step, f"cannot push {repo}:{tag}: {exc!r}") from exc
     pushed: str | None = None
@@ -143,9 +142,9 @@ async def export_layers(s: CapsuleSession, unit: str, image_ref: str, base_layer
     host = s.target.host
     saved = f"{out}.saved"
     try:
-        await s.host_docker("save", "-o", saved, image_ref, timeout_s=3600)
+        await s.host_docker("save", "-o", saved, image_ref, timeout_s=LONG_DOCKER_CALL)
         res = await host.run(helper_argv("layers", saved, out, str(base_layers)),
-                             timeout=3600, check=False)
+                             timeout=LONG_DOCKER_CALL, check=False)
     finally:
         await host.run(["rm", "-f", "--", saved], check=False)
     if not res.ok:
@@ -168,7 +167,7 @@ async def load_capsule(s: CapsuleSession, manifest: CapsuleManifest,
     if manifest.pushed is not None:
         repo, _, digest = split_reference(manifest.pushed)
         try:
-            await s.call(s.client.images.pull, repo, tag=digest)
+            await s.call(s.client.images.pull, repo, tag=digest, timeout_s=LONG_DOCKER_CALL)
         except docker.errors.DockerException as exc:
             raise fail(s, unit, step, f"cannot pull {manifest.pushed}: {exc}",
                        RestoreFailed) from exc
@@ -178,7 +177,7 @@ async def load_capsule(s: CapsuleSession, manifest: CapsuleManifest,
                        "oci-capsule object was staged", RestoreFailed)
         await ensure_image(s, unit, manifest.base_image, manifest.base_image_digest)
         try:
-            await s.host_docker("load", "-q", "-i", staged_layers, timeout_s=3600)
+            await s.host_docker("load", "-q", "-i", staged_layers, timeout_s=LONG_DOCKER_CALL)
         except Exception as exc:
             raise fail(s, unit, step, f"docker load {staged_layers}: {exc}",
                        RestoreFailed) from exc

@@ -46,7 +46,8 @@ and each worker's payload where it already lies (WorkerObjects.payload.path, its
 source). `CommittedCapsule.manifest` (coldsnap.formats.capsule.CapsuleManifest) carries
 everything restore needs; `.objects` are the files to pull, each with its role.
 
-Restore, in this order (the CRIU images staged and assembled first, coldsnap.capsule.images)::
+Restore, in this order (the CRIU images staged and assembled first, coldsnap.capsule.images;
+`capsule` is the unit's CapsuleManifest)::
 
     await probe_criu(s, capsule.base_image, unit=...)   # `criu check` from the pinned image
     await load_capsule(s, capsule, staged_layers)       # pulled, or layers staged on THIS host

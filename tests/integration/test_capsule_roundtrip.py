@@ -200,7 +200,7 @@ async def test_capture_on_host0_restore_on_host1(
             (w["rank"], w["pid"]) for w in before["workers"]]
         # CRIU brought the tree back confined as it was launched: no capability,
         # no-new-privs, the engine's seccomp filter
-        restored_tree = [capsule.engine_pid, *capsule.worker_pids.values()]
+        restored_tree = [manifest.engine_pid, *manifest.worker_pids.values()]
         for pid, confined in (await confinement(s1, c1, restored_tree)).items():
             assert confined == CONFINED, (pid, confined)
         # warm-up did not run again: the counter files travelled in the capsule, still 1

@@ -118,7 +118,7 @@ async def capture(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
                              ctx.operation_id, weights=request.policy.weights,
-                             workload=request.workload)
+                             process=request.policy.process, workload=request.workload)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
     with ctx.span("capture.ports"):
@@ -187,8 +187,13 @@ async def _capture_units(
                                       sha256=m_digest))
         for w in r.workers:
             owner = f"worker/{w.worker_id}"
-            p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
-                                            progress(f"payload of {owner}"))
+            if store.has(w.payload.sha256):
+                # The same model payload, already pulled by an earlier capture: the host
+                # hashed it, so nothing needs to move.
+                p_digest, p_size = w.payload.sha256, w.payload.bytes
+            else:
+                p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
+                                                progress(f"payload of {owner}"))
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                           path=payload_path(p_digest), bytes=p_size,
                                           sha256=p_digest))

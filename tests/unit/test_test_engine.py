@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from coldsnap.engines import EngineCallFailed, EngineEndpoint, SglangAdapter, VllmAdapter
+from coldsnap.hosts.local import LocalHost
+
 CAPSULE = Path(__file__).resolve().parents[2] / "deploy" / "test-capsule"
 ENGINE = CAPSULE / "engine.py"
 SIM = CAPSULE / "cuda_checkpoint_sim.py"
@@ -644,3 +647,40 @@ def test_interface_selection_follows_nccl_syntax() -> None:
     assert engine_group.select_interface({}, "127.0.0.1") == ("lo", "127.0.0.1")
     with pytest.raises(engine_group.GroupError, match="matches no interface"):
         engine_group.select_interface({"NCCL_SOCKET_IFNAME": "=nosuch0"}, "127.0.0.1")
+
+
+@pytest.mark.parametrize("adapter", [VllmAdapter(), SglangAdapter()], ids=["vllm", "sglang"])
+async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
+        tmp_path: Path, make_engine: Callable[..., Engine],
+        adapter: VllmAdapter | SglangAdapter) -> None:
+    shard = 32 << 20
+    model = make_model(tmp_path, 1, payload=shard)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 1)], model, port, master, api=adapter.name)
+    u.wait_up()
+    u.wait_healthy()
+    (pid,) = u.workers
+    ep = EngineEndpoint(LocalHost(), "127.0.0.1", port)
+    warm = anonymous_bytes(pid)
+
+    await adapter.quiesce(ep)  # the KV cache goes, the weights stay
+    assert warm - shard // 2 < anonymous_bytes(pid) < warm - engine_mod.KV_CACHE_BYTES // 2
+    await adapter.resume(ep)
+    u.wait_healthy()
+    assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+
+    await adapter.quiesce(ep, release_weights=True)
+    assert anonymous_bytes(pid) < warm - shard * 9 // 10
+    await adapter.resume(ep, model_dir=str(model))
+    u.wait_healthy()
+    assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+
+    if adapter.can_keep_kv_cache:
+        await adapter.quiesce(ep, discard_kv=False)
+        assert anonymous_bytes(pid) > warm - engine_mod.KV_CACHE_BYTES // 2
+        await adapter.resume(ep, discard_kv=False)
+        u.wait_healthy()
+        assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+    else:
+        with pytest.raises(EngineCallFailed, match="always drops the KV cache"):
+            await adapter.quiesce(ep, discard_kv=False)

@@ -221,6 +221,13 @@ def _pynvml_source() -> bytes:
         return f.read()
 
 
+def probe_command(entry: HostEntry) -> list[str]:
+    """The argv run on the host (a real host's also reads pynvml's source on stdin)."""
+    real_gpus = not entry.simulated
+    return ["sh", "-c", PROBE_SH, "sh", entry.data_dir, entry.docker_socket or "",
+            *(("1", NVML_SCRIPT) if real_gpus else ("0",))]
+
+
 async def probe_host(
     host: Host,
     entry: HostEntry,
@@ -231,10 +238,7 @@ async def probe_host(
     real_gpus = not entry.simulated
     stdin = _pynvml_source() if real_gpus else b""
     try:
-        result = await host.run(
-            ["sh", "-c", PROBE_SH, "sh", entry.data_dir, entry.docker_socket or "",
-             *(("1", NVML_SCRIPT) if real_gpus else ("0",))],
-            input=stdin, timeout=timeout)
+        result = await host.run(probe_command(entry), input=stdin, timeout=timeout)
     except HostUnreachable as exc:
         return HostProbe(
             host=entry.name, reachable=False, error=exc.message, simulated=entry.simulated

@@ -290,7 +290,8 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="GiB of weights per worker")
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     args = ap.parse_args()

@@ -62,8 +62,9 @@ stays), unmapping their memory, so that a CRIU dump taken then holds no weight b
 release drops what its "tags" name ("kv_cache", "weights"; "cuda_graph" is accepted and means
 nothing here; no tags: everything). Dropped weights come back only through
 reload_weights/update_weights_from_disk, which re-read the shard from the model dir (where the
-controller mounts the worker's staged payload after a restore) and check every MiB against the
-warm-up digests: a payload that differs is refused, and the engine stays without weights.
+controller mounts the worker's staged payload after a restore) and check every MiB against a
+CRC-32 taken at warm-up (staging verified the payload's sha256 already; this only has to run at
+the speed of the disk): a payload that differs is refused, and the engine stays without weights.
 Wake (vLLM /wake_up, SGLang resume) first reads $COLDSNAP_RUNTIME_DIR/placement.json (default
 dir /var/lib/coldsnap/runtime; format coldsnap-placement/1, written by the controller after a
 restore; its unit_id must be this unit's, else the wake is refused with 400 and the engine
@@ -110,6 +111,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from typing import Any
 
 # The capsule runs this file through a symlink (/usr/local/bin/test-engine).
@@ -163,16 +165,17 @@ def make_shards(out: str, world_size: int, payload_bytes: int, prompt: str, answ
 
 
 def chunk_digest(data: memoryview, rounds: int) -> bytes:
-    return chunk_digests(data, rounds)[1]
-
-
-def chunk_digests(data: memoryview, rounds: int) -> tuple[bytes, bytes]:
-    """(plain sha256, `rounds`-round digest) of one chunk: the first checks a reload at disk
-    speed, the second is the warm-up's CPU work and what completions re-verify."""
-    first = d = hashlib.sha256(data).digest()
+    d = hashlib.sha256(data).digest()
     for _ in range(rounds - 1):
         d = hashlib.sha256(d + data).digest()
-    return first, d
+    return d
+
+
+def chunk_crcs(view: memoryview) -> list[int]:
+    """A CRC-32 per MiB: what a reload checks. The payload's sha256 was verified when it was
+    staged; the reload only has to notice bytes that differ from the warm-up's, at the speed
+    of the disk (a real engine's reload checks nothing)."""
+    return [zlib.crc32(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
 
 
 def weight_buffer(size: int) -> mmap.mmap:
@@ -243,7 +246,7 @@ class Worker:
         self.header: dict[str, Any] = {}
         self.weights: mmap.mmap | None = None
         self.table: list[bytes] = []
-        self.plain: list[bytes] = []  # sha256 per chunk, for reloads
+        self.crcs: list[int] = []  # per chunk, what a reload is checked against
         self.root = ""
         self.kv: bytearray | None = None
         self.sleeping = False
@@ -253,8 +256,7 @@ class Worker:
         self.group: engine_group.Group | None = None
         self.config: tuple[Any, ...] | None = None
 
-    def read_shard(self, model_dir: str, rounds: int
-                   ) -> tuple[str, dict[str, Any], mmap.mmap, list[tuple[bytes, bytes]]]:
+    def read_shard(self, model_dir: str) -> tuple[str, dict[str, Any], mmap.mmap]:
         path = os.path.join(model_dir, shard_name(self.rank, self.world_size))
         # The file is closed before serving: a snapshot must not depend on the model mount.
         with open(path, "rb") as f:
@@ -268,31 +270,32 @@ class Worker:
                 while got < size:
                     n = f.readinto(view[got:got + (64 << 20)])
                     if not n:
+                        free_weights(weights)
                         raise RuntimeError(f"{path}: truncated shard")
                     got += n
-                table = [chunk_digests(view[i:i + CHUNK], rounds)
-                         for i in range(0, size, CHUNK)]
-        return path, header, weights, table
+        return path, header, weights
 
     def warm_up(self) -> None:
-        _, self.header, self.weights, both = self.read_shard(self.model_dir, self.rounds)
-        self.plain = [first for first, _ in both]
-        self.table = [last for _, last in both]
+        _, self.header, self.weights = self.read_shard(self.model_dir)
+        size = int(self.header["payload_bytes"])
+        with memoryview(self.weights) as view:
+            self.crcs = chunk_crcs(view[:size])
+            self.table = [chunk_digest(view[i:min(i + CHUNK, size)], self.rounds)
+                          for i in range(0, size, CHUNK)]
         self.root = hashlib.sha256(b"".join(self.table)).hexdigest()
         self.kv = bytearray(b"\x5a") * KV_CACHE_BYTES
         gpu_sim.register(os.getpid(), self.devices)
         bump_warmup_counter(self.ident["id"])
 
     def reload(self, model_dir: str) -> dict[str, Any]:
-        # One round is enough to prove the bytes are the warm-up's: a reload runs at the
-        # speed of the disk, as a real engine's does, not at the warm-up's CPU cost.
-        path, header, weights, both = self.read_shard(model_dir, 1)
-        plain = [first for first, _ in both]
-        if plain != self.plain:
+        path, header, weights = self.read_shard(model_dir)
+        with memoryview(weights) as view:
+            crcs = chunk_crcs(view[:int(header["payload_bytes"])])
+        if crcs != self.crcs:
             free_weights(weights)
-            bad = next(i for i, (a, b) in enumerate(zip(plain + [b""], self.plain + [b""]))
+            bad = next(i for i, (a, b) in enumerate(zip([*crcs, -1], [*self.crcs, -2]))
                        if a != b)
-            raise RuntimeError(f"{path}: weights do not match the digests taken at warm-up "
+            raise RuntimeError(f"{path}: weights do not match the ones loaded at warm-up "
                                f"(first difference in MiB {bad})")
         with self.lock:
             old, self.header, self.weights = self.weights, header, weights

@@ -150,6 +150,6 @@ def test_a_corrupted_payload_fails_the_wake_and_the_restore_rolls_back(
     assert receipt["state"] == "failed"
     message = receipt["error"]["message"]
     assert "unit-1" in message and "host-1" in message and "release" in message, message
-    assert "weights do not match the digests taken at warm-up" in message, message
+    assert "weights do not match the ones loaded at warm-up" in message, message
     assert "rollback: unit-0 on host-0 removed; unit-1 on host-1 removed" in message, message
     assert ops.running_units() == {}

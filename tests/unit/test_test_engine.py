@@ -463,7 +463,7 @@ def test_reload_refuses_weights_that_differ_from_the_warm_up(
     assert u.http("POST", "/wake_up")[0] == 200
     engine_mod.make_shards(str(model), 1, 300_000, PROMPT, ANSWER, seed=1)
     code, body = u.http("POST", "/collective_rpc", {"method": "reload_weights"})
-    assert code == 500 and "do not match the digests" in body["error"]["message"]
+    assert code == 500 and "do not match the ones loaded" in body["error"]["message"]
     assert u.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 503
 
 
@@ -511,7 +511,7 @@ def test_a_discarding_sleep_gives_the_weight_memory_back(
         bad.mkdir()
         (bad / path.name).write_bytes(bytes(data))
         code, body = u.http("POST", "/update_weights_from_disk", {"model_path": str(bad)})
-        assert code == 400 and "do not match the digests" in body["message"]
+        assert code == 400 and "do not match the ones loaded" in body["message"]
         assert "MiB 31" in body["message"]
         assert anonymous_bytes(pid) < warm - shard // 2  # the refused copy is not kept
         assert u.http("POST", "/update_weights_from_disk", {"model_path": str(model)})[0] == 200

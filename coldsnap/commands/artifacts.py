@@ -8,7 +8,7 @@ from typing import Any
 
 from coldsnap.commands.common import add_store_argument, fail, human_bytes, open_store, print_json
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.store import StoredArtifact, StoreError
+from coldsnap.store import StoredArtifact, StoreError, resolve_reference
 
 
 def _summary(stored: StoredArtifact) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def _list(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        stored = open_store(args).resolve_artifact(args.artifact)
+        stored = resolve_reference(open_store(args), args.artifact)
     except (StoreError, ArtifactInvalid, ValueError) as exc:
         return fail(str(exc), 1)
     if args.json:

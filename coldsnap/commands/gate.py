@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.formats.receipt import Receipt, ReceiptResult
-from coldsnap.formats.request import is_clean_absolute
 from coldsnap.operations.context import (
     ReceiptKey,
     ReceiptTargetTaken,

@@ -21,7 +21,13 @@ import docker.errors
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import LABEL_OPERATION, LABEL_ROLE, LABEL_UNIT, remove_container
+from coldsnap.capsule.runtime import (
+    LABEL_OPERATION,
+    LABEL_ROLE,
+    LABEL_UNIT,
+    list_containers,
+    remove_container,
+)
 from coldsnap.commands.common import add_store_argument, fail, open_store
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
 from coldsnap.hosts.base import HostError
@@ -78,8 +84,7 @@ async def _host_gc(hosts: HostSet, name: str, judge: Judge, operation: str | Non
     try:
         async with asyncio.timeout(HOST_TIMEOUT_S), hosts.sessions([name]) as sessions:
             s = sessions[name]
-            found = await s.call(s.client.containers.list, all=True,
-                                 filters={"label": [label]})
+            found = await list_containers(s, [label])
             for c in sorted(found, key=lambda c: str(c.name)):
                 labels: dict[str, str] = c.labels or {}
                 op = labels.get(LABEL_OPERATION, "")

@@ -23,7 +23,7 @@ from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
-from coldsnap.store import StoreError
+from coldsnap.store import StoreError, resolve_reference
 
 LifecycleOperation = Literal["sleep", "wake", "status"]
 
@@ -72,7 +72,7 @@ def _handler(operation: LifecycleOperation) -> Callable[[argparse.Namespace], in
             return fail(str(exc))
         store = open_store(args).ensure()
         try:
-            stored = store.resolve_artifact(request.artifact)
+            stored = resolve_reference(store, request.artifact)
         except (StoreError, ArtifactInvalid) as exc:
             return fail(f"artifact: {exc}")
         admission = start_operation(args, store.root, ReceiptKey(request.id, operation,

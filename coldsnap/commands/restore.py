@@ -22,7 +22,7 @@ from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationContext, ReceiptKey, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
-from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
 
 
 def _resolve(args: argparse.Namespace, request: Request | None,
@@ -37,7 +37,7 @@ def _resolve(args: argparse.Namespace, request: Request | None,
     found: list[tuple[str, StoredArtifact]] = []
     for label, ref in refs:
         try:
-            found.append((label, store.resolve_artifact(ref)))
+            found.append((label, resolve_reference(store, ref)))
         except (StoreError, ArtifactInvalid) as exc:
             return f"{label}: {exc}"
     if len({stored.digest for _, stored in found}) > 1:

@@ -55,6 +55,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
 from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import Host, ProgressCallback
 from coldsnap.operations.context import (
@@ -171,7 +172,7 @@ async def _capture_units(
     async def fetch(r: UnitRun) -> None:
         assert r.capsule is not None and r.workers is not None
         host = hosts.host(r.placed.host)
-        unit_owner = f"unit/{r.placed.unit_id}"
+        unit_owner = str(Owner.unit(r.placed.unit_id))
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
@@ -186,7 +187,7 @@ async def _capture_units(
                                       path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
                                       sha256=m_digest))
         for w in r.workers:
-            owner = f"worker/{w.worker_id}"
+            owner = str(Owner.worker(w.worker_id))
             if store.has(w.payload.sha256):
                 # The same model payload, already pulled by an earlier capture: the host
                 # hashed it, so nothing needs to move.
@@ -210,7 +211,8 @@ async def _capture_units(
     await phase(ctx, "fetch", runs, fetch)
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
-    objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST, owner=f"unit/{r.placed.unit_id}",
+    objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST,
+                                  owner=str(Owner.unit(r.placed.unit_id)),
                                   path=CAPTURE_REQUEST_PATH, bytes=q_size, sha256=q_digest)
                    for r in runs)
 

@@ -8,10 +8,16 @@ from dataclasses import dataclass, replace
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
 from coldsnap.capsule.runtime import LABEL_ARTIFACT, LABEL_OPERATION, LABEL_WORKLOAD
-from coldsnap.capsule.spec import Mount, UnitSpec, Validation, WorkerSpec, host_path_for
+from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
-from coldsnap.formats.request import Launch, ProcessPolicy, WeightsPolicy, Workload
-from coldsnap.formats.request import Validation as RequestValidation
+from coldsnap.formats.request import (
+    Launch,
+    Mount,
+    ProcessPolicy,
+    Validation,
+    WeightsPolicy,
+    Workload,
+)
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.topology import Topology
 
@@ -42,7 +48,7 @@ def place_units(
     topology: Topology,
     facts: Mapping[str, HostFacts],
     entries: Mapping[str, HostEntry],
-    validation: RequestValidation,
+    validation: Validation,
     operation_id: str,
     weights: WeightsPolicy | None = None,
     *,
@@ -84,7 +90,7 @@ def unit_spec(
     index: int,
     topology: Topology,
     entries: Mapping[str, HostEntry],
-    validation: RequestValidation,
+    validation: Validation,
     devices: tuple[str, ...],
     *,
     labels: Mapping[str, str],
@@ -94,7 +100,7 @@ def unit_spec(
     """`launch.units[index]` on its host with `devices` (that host's GPU UUIDs, by slot)."""
     unit = launch.units[index]
     model_dir = adapter_for(launch.engine).model_dir(unit.command)
-    mounts = tuple(Mount(m.source, m.target, m.read_only) for m in unit.mounts)
+    mounts = tuple(unit.mounts)
     workers = tuple(
         WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
                    process_slot=w.process_slot, device_slots=w.device_slots,
@@ -108,8 +114,7 @@ def unit_spec(
         command=tuple(unit.command),
         devices=devices,
         workers=workers,
-        validation=Validation(prompt=validation.prompt, expected=validation.expected,
-                              health_path=validation.health_path),
+        validation=validation,
         environment=dict(unit.environment),
         mounts=mounts,
         engine=launch.engine,

@@ -227,14 +227,17 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
     scratch = {h: f"{b.hosts[h]['data_dir']}/scp-bench" for h in b.hosts}
     for d in scratch.values():
         Path(d).mkdir(parents=True, exist_ok=True)
-    scp_out = side_by_side([
-        (lambda h=h: b.scp(h, [str(b.store / "objects" / "sha256" / p.name)
-                               for p in staged[h]], b.remote(h, scratch[h] + "/")))
-        for h in b.hosts if staged[h]])
     back = {h: Path(tempfile.mkdtemp(dir=b.work)) for h in b.hosts}
-    scp_back = side_by_side([
-        (lambda h=h: b.scp(h, [b.remote(h, str(p)) for p in staged[h]], str(back[h]) + "/"))
-        for h in b.hosts if staged[h]])
+
+    def to_host(h: str) -> Callable[[], None]:
+        return lambda: b.scp(h, [str(b.store / "objects" / "sha256" / p.name)
+                                 for p in staged[h]], b.remote(h, scratch[h] + "/"))
+
+    def from_host(h: str) -> Callable[[], None]:
+        return lambda: b.scp(h, [b.remote(h, str(p)) for p in staged[h]], str(back[h]) + "/")
+
+    scp_out = side_by_side([to_host(h) for h in b.hosts if staged[h]])
+    scp_back = side_by_side([from_host(h) for h in b.hosts if staged[h]])
     for h, d in scratch.items():
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(back[h], ignore_errors=True)

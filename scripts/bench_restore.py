@@ -254,7 +254,8 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
 
     payload_bytes = sum(o["bytes"] for o in artifact["objects"]
                         if o["role"] == "model-weight-payload")
-    criu_bytes = sum(m.get("criu_images_bytes", 0) for m in units.values())
+    criu_bytes = sum(m["criu_images_bytes"] if "criu_images_bytes" in m else
+                     sum(f["size"] for f in m["criu_images"]["files"]) for m in units.values())
     rtt = statistics.median(rtts)
     return {
         "cold_start_seconds": round(cold_start, 3),

@@ -11,7 +11,8 @@ on 198.18.0.98 and .99, next to any other cluster), writes the TP2 request of sc
   capture_seconds             the whole `coldsnapd capture`
   restore_cold_host_seconds   `coldsnapd restore` with nothing staged on the hosts (their
                               data_dir objects and the capsule images removed first)
-  bytes_staged_cold           what that restore put into the hosts' data_dir
+  bytes_staged_cold           what that restore put into the hosts' data_dir objects (a
+                              capsule pulled from a registry is not counted)
   restore_warm_host_seconds   the same restore again: every object already staged
   scp_seconds_same_bytes      scp of the staged files from this machine to the same hosts,
                               one scp per host side by side, as staging runs
@@ -128,7 +129,13 @@ class Bench:
             ids = self.unit_containers(host)
             if ids:
                 self.docker(host, "rm", "-f", *ids)
-            shutil.rmtree(self.objects(host), ignore_errors=True)
+            # Everything the host holds for coldsnapd: staged objects and whatever was
+            # assembled from them (the bench cluster's own data_dir, nothing else).
+            for entry in Path(self.hosts[host]["data_dir"]).glob("*"):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
             for image in image_ids:
                 subprocess.run(["docker", "-H", f"unix://{self.hosts[host]['docker_socket']}",
                                 "rmi", "-f", image], capture_output=True, timeout=TIMEOUT,

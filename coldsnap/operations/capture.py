@@ -9,6 +9,7 @@ writes nothing to `output` or the store's artifact index.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
@@ -67,7 +68,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
-from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.store import LocalStore, ObjectCorrupt, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
@@ -92,8 +93,13 @@ async def _fetch(host: Host, remote: str, store: LocalStore, expected: str,
     """Pull one object from a host into the store, verified against the digest the host
     reported when the object was made."""
     with store.incoming() as tmp:
-        await host.get(remote, tmp, progress=progress)
-        return store.commit_incoming(tmp, expected)
+        got = await host.get(remote, tmp, progress=progress)
+        if got.sha256 != expected:
+            raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
+                                f"expected {expected}")
+        # The transfer hashed the bytes as it wrote them: no second pass over a GiB, and
+        # none on the event loop, where it would stall every other host's transfer.
+        return await asyncio.to_thread(store.commit_hashed, tmp, expected)
 
 
 async def capture(

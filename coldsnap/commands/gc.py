@@ -28,8 +28,9 @@ from coldsnap.capsule.runtime import (
     list_containers,
     remove_container,
 )
-from coldsnap.commands.common import add_store_argument, fail, open_store
+from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
+from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationFailed
@@ -133,11 +134,11 @@ def _print_text(results: list[HostResult], dry_run: bool) -> None:
 
 def _handler(args: argparse.Namespace) -> int:
     if args.operation is not None and not _ID.match(args.operation):
-        return fail(f"--operation: {args.operation!r} is not an operation id")
+        return report_failure(f"--operation: {args.operation!r} is not an operation id")
     try:
         inventory = load_hosts_inventory(args)
     except InventoryError as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     logs.configure(verbose=args.verbose)
     judge = Judge(open_store(args).root)
 
@@ -157,8 +158,8 @@ def _handler(args: argparse.Namespace) -> int:
         _print_text(results, args.dry_run)
     failed = [r.host for r in results if r.error or any(c.error for c in r.containers)]
     if failed:
-        return fail(f"gc did not finish on {', '.join(failed)}", status=1)
-    return 0
+        return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
+    return EXIT_OK
 
 
 def register(subparsers: Any) -> None:

@@ -16,10 +16,10 @@ from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import (
     add_store_argument,
-    fail,
     load_request_source,
     open_store,
     print_issues,
+    report_failure,
 )
 from coldsnap.commands.gate import (
     Admission,
@@ -30,6 +30,7 @@ from coldsnap.commands.gate import (
     check_output_flags,
 )
 from coldsnap.commands.signals import OperationSignals
+from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult
 from coldsnap.formats.request import Request
@@ -42,6 +43,7 @@ from coldsnap.operations.context import (
     ReceiptKey,
     write_receipt,
 )
+from coldsnap.operations.deadline import default_deadline, within_deadline
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
@@ -66,7 +68,22 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
         "--timing-events", metavar="PATH|-", default=None,
         help="stream timing events (NDJSON, format 1) to stdout or to a new file at an "
              "absolute PATH (an existing file is refused); needs --receipt-json")
+    parser.add_argument(
+        "--deadline", type=_seconds, default=None, metavar="SECONDS",
+        help="cancel the operation (with its rollback) once it has run this long; the error "
+             "code is `deadline`. Default: 1800 s for a capture, 600 s for the others, plus "
+             "one second per 25 MiB the operation moves (a restore: its artifact's objects)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def check_outputs(args: argparse.Namespace) -> str | None:
@@ -89,7 +106,7 @@ def start_operation(args: argparse.Namespace, store_root: Path, key: ReceiptKey,
     try:
         return admit(args, store_root, key, prepare_only=prepare_only, id_generated=id_generated)
     except Refused as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     except AlreadyDone as done:
         return answer_again(done.receipt, args.receipt_json)
 
@@ -109,9 +126,11 @@ def run_operation(
     snapshot_driver: str,
     inventory: Inventory,
     prepare_only: bool = False,
+    bytes_to_move: int = 0,
 ) -> int:
-    """Run one operation to exactly one receipt; 0 on success, 1 on failure, 130/143 when
-    SIGINT/SIGTERM cancelled it (coldsnap.commands.signals)."""
+    """Run one operation to exactly one receipt; 0 on success, 1 on failure (also past its
+    deadline: `--deadline`, else derived from `bytes_to_move`), 130/143 when SIGINT/SIGTERM
+    cancelled it (coldsnap.commands.signals)."""
     logs.configure(verbose=args.verbose)
     ctx = OperationContext(operation, operation_id=admission.key.operation_id,
                            timing_events=admission.events)
@@ -128,7 +147,9 @@ def run_operation(
     try:
         with board, OperationSignals(ctx.operation_id) as signals, \
                 OperationRun(open_store(args).root, ctx):
-            result = asyncio.run(signals.cancellable(main()))
+            deadline = args.deadline or default_deadline(operation, bytes_to_move)
+            result = asyncio.run(signals.cancellable(within_deadline(
+                main(), deadline, rolling_back=lambda: ctx.rollback is not None)))
     except OperationFailed as exc:
         error = exc
     except (CapsuleError, HostError) as exc:
@@ -147,17 +168,18 @@ def run_operation(
     try:
         admission.complete(receipt)
     except OSError as exc:
-        fail(f"cannot record the outcome of {admission.key.operation_id} in the store: {exc}")
+        report_failure(f"cannot record the outcome of {admission.key.operation_id} in the store: "
+                       f"{exc}")
     try:
         write_receipt(receipt, args.receipt_json)
     except OSError as exc:
-        fail(f"cannot write the receipt to {args.receipt_json}: {exc}")
-        return 1
+        report_failure(f"cannot write the receipt to {args.receipt_json}: {exc}")
+        return EXIT_FAILED
     if error is not None:
         sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): "
                          f"{ctx.failure_message(error)}\n")
         return error.exit_status
-    return 0
+    return EXIT_OK
 
 
 __all__ = [

@@ -7,7 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
-from coldsnap.capsule.runtime import LABEL_ARTIFACT, LABEL_OPERATION, LABEL_WORKLOAD
+from coldsnap.capsule.runtime import (
+    LABEL_ARTIFACT,
+    LABEL_ARTIFACT_DIGEST,
+    LABEL_OPERATION,
+    LABEL_WORKLOAD,
+)
 from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
 from coldsnap.formats.request import (
@@ -55,6 +60,7 @@ def place_units(
     process: ProcessPolicy | None = None,
     workload: Workload | None = None,
     artifact: str | None = None,
+    artifact_digest: str | None = None,
 ) -> list[PlacedUnit]:
     """Each unit as the capsule layer runs it on its host. With `weights` (capture), every
     worker's payload is located from `policy.weights.native`: `files_by_worker` paths are
@@ -62,10 +68,13 @@ def place_units(
     through the unit's mounts; a `staged` entry names the host file directly; and the mode
     says whether quiesce releases the weights (`releases_weights`). With `process`
     (capture), `kv_discard` says whether it drops the KV cache. Containers are labelled with
-    the operation, the `workload` and the `artifact` they restore."""
+    the operation, the `workload` and the `artifact` they restore (its capture id and the
+    digest of its file)."""
     labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
     if artifact is not None:
         labels[LABEL_ARTIFACT] = artifact
+    if artifact_digest is not None:
+        labels[LABEL_ARTIFACT_DIGEST] = artifact_digest
     placed: list[PlacedUnit] = []
     for i, unit in enumerate(launch.units):
         host_facts = facts[unit.host]
@@ -104,8 +113,8 @@ def unit_spec(
     workers = tuple(
         WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
                    process_slot=w.process_slot, device_slots=w.device_slots,
-                   payload_path=payload_path(w.id, index, unit.command, mounts, weights,
-                                             model_dir))
+                   payload_path=host_payload_path(w.id, index, unit.command, mounts, weights,
+                                                  model_dir))
         for w in topology.workers if w.unit == unit.id)
     return UnitSpec(
         unit_id=unit.id,
@@ -152,9 +161,13 @@ def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
     return False
 
 
-def payload_path(worker: str, unit_index: int, command: Sequence[str],
-                 mounts: Sequence[Mount], weights: WeightsPolicy | None,
-                 model_dir: str | None) -> str | None:
+def host_payload_path(worker: str, unit_index: int, command: Sequence[str],
+                      mounts: Sequence[Mount], weights: WeightsPolicy | None,
+                      model_dir: str | None) -> str | None:
+    """Where the worker's weight payload lies on its host, from policy.weights.native (a
+    staged file, or a file under the engine's model directory through the unit's mounts);
+    None when the request does not say. Not `formats.artifact.payload_path`, the object's
+    path inside an artifact."""
     if weights is None or weights.native is None:
         return None
     for entry in weights.native.staged or []:

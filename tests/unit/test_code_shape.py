@@ -23,7 +23,7 @@ MAX_MODULE_LINES = 500
 # From the bottom up: a module may import its own layer and the layers before it, never the
 # ones after (docs/ARCHITECTURE.md). A prefix names a package or a module; the longest wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf helpers", ("coldsnap", "coldsnap.digests", "coldsnap.logs")),
+    ("leaf helpers", ("coldsnap", "coldsnap.digests", "coldsnap.exits", "coldsnap.logs")),
     ("formats", ("coldsnap.formats",)),
     ("topology, admission", ("coldsnap.topology", "coldsnap.identity", "coldsnap.admission")),
     ("hosts", ("coldsnap.hosts",)),
@@ -175,6 +175,22 @@ def test_the_checks_see_what_they_should() -> None:
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert _cycles({"a": ["a"], "b": []}) == [["a"]]
     assert _cycles({"a": ["b"], "b": []}) == []
+
+
+def test_commands_name_their_exit_statuses() -> None:
+    # Every status a command returns comes from coldsnap.exits, so one meaning has one number.
+    literal = []
+    for path in [PACKAGE / "cli.py", *sorted((PACKAGE / "commands").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            values = []
+            if isinstance(node, ast.Return) and node.value is not None:
+                values.append(node.value)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "report_failure":
+                values.extend(node.args[1:])
+                values.extend(k.value for k in node.keywords)
+            literal += [f"{path.relative_to(ROOT)}:{v.lineno}" for v in values
+                        if isinstance(v, ast.Constant) and type(v.value) is int]
+    assert literal == []
 
 
 @pytest.mark.parametrize("package", ["coldsnap.operations", "coldsnap.capsule"])

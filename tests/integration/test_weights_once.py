@@ -126,6 +126,7 @@ def test_restored_engine_answers_with_weights_reloaded_from_its_staged_payload(
     # other capture (same payloads) leaves the staged files as they are.
     before = {h: _staged(ops, h, d).stat() for h, d in
               (("host-0", payloads["worker/worker-0"]), ("host-1", payloads["worker/worker-1"]))}
+    ops.remove_units()  # another artifact's restore does not replace this workload
     again = ops.coldsnapd("restore", "--artifact", kept["capture_id"]).ok()
     lines = [line for line in again.stderr.splitlines() if " owned, " in line]
     assert len(lines) == 2 and all("2 already present" in line for line in lines), lines

@@ -191,6 +191,8 @@ async def restore(
                                        exempt=[u for u, found in previous.items() if found])
         with ctx.span("restore.stage"):
             outcome.staging = await _stage(hosts, store, per_host, ctx)
+        for s in outcome.staging:
+            ctx.staged[s.host] = (s.owned_bytes, s.sent_bytes)
 
         heads = set(service_heads(topology).values())
         runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,

@@ -148,6 +148,10 @@ class CapsuleManifest(StrictModel):
     engine_pid: int = Field(ge=1)
     worker_pids: dict[Id, Annotated[int, Field(ge=1)]]
     captured_devices: list[NonEmpty]
+    # What the quiesce before the dump released: with the weights released, the CRIU images
+    # do not hold them and the restored engine reloads them from its workers' payloads.
+    weights_released: bool = False
+    kv_discarded: bool = True
 
     @model_validator(mode="after")
     def _format(self) -> CapsuleManifest:

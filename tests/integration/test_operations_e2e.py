@@ -21,6 +21,7 @@ import docker.errors
 import pytest
 import yaml
 
+from coldsnap.capsule.docker_exec import exec_in_container
 from coldsnap.formats.capsule import CapsuleManifest, parse_capsule_manifest
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
@@ -259,7 +260,7 @@ def _port_answers(address: str, port: int) -> bool:
 
 def _established(container: Any) -> set[tuple[str, int, str, int]]:
     """ESTABLISHED IPv4 TCP connections in the container's (= its host's) network."""
-    code, out = container.exec_run(["cat", "/proc/net/tcp"])
+    code, out, _ = exec_in_container(container.client.api, container.id, ["cat", "/proc/net/tcp"])
     assert code == 0
 
     def endpoint(text: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ import ipaddress
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -341,7 +342,13 @@ def test_cmdline_contains_finds_a_process_but_never_itself(tmp_path: Path) -> No
     marker = str(tmp_path / "docker") + "/"
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     try:
-        assert procs.cmdline_contains(marker) == [proc.pid]
+        # A loaded machine may show the child before its exec: wait for the new command line.
+        found: list[int] = []
+        for _ in range(200):
+            if found := procs.cmdline_contains(marker):
+                break
+            time.sleep(0.05)
+        assert found == [proc.pid]
     finally:
         proc.kill()
         proc.wait()

@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypeVar
+
+import requests.exceptions
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost
-from coldsnap.hosts.base import Host
+from coldsnap.hosts.base import Host, HostAuthFailed, HostKeyRejected, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.probe import probe_hosts
 from coldsnap.operations.context import OperationFailed
+
+T = TypeVar("T")
+
+# A lost host is retried for about this long: a host that comes back within it is still
+# cleaned, and a rollback (ROLLBACK_UNIT_S per unit) is never held longer by one that won't.
+RECONNECT_ATTEMPTS = 8
+RECONNECT_WITHIN_S = 30.0
+
+# What a dropped SSH connection or a dead Docker relay looks like from above: worth a fresh
+# session. Anything else (a refused host key, an engine error, a failed command) is not.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    HostUnreachable,
+    ConnectionError,
+    requests.exceptions.ConnectionError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A lost connection, also when a capsule step wrapped it in its own error."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, HostKeyRejected | HostAuthFailed):
+            return False  # never retried: a changed key or refused login stays so
+        if isinstance(cur, _TRANSIENT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class HostSet:
@@ -58,27 +96,45 @@ class HostSet:
         self,
         name: str,
         session: CapsuleSession,
-        fn: Callable[[CapsuleSession], Awaitable[None]],
+        fn: Callable[[CapsuleSession], Awaitable[T]],
         *,
-        reconnects: int = 8,
-    ) -> None:
-        """Run a clean-up step on a host's session; when that session died with its
-        connection (a lost host), retry on fresh sessions with backoff (about 30 s), so a
-        host that comes back in the meantime is still cleaned. Raises the last error."""
+        give_up: Callable[[CapsuleSession, BaseException], Awaitable[T]] | None = None,
+        attempts: int = RECONNECT_ATTEMPTS,
+        within_s: float = RECONNECT_WITHIN_S,
+    ) -> T:
+        """Run a clean-up step on a host's session. When it fails with a lost connection,
+        retry on fresh sessions with jittered backoff (about `within_s`), so a host that
+        comes back in the meantime is still cleaned. Any other error is the step's answer
+        and is raised at once.
+
+        With `give_up`, once the retries are spent it gets one last fresh session and the
+        last error (to remove what the step could not restore, say); its result is returned.
+        Otherwise the last error is raised."""
+        tries = 0
+
+        async def once() -> T:
+            nonlocal tries
+            tries += 1
+            if tries == 1:  # the first try reuses the operation's own session
+                return await fn(session)
+            async with self.sessions([name]) as fresh:
+                return await fn(fresh[name])
+
         try:
-            await fn(session)
-            return
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(attempts) | stop_after_delay(within_s),
+                wait=wait_random_exponential(multiplier=1.0, max=5.0),
+                retry=retry_if_exception(is_transient),
+                reraise=True,
+            ):
+                with attempt:
+                    return await once()
         except Exception as exc:
-            last = exc
-        for attempt in range(reconnects):
-            await asyncio.sleep(min(2.0 * (attempt + 1), 5.0))
-            try:
-                async with self.sessions([name]) as fresh:
-                    await fn(fresh[name])
-                return
-            except Exception as exc:
-                last = exc
-        raise last
+            if give_up is None or not is_transient(exc):
+                raise
+            last, last_resort = exc, give_up
+        async with self.sessions([name]) as fresh:
+            return await last_resort(fresh[name], last)
 
     @asynccontextmanager
     async def sessions(self, names: Iterable[str]) -> AsyncIterator[dict[str, CapsuleSession]]:

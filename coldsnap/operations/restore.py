@@ -32,6 +32,7 @@ from coldsnap.capsule.restore import (
     validate,
 )
 from coldsnap.capsule.runtime import (
+    LABEL_OPERATION,
     LABEL_ROLE,
     LABEL_UNIT,
     remove_container,
@@ -272,7 +273,9 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[Rest
         if kernel_policy == "capability":
             try:
                 await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id,
-                                 kernel=facts[r.placed.host].kernel)
+                                 kernel=facts[r.placed.host].kernel,
+                                 labels={LABEL_OPERATION: ctx.operation_id,
+                                         LABEL_UNIT: r.placed.unit_id})
             except CapsuleError as exc:
                 if fallback != "replay":
                     raise

@@ -41,9 +41,11 @@ def capsule_dir(data_dir: str, capture_id: str, unit_id: str) -> str:
 
 async def remove_capsule_files(host: Host, data_dir: str, capture_id: str, unit_id: str) -> None:
     """Remove a unit's capsule directory (tar, replay plans) from its capture host once the
-    store holds them."""
-    await host.run(["rm", "-rf", "--", capsule_dir(data_dir, capture_id, unit_id)],
-                   check=False)
+    store holds them (or a rollback discards them), and the capture's directory with the
+    last unit's."""
+    unit_dir = capsule_dir(data_dir, capture_id, unit_id)
+    await host.run(["sh", "-c", 'rm -rf -- "$1" && { rmdir -- "$2" 2>/dev/null; true; }', "sh",
+                    unit_dir, posixpath.dirname(unit_dir)], check=False)
 
 
 # Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.

@@ -125,9 +125,12 @@ def run_operation(
             with ctx.span(operation):
                 return await body(HostSet(inventory, pool), ctx)
 
+    store = open_store(args)
     try:
         with board, OperationSignals(ctx.operation_id) as signals, \
-                OperationRun(open_store(args).root, ctx):
+                OperationRun(store.root, ctx):
+            # What an earlier run that was killed mid-fetch left in the store's tmp.
+            store.sweep_tmp()
             result = asyncio.run(signals.cancellable(main()))
     except OperationFailed as exc:
         error = exc

@@ -63,6 +63,7 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet, is_transient
 from coldsnap.operations.network import check_ports_free, unit_ports
+from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
@@ -204,6 +205,11 @@ async def _capture_units(
         await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
                                    r.placed.unit_id)
 
+    # Refused before any byte is pulled: a store that fills up half-way helps no one.
+    refuse_short([store_need(store, [
+        pair for r in runs if r.capsule is not None and r.workers is not None
+        for pair in [(r.capsule.tar_sha256, r.capsule.tar_bytes),
+                     *((w.payload.sha256, w.payload.bytes) for w in r.workers)]])])
     await phase(ctx, "fetch", runs, fetch)
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))

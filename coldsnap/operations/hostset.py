@@ -61,6 +61,8 @@ class HostSet:
         self.inventory = inventory
         self.transports = hosts
         self.entries: Mapping[str, HostEntry] = {h.name: h for h in inventory.hosts}
+        # Free bytes in each probed host's data_dir (None: the probe could not say).
+        self.free_bytes: dict[str, int | None] = {}
 
     def check_known(self, names: Iterable[str], what: str) -> None:
         unknown = sorted(set(names) - set(self.entries))
@@ -87,6 +89,7 @@ class HostSet:
                                   else "host-probe", detail)
         out: dict[str, HostFacts] = {}
         for f in probed:
+            self.free_bytes[f.host] = f.data_dir_free_bytes
             if f.nvidia_driver is None:
                 raise OperationFailed("no-nvidia-driver", f"host {f.host}: no NVIDIA driver")
             out[f.host] = f.admission_facts()

@@ -55,6 +55,7 @@ from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
+from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostStaging,
     objects_by_host,
@@ -171,6 +172,10 @@ async def restore(
                 # are freed by that replacement, not a conflict.
                 replaced = await _replaced_units(placed, sessions)
                 await check_ports_free(hosts, unit_ports(launch, topology), exempt=replaced)
+        with ctx.span("restore.space"):
+            await check_staging_space(
+                {n: hosts.host(n) for n in per_host},
+                {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
         with ctx.span("restore.stage"):
             outcome.staging = await _stage(hosts, store, per_host, ctx)
 

@@ -29,6 +29,7 @@ T = TypeVar("T")
 # cleaned, and a rollback (ROLLBACK_UNIT_S per unit) is never held longer by one that won't.
 RECONNECT_ATTEMPTS = 8
 RECONNECT_WITHIN_S = 30.0
+RECONNECT_WAIT_MAX_S = 5.0
 
 # What a dropped SSH connection or a dead Docker relay looks like from above: worth a fresh
 # session. Anything else (a refused host key, an engine error, a failed command) is not.
@@ -126,7 +127,7 @@ class HostSet:
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(attempts) | stop_after_delay(within_s),
-                wait=wait_random_exponential(multiplier=1.0, max=5.0),
+                wait=wait_random_exponential(multiplier=1.0, max=RECONNECT_WAIT_MAX_S),
                 retry=retry_if_exception(is_transient),
                 reraise=True,
             ):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -12,3 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+# The fuzzers' profile (tests/unit/test_fuzz_cli.py): as many cases as CI runs, unless
+# COLDSNAP_FUZZ_CASES asks for fewer on a quick local run. No deadline: the machine is shared.
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("COLDSNAP_FUZZ_CASES", "10000")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
+)

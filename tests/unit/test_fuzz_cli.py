@@ -32,7 +32,7 @@ from coldsnap.commands import restore as restore_command
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.store import LocalStore
 from tests.unit.artifact_factory import make_artifact
-from tests.unit.test_properties import EXAMPLES, all_paths, at, json_values, mutate_once
+from tests.unit.test_properties import EXAMPLES, all_paths, at, mutate_once
 
 FUZZ = settings.get_profile("fuzz")
 

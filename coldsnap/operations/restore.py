@@ -58,6 +58,7 @@ from coldsnap.operations.network import check_ports_free, placement_documents, u
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostStaging,
+    discard_partial_objects,
     objects_by_host,
     remote_object_path,
     stage_host,
@@ -238,6 +239,14 @@ async def _stage(hosts: HostSet, store: LocalStore,
                                     per_host[name], store, progress=ctx.progress)
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
+    failed = [n for n, res in zip(per_host, results, strict=True)
+              if isinstance(res, BaseException)]
+    if failed:
+        # A transfer keeps its partial file to resume a dropped connection; once staging has
+        # failed, that file is only a half-written object filling the host's disk.
+        await asyncio.shield(asyncio.gather(*(
+            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
+            for n in failed)))
     for name, res in zip(per_host, results, strict=True):
         if isinstance(res, BaseException):
             if not isinstance(res, Exception):

@@ -93,6 +93,12 @@ class HostSet:
             self.free_bytes[f.host] = f.data_dir_free_bytes
             if f.nvidia_driver is None:
                 raise OperationFailed("no-nvidia-driver", f"host {f.host}: no NVIDIA driver")
+            socket = self.entries[f.host].docker_socket
+            if socket is not None and f.docker is None:
+                # Said now, naming the host, rather than as a Docker client error later.
+                why = "; ".join(n for n in f.notes if n.startswith("docker")) or "no answer"
+                raise OperationFailed("no-docker", f"host {f.host}: dockerd does not answer on "
+                                                   f"{socket} ({why})")
             out[f.host] = f.admission_facts()
         return out
 

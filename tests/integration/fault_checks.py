@@ -128,3 +128,17 @@ def resize_tmpfs(where: Path, size: str) -> None:
 
 def unmount(where: Path) -> None:
     subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
+
+
+def in_host_mounts(ops: Ops, host: str, *argv: str) -> str:
+    """Run argv in the mount namespace of the host's sshd (`ip netns exec` gave it its own):
+    a mount made there is what the host's sessions see, and the root namespace does not."""
+    pid = (ops.inventory.parent / host / "ssh" / "sshd.pid").read_text().strip()
+    out = subprocess.run(["nsenter", "-t", pid, "-m", *argv], check=True,
+                         capture_output=True, text=True)
+    return out.stdout
+
+
+def host_free_bytes(ops: Ops, host: str, where: Path) -> int:
+    return int(in_host_mounts(ops, host, "df", "-B1", "--output=avail", str(where))
+               .split()[-1])

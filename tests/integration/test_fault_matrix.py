@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,11 +27,10 @@ from tests.integration.fault_checks import (
     failed,
     finish,
     half_written,
-    mount_tmpfs,
+    host_free_bytes,
+    in_host_mounts,
     operation_id,
     paused,
-    resize_tmpfs,
-    unmount,
 )
 from tests.integration.ops_fixtures import Ops, Run, dev_requests, edited_inventory, ops
 from tests.integration.test_cancellation import Started, gc, labelled, orphans
@@ -208,35 +206,43 @@ def test_criu_restore_failing_on_one_unit_rolls_back_every_unit(
 
 def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fails_cleanly(
         ops: Ops, artifact: str, clean: None) -> None:
+    """host-3's data_dir is a tmpfs with a size cap, mounted where host-3's sessions see it."""
     small = ops.work / f"host-3-small-{secrets.token_hex(3)}"
-    mount_tmpfs(small, "8m")
+    small.mkdir()
+
+    def on_host(*argv: str) -> str:
+        return in_host_mounts(ops, "host-3", *argv)
+
+    on_host("mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(small))
     try:
         inventory = edited_inventory(ops, "small-data-dir", {"host-3": {"data_dir": str(small)}})
         run = restore_moved(ops, artifact, "small", inventory=inventory)
         message = failed(run, "no-space", "host host-3", str(small), "bytes free",
                          "bytes needed")
         assert "nothing was sent" in message
-        assert list(small.iterdir()) == [] and ops.staged("host-2") == set()
+        assert on_host("find", str(small), "-type", "f") == ""
+        assert ops.staged("host-2") == set()
         assert_nothing_left(ops, run.receipt["operation_id"])
 
         # Room enough at the check, then the disk fills while the objects are sent.
         needed = int(message.split(" bytes needed")[0].rsplit(" ", 1)[1])
-        resize_tmpfs(small, f"{(needed >> 20) + 64 + 24}m")
+        on_host("mount", "-o", f"remount,size={(needed >> 20) + 64 + 24}m", str(small))
         started = launch(ops, "restore", "--request", str(ops.request(
             MOVED, suffix="fills", artifact=artifact)), inventory=inventory)
         started.wait_for("restore.stage-host", "host-3")
         with paused(started):
-            free = shutil.disk_usage(small).free
-            (small / "filler").write_bytes(b"\0" * (free - (256 << 10)))
+            free = host_free_bytes(ops, "host-3", small)
+            on_host("fallocate", "-l", str(free - (256 << 10)), f"{small}/filler")
         outcome = finish(started)
         failed(outcome, "staging", "host-3")
-        assert_nothing_left(ops, outcome.receipt["operation_id"], extra_dirs=(small,))
+        assert_nothing_left(ops, outcome.receipt["operation_id"])
+        assert on_host("find", str(small), "-name", "*.coldsnap-part") == ""
 
-        (small / "filler").unlink()
+        on_host("rm", f"{small}/filler")
         retry_succeeds(ops, artifact, "fills-retry", inventory=inventory)
     finally:
         ops.remove_units()
-        unmount(small)
+        on_host("umount", "-l", str(small))
 
 
 def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_files(

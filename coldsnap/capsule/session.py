@@ -22,11 +22,12 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import requests.exceptions
 import structlog
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import CapsuleHost
-from coldsnap.hosts.base import Host
+from coldsnap.hosts.base import Host, HostError, HostUnreachable
 
 T = TypeVar("T")
 
@@ -52,10 +53,12 @@ class CapsuleSession:
     """One host's Docker engine plus its transport; shared by every unit on that host."""
 
     def __init__(self, target: CapsuleHost, client: Any, *,
-                 executor: concurrent.futures.Executor | None = None) -> None:
+                 executor: concurrent.futures.Executor | None = None,
+                 relay: RelayState | None = None) -> None:
         self.target = target
         self.client = client
         self._executor = executor
+        self._relay = relay
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
         self._containers: dict[str, Any] = {}
@@ -74,7 +77,15 @@ class CapsuleSession:
                                                       functools.partial(fn, *args, **kwargs))
         self._inflight.add(fut)
         fut.add_done_callback(self._landed)
-        return await asyncio.shield(fut)
+        try:
+            return await asyncio.shield(fut)
+        except requests.exceptions.ConnectionError as exc:
+            # The relay's SSH side failed: say which host and why (a refused host key must
+            # read as such, and is never retried), not "connection aborted".
+            cause = self._relay.last_error if self._relay is not None else None
+            if cause is not None:
+                raise cause from exc
+            raise HostUnreachable(self.host, f"Docker connection lost: {exc}") from exc
 
     def _landed(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.discard(fut)
@@ -134,8 +145,17 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         dst.close()
 
 
+@dataclass
+class RelayState:
+    """Why the relay's latest connection could not reach the host (None while they do): the
+    Docker client only sees its connection closed, which names neither host nor cause."""
+
+    last_error: HostError | None = None
+
+
 @asynccontextmanager
-async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
+async def docker_relay(host: Host, remote_path: str,
+                       state: RelayState | None = None) -> AsyncIterator[str]:
     """A local unix socket whose every connection reaches `remote_path` on the host through a
     forward opened for that connection alone.
 
@@ -155,12 +175,16 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
             task.add_done_callback(live.discard)
         try:
             async with host.forward_unix_socket(remote_path) as local:
+                if state is not None:
+                    state.last_error = None
                 up_r, up_w = await asyncio.open_unix_connection(local)
                 try:
                     await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
                 finally:
                     up_w.close()
         except Exception as exc:  # one failed connection must not end the relay
+            if state is not None and isinstance(exc, HostError):
+                state.last_error = exc
             log.warning("capsule.docker_relay", host=host.name, error=str(exc))
         except asyncio.CancelledError:
             # Shutdown cancels idle relay connections. This task is the top of its own
@@ -196,8 +220,9 @@ async def open_session(target: CapsuleHost, *,
         max_workers=threads, thread_name_prefix=f"docker-{target.name}")
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(executor.shutdown, wait=False, cancel_futures=True)
+        relay = RelayState()
         local = await stack.enter_async_context(
-            docker_relay(target.host, target.docker_socket))
+            docker_relay(target.host, target.docker_socket, relay))
         # The client asks the daemon for its API version while it is built; the relayed
         # socket is served by this very event loop, so that must happen off the loop.
         client = await asyncio.get_running_loop().run_in_executor(
@@ -207,6 +232,6 @@ async def open_session(target: CapsuleHost, *,
         # fail the next request; a fresh one per request always rides a live transport.
         client.api.headers["Connection"] = "close"
         try:
-            yield CapsuleSession(target, client, executor=executor)
+            yield CapsuleSession(target, client, executor=executor, relay=relay)
         finally:
             await asyncio.get_running_loop().run_in_executor(executor, client.close)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from coldsnap import __version__
+from coldsnap.exits import EXIT_BAD_INPUT
 
 # Order here is the order in `coldsnapd --help`.
 COMMAND_MODULES = (
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     status: int = handler(args)
     return status
 

@@ -12,8 +12,8 @@ Public API:
   `.objects_by_host() -> dict[str, list[PlannedObject]]`.
 - `ResolvedWorker(id, unit, host, service, global_rank, world_size, world_group, process_slot,
   device_slots, devices)`; `ResolvedUnit(id, index, host, devices, workers)`.
-- `Owner(kind, id)`: the typed owner string `unit/<id>`, `worker/<id>`, `service/<id>`,
-  `group/<id>`; `Owner.parse(text)`, `str(owner)`.
+- `Owner(kind, id)` (defined in `coldsnap.formats.owners`): the typed owner string
+  `unit/<id>`, `worker/<id>`, `service/<id>`, `group/<id>`; `Owner.parse(text)`, `str(owner)`.
 - `PlannedObject(owner, role)`; roles `ROLE_CAPSULE` (`oci-capsule`), `ROLE_WEIGHTS`
   (`model-weight-payload`), `ROLE_REPLAY_PLAN` (`replay-plan`).
 """
@@ -21,48 +21,11 @@ Public API:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from coldsnap.formats.artifact import OWNER_PATTERN, ROLE_CAPSULE, ROLE_REPLAY_PLAN, ROLE_WEIGHTS
+from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_REPLAY_PLAN, ROLE_WEIGHTS
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Launch, Request, launch_issues
-
-OwnerKind = Literal["unit", "worker", "service", "group"]
-
-
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    kind: OwnerKind
-    id: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}/{self.id}"
-
-    @classmethod
-    def parse(cls, text: str) -> Owner:
-        match = OWNER_PATTERN.fullmatch(text)
-        if match is None:
-            raise ValueError(f"not a typed owner (unit/, worker/, service/, group/ + id): {text!r}")
-        kind: OwnerKind = match.group(1)  # type: ignore[assignment]
-        return cls(kind, match.group(2))
-
-    @classmethod
-    def unit(cls, unit_id: str) -> Owner:
-        return cls("unit", unit_id)
-
-    @classmethod
-    def worker(cls, worker_id: str) -> Owner:
-        return cls("worker", worker_id)
-
-    @classmethod
-    def service(cls, service_id: str) -> Owner:
-        return cls("service", service_id)
-
-    @classmethod
-    def group(cls, group_id: str) -> Owner:
-        return cls("group", group_id)
 
 
 @dataclass(frozen=True, slots=True)

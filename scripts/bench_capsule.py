@@ -114,9 +114,9 @@ def spec_for(ref: str, unit_id: str, entry: HostEntry, model_dir: str,
         devices=gpus(entry)[:1],
         workers=(WorkerSpec(f"{unit_id}-w0", 0, 1, 0, (0,),
                             payload_path=f"{model_dir}/shard-00000-of-00001.bin"),),
-        validation=Validation(PROMPT, EXPECTED),
+        validation=Validation(prompt=PROMPT, expected=EXPECTED),
         environment={"NCCL_SOCKET_IFNAME": interface(entry)},
-        mounts=(Mount(model_dir, "/models", read_only=True),),
+        mounts=(Mount(source=model_dir, target="/models", read_only=True),),
         address=entry.address)
 
 

@@ -107,13 +107,8 @@ from coldsnap.capsule.restore import (
 )
 from coldsnap.capsule.runtime import UnitHandle
 from coldsnap.capsule.session import CapsuleSession, open_session
-from coldsnap.capsule.spec import (
-    CapsuleHost,
-    Mount,
-    UnitSpec,
-    Validation,
-    WorkerSpec,
-)
+from coldsnap.capsule.spec import CapsuleHost, UnitSpec, WorkerSpec
+from coldsnap.formats.request import Mount, Validation
 
 __all__ = [
     "CapsuleError",

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import posixpath
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from coldsnap.capsule.runtime import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import Mount, WorkerSpec, container_path_for, docker_name
+from coldsnap.capsule.spec import WorkerSpec, container_path_for, docker_name
 from coldsnap.engines import adapter_for
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
+from coldsnap.formats.request import Mount
 from coldsnap.hosts.base import Host
 
 
@@ -122,10 +123,10 @@ async def collect_worker_objects(
             "image_digest": spec.image_digest,
             "command": list(spec.command),
             "environment": dict(spec.environment),
-            "mounts": [asdict(m) for m in spec.mounts],
+            "mounts": [m.to_json() for m in spec.mounts],
             "model_dir": model_dir,
             "payload": {"sha256": sha, "bytes": size, "container_path": container_path},
-            "validation": asdict(spec.validation),
+            "validation": spec.validation.to_json(),
         })
         data = canonical_json(plan.model_dump(mode="json"))
         plan_path = f"{out_dir}/replay-{docker_name(w.id)}.json"

@@ -43,6 +43,7 @@ from coldsnap.capsule.runtime import (
     endpoint,
     fail,
     gpu_return_to_running,
+    list_containers,
     pids_alive,
     put_runtime_file,
 )
@@ -104,9 +105,9 @@ async def find_unit_containers(s: CapsuleSession, unit_id: str, *, cluster_id: s
     """Every container of `unit_id` on this host that a restore of `artifact` started for the
     workload `cluster_id`, running or not."""
     try:
-        found = await s.call(s.client.containers.list, all=True, filters={"label": [
+        found = await list_containers(s, [
             f"{LABEL_CLUSTER_ID}={cluster_id}", f"{LABEL_UNIT}={unit_id}",
-            f"{LABEL_ARTIFACT}={artifact}"]})
+            f"{LABEL_ARTIFACT}={artifact}"])
     except docker.errors.DockerException as exc:
         raise fail(s, unit_id, "find", f"cannot list containers: {exc}") from exc
     out = []

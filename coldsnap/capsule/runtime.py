@@ -283,12 +283,29 @@ async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
     return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
 
 
+async def list_containers(s: CapsuleSession, labels: Sequence[str], *,
+                          stopped: bool = True) -> list[Any]:
+    """The containers that carry every label in `labels`, fully inspected. One removed between
+    Docker's listing and its inspection (a rollback on another connection, a unit that died)
+    is left out rather than failing the caller: the SDK's own non-sparse list inspects each
+    container after listing them all, and raises NotFound for the one that vanished."""
+    listed = await s.call(s.client.containers.list, all=stopped, sparse=True,
+                          filters={"label": list(labels)})
+    found = []
+    for c in listed:
+        try:
+            found.append(await s.call(s.client.containers.get, c.id))
+        except docker.errors.NotFound:
+            continue
+    return found
+
+
 async def remove_operation_containers(s: CapsuleSession, operation_id: str,
                                       unit_id: str) -> int:
     """Remove every container of `unit_id` that the operation `operation_id` created on this
     host (found by label); returns how many were removed."""
-    found = await s.call(s.client.containers.list, all=True, filters={
-        "label": [f"{LABEL_OPERATION}={operation_id}", f"{LABEL_UNIT}={unit_id}"]})
+    found = await list_containers(s, [f"{LABEL_OPERATION}={operation_id}",
+                                      f"{LABEL_UNIT}={unit_id}"])
     removed = 0
     for c in found:
         removed += await remove_container(s, c.id)

@@ -1,4 +1,8 @@
-"""What the capsule layer needs to know about one launch unit, independent of the formats."""
+"""What the capsule layer needs to know about one launch unit, placed on one host.
+
+A unit's mounts and its validation prompt are the request's own models (`Mount`, `Validation`
+from `coldsnap.formats.request`); the rest is resolved for the host the unit runs on.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from coldsnap.formats.request.launch import Mount
+from coldsnap.formats.request.models import Validation
 from coldsnap.hosts.base import Host
 
 # Exactly what in-capsule CRIU needs, and no more (no --privileged):
@@ -69,13 +75,6 @@ def container_name(unit_id: str, role: str, suffix: str, cluster_id: str | None 
     return "-".join(["coldsnap", *(p.strip("-.") or "x" for p in parts)])
 
 
-@dataclass(frozen=True)
-class Mount:
-    source: str  # path on the host that runs the unit
-    target: str  # path inside the capsule
-    read_only: bool = False
-
-
 def _within(path: str, root: str) -> bool:
     root = root.rstrip("/") or "/"
     return path == root or path.startswith(root + "/") or root == "/"
@@ -128,13 +127,6 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class Validation:
-    prompt: str
-    expected: str
-    health_path: str = "/health"
-
-
-@dataclass(frozen=True)
 class UnitSpec:
     """One launch unit as placed on one host. `devices` are that host's GPU UUIDs, by slot."""
 
@@ -176,7 +168,7 @@ class UnitSpec:
         capture (a restore may name another file, or none)."""
         if self.log_path is None:
             return self.mounts
-        return (*self.mounts, Mount(self.log_path, ENGINE_LOG))
+        return (*self.mounts, Mount(source=self.log_path, target=ENGINE_LOG))
 
     def manifest(self, devices: Sequence[str] | None = None) -> dict[str, Any]:
         return {

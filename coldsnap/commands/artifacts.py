@@ -6,9 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import add_store_argument, fail, human_bytes, open_store, print_json
+from coldsnap.commands.common import (
+    add_store_argument,
+    human_bytes,
+    open_store,
+    print_json,
+    report_failure,
+)
+from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.store import StoredArtifact, StoreError
+from coldsnap.store import StoredArtifact, StoreError, resolve_reference
 
 
 def _summary(stored: StoredArtifact) -> dict[str, Any]:
@@ -29,30 +36,30 @@ def _list(args: argparse.Namespace) -> int:
     try:
         stored = open_store(args).list_artifacts()
     except (StoreError, ArtifactInvalid, ValueError) as exc:
-        return fail(str(exc), 1)
+        return report_failure(str(exc), EXIT_FAILED)
     rows = [_summary(s) for s in stored]
     if args.json:
         print_json(rows)
-        return 0
+        return EXIT_OK
     if not rows:
         sys.stdout.write("no artifacts\n")
-        return 0
+        return EXIT_OK
     sys.stdout.write(f"{'CAPTURE ID':<32} {'DIGEST':<19} {'ENGINE':<7} {'UNITS':>5} "
                      f"{'WORKERS':>7} {'SIZE':>10}\n")
     for r in rows:
         sys.stdout.write(f"{r['capture_id']:<32} {r['digest'][:19]:<19} {r['engine']:<7} "
                          f"{r['units']:>5} {r['workers']:>7} {human_bytes(r['bytes']):>10}\n")
-    return 0
+    return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        stored = open_store(args).resolve_artifact(args.artifact)
+        stored = resolve_reference(open_store(args), args.artifact)
     except (StoreError, ArtifactInvalid, ValueError) as exc:
-        return fail(str(exc), 1)
+        return report_failure(str(exc), EXIT_FAILED)
     if args.json:
         print_json(stored.artifact.to_json())
-        return 0
+        return EXIT_OK
     a = stored.artifact
     out = sys.stdout
     out.write(f"capture id:      {a.capture_id}\n")
@@ -70,7 +77,7 @@ def _show(args: argparse.Namespace) -> int:
     for obj in a.objects:
         out.write(f"{obj.owner:<24} {obj.role:<22} {human_bytes(obj.bytes):>10}  "
                   f"{obj.sha256[:19]}\n")
-    return 0
+    return EXIT_OK
 
 
 def register(subparsers: Any) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import add_request_option, fail, human_bytes, open_store
+from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
 from coldsnap.commands.operation import (
     InventoryError,
     add_operation_arguments,
@@ -16,6 +16,7 @@ from coldsnap.commands.operation import (
     run_operation,
     start_operation,
 )
+from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, ReceiptKey
@@ -25,14 +26,14 @@ from coldsnap.operations.hostset import HostSet
 def _handler(args: argparse.Namespace) -> int:
     problem = check_outputs(args)
     if problem:
-        return fail(problem)
+        return report_failure(problem)
     request = read_request(args.request, "capture")
     if request is None:
-        return 2
+        return EXIT_BAD_INPUT
     try:
         inventory = load_hosts_inventory(args)
     except InventoryError as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     store = open_store(args).ensure()
     admission = start_operation(args, store.root, ReceiptKey(request.id, "capture",
                                                              request.request_sha256))

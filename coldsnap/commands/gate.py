@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.formats.receipt import Receipt, ReceiptResult
-from coldsnap.formats.request import is_clean_absolute
 from coldsnap.operations.context import (
     ReceiptKey,
     ReceiptTargetTaken,
@@ -167,11 +168,11 @@ def answer_again(receipt: Receipt, receipt_json: str | None) -> int:
                                                        receipt.request_sha256))
         except ReceiptTargetTaken as exc:
             sys.stderr.write(f"coldsnapd: {exc}\n")
-            return 2
+            return EXIT_BAD_INPUT
         try:
             if held != receipt:
                 write_receipt(receipt, receipt_json)
         except OSError as exc:
             sys.stderr.write(f"coldsnapd: cannot write the receipt to {receipt_json}: {exc}\n")
-            return 1
-    return 0
+            return EXIT_FAILED
+    return EXIT_OK

@@ -22,9 +22,16 @@ import docker.errors
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import LABEL_OPERATION, LABEL_ROLE, LABEL_UNIT, remove_container
-from coldsnap.commands.common import add_store_argument, fail, open_store
+from coldsnap.capsule.runtime import (
+    LABEL_OPERATION,
+    LABEL_ROLE,
+    LABEL_UNIT,
+    list_containers,
+    remove_container,
+)
+from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
+from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationFailed
@@ -90,8 +97,7 @@ async def _host_gc(hosts: HostSet, name: str, judge: Judge, operation: str | Non
     try:
         async with asyncio.timeout(HOST_TIMEOUT_S), hosts.sessions([name]) as sessions:
             s = sessions[name]
-            found = await s.call(s.client.containers.list, all=True,
-                                 filters={"label": [label]})
+            found = await list_containers(s, [label])
             for c in sorted(found, key=lambda c: str(c.name)):
                 labels: dict[str, str] = c.labels or {}
                 op = labels.get(LABEL_OPERATION, "")
@@ -149,11 +155,11 @@ def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> 
 
 def _handler(args: argparse.Namespace) -> int:
     if args.operation is not None and not _ID.match(args.operation):
-        return fail(f"--operation: {args.operation!r} is not an operation id")
+        return report_failure(f"--operation: {args.operation!r} is not an operation id")
     try:
         inventory = load_hosts_inventory(args)
     except InventoryError as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     logs.configure(verbose=args.verbose)
     store = open_store(args)
     judge = Judge(store.root)
@@ -180,8 +186,8 @@ def _handler(args: argparse.Namespace) -> int:
         _print_text(results, local, args.dry_run)
     failed = [r.host for r in results if r.error or any(c.error for c in r.containers)]
     if failed:
-        return fail(f"gc did not finish on {', '.join(failed)}", status=1)
-    return 0
+        return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
+    return EXIT_OK
 
 
 def register(subparsers: Any) -> None:

@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.probe import HostProbe, probe_pool
 from coldsnap.logs import configure as configure_logging
 from coldsnap.progress import TransferProgress
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def register(subparsers: Any) -> None:

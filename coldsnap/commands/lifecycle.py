@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TextIO
 
-from coldsnap.commands.common import add_request_option, fail, open_store, print_json
+from coldsnap.commands.common import add_request_option, open_store, print_json, report_failure
 from coldsnap.commands.operation import (
     InventoryError,
     add_operation_arguments,
@@ -18,12 +18,13 @@ from coldsnap.commands.operation import (
     run_operation,
     start_operation,
 )
+from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
-from coldsnap.store import StoreError
+from coldsnap.store import StoreError, resolve_reference
 
 LifecycleOperation = Literal["sleep", "wake", "status"]
 
@@ -56,25 +57,25 @@ def _handler(operation: LifecycleOperation) -> Callable[[argparse.Namespace], in
     def handle(args: argparse.Namespace) -> int:
         problem = check_outputs(args)
         if problem:
-            return fail(problem)
+            return report_failure(problem)
         stdout_taken = "-" in (args.receipt_json, args.timing_events)
         as_json = getattr(args, "json", False)
         if as_json and stdout_taken:
-            return fail("--json prints the status on stdout; --receipt-json - or "
-                        "--timing-events - would share it")
+            return report_failure("--json prints the status on stdout; --receipt-json - or "
+                                  "--timing-events - would share it")
         request = read_request(args.request, operation)
         if request is None:
-            return 2
+            return EXIT_BAD_INPUT
         assert request.artifact is not None  # the request rules require it for lifecycle
         try:
             inventory = load_hosts_inventory(args)
         except InventoryError as exc:
-            return fail(str(exc))
+            return report_failure(str(exc))
         store = open_store(args).ensure()
         try:
-            stored = store.resolve_artifact(request.artifact)
+            stored = resolve_reference(store, request.artifact)
         except (StoreError, ArtifactInvalid) as exc:
-            return fail(f"artifact: {exc}")
+            return report_failure(f"artifact: {exc}")
         admission = start_operation(args, store.root, ReceiptKey(request.id, operation,
                                                                  request.request_sha256))
         if isinstance(admission, int):

@@ -16,10 +16,10 @@ from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import (
     add_store_argument,
-    fail,
     load_request_source,
     open_store,
     print_issues,
+    report_failure,
 )
 from coldsnap.commands.gate import (
     Admission,
@@ -30,6 +30,7 @@ from coldsnap.commands.gate import (
     check_output_flags,
 )
 from coldsnap.commands.signals import OperationSignals
+from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult
 from coldsnap.formats.request import Request
@@ -89,7 +90,7 @@ def start_operation(args: argparse.Namespace, store_root: Path, key: ReceiptKey,
     try:
         return admit(args, store_root, key, prepare_only=prepare_only, id_generated=id_generated)
     except Refused as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     except AlreadyDone as done:
         return answer_again(done.receipt, args.receipt_json)
 
@@ -150,17 +151,18 @@ def run_operation(
     try:
         admission.complete(receipt)
     except OSError as exc:
-        fail(f"cannot record the outcome of {admission.key.operation_id} in the store: {exc}")
+        report_failure(f"cannot record the outcome of {admission.key.operation_id} in the store: "
+                       f"{exc}")
     try:
         write_receipt(receipt, args.receipt_json)
     except OSError as exc:
-        fail(f"cannot write the receipt to {args.receipt_json}: {exc}")
-        return 1
+        report_failure(f"cannot write the receipt to {args.receipt_json}: {exc}")
+        return EXIT_FAILED
     if error is not None:
         sys.stderr.write(f"coldsnapd: {operation} failed ({error.code}): "
                          f"{ctx.failure_message(error)}\n")
         return error.exit_status
-    return 0
+    return EXIT_OK
 
 
 __all__ = [

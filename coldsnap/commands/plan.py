@@ -12,13 +12,8 @@ import sys
 from typing import Any
 
 from coldsnap.commands.common import print_issues
-from coldsnap.commands.validate import (
-    EXIT_BAD_INPUT,
-    EXIT_OK,
-    add_request_argument,
-    emit_json,
-    read_request,
-)
+from coldsnap.commands.validate import add_request_argument, emit_json, read_request
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_OK
 from coldsnap.formats.request import Request
 from coldsnap.topology import Topology, resolve
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import add_request_option, fail, human_bytes, open_store
+from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
 from coldsnap.commands.operation import (
     InventoryError,
     add_operation_arguments,
@@ -16,13 +16,14 @@ from coldsnap.commands.operation import (
     run_operation,
     start_operation,
 )
+from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationContext, ReceiptKey, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
-from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
 
 
 def _resolve(args: argparse.Namespace, request: Request | None,
@@ -37,7 +38,7 @@ def _resolve(args: argparse.Namespace, request: Request | None,
     found: list[tuple[str, StoredArtifact]] = []
     for label, ref in refs:
         try:
-            found.append((label, store.resolve_artifact(ref)))
+            found.append((label, resolve_reference(store, ref)))
         except (StoreError, ArtifactInvalid) as exc:
             return f"{label}: {exc}"
     if len({stored.digest for _, stored in found}) > 1:
@@ -50,20 +51,20 @@ def _resolve(args: argparse.Namespace, request: Request | None,
 def _handler(args: argparse.Namespace) -> int:
     problem = check_outputs(args)
     if problem:
-        return fail(problem)
+        return report_failure(problem)
     request: Request | None = None
     if args.request is not None:
         request = read_request(args.request, "restore")
         if request is None:
-            return 2
+            return EXIT_BAD_INPUT
     try:
         inventory = load_hosts_inventory(args)
     except InventoryError as exc:
-        return fail(str(exc))
+        return report_failure(str(exc))
     store = open_store(args)
     stored = _resolve(args, request, store)
     if isinstance(stored, str):
-        return fail(stored)
+        return report_failure(stored)
     artifact = stored.artifact
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \

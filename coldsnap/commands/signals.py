@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType, TracebackType
 from typing import TextIO, TypeVar
 
+from coldsnap.exits import exit_status_for_signal
 from coldsnap.operations.context import OperationCancelled, OperationFailed
 
 T = TypeVar("T")
@@ -55,7 +56,7 @@ class OperationSignals:
     @property
     def exit_status(self) -> int | None:
         """128 + the cancelling signal's number, as a shell reports a death by that signal."""
-        return None if self.first is None else 128 + int(self.first)
+        return None if self.first is None else exit_status_for_signal(int(self.first))
 
     def __enter__(self) -> OperationSignals:
         for sig in self.signals:

@@ -19,11 +19,9 @@ from coldsnap.commands.common import (
     print_issues,
     request_label,
 )
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_OK
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import Request
-
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
 
 HELP = "check a request (format 4) and print its request_sha256"
 DESCRIPTION = """\

@@ -1,8 +1,10 @@
 """ColdSnap's public formats: request 4, artifact 9, receipt 2, timing 1, canonical JSON.
 
-Pure: no I/O beyond `load_request` reading the one file it is given, no asyncio. Modules:
-`canonical` (canonical JSON, `sha256:` digests), `errors` (`ValidationIssue`, `RequestInvalid`),
-`request`, `artifact`, `receipt`, `timing`.
+Pure: no I/O beyond reading the one file `load_request` (or `documents.read_document`) is
+given, no asyncio. Modules: `canonical` (canonical JSON, `sha256:` digests), `errors`
+(`ValidationIssue`, `RequestInvalid`), `fields` (the field types every format shares),
+`documents` (the strict YAML/JSON decoder), `request` (a package), `artifact`, `receipt`,
+`timing`, `replay`.
 """
 
 from coldsnap.formats.canonical import canonical_json, digest

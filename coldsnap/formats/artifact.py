@@ -17,24 +17,17 @@ null inside the adapter payload is kept (its digest depends on it).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.request import (
-    DRIVER_MINIMUM_MAJOR,
-    Digest,
-    Id,
-    Launch,
-    NonEmpty,
-    NonNegative,
-    RelPath,
-    StrictModel,
-    launch_issues,
-)
+from coldsnap.formats.fields import Digest, Id, NonEmpty, NonNegative, RelPath, StrictModel
+from coldsnap.formats.owners import Owner, OwnerText
+from coldsnap.formats.request.launch import Launch
+from coldsnap.formats.request.launch_rules import launch_issues
+from coldsnap.formats.request.models import DRIVER_MINIMUM_MAJOR
 
 ARTIFACT_KIND: Final = "coldsnap-snapshot-artifact"
 COMPATIBILITY_POLICY: Final = "placement-independent-v1"
@@ -47,20 +40,6 @@ ROLE_CAPSULE_MANIFEST = "capsule-manifest"
 # from it. Like the manifest, it stays on the control node and is never staged.
 ROLE_CAPTURE_REQUEST = "capture-request"
 CAPTURE_REQUEST_PATH = "capture-request.json"
-
-# A typed owner: its kind, then the id of the unit, worker, service or group.
-OWNER_PATTERN = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
-
-
-def _check_owner(value: str) -> str:
-    if OWNER_PATTERN.fullmatch(value) is None:
-        raise ValueError("must be a typed owner: unit/<id>, worker/<id>, service/<id> or "
-                         "group/<id>")
-    return value
-
-
-Owner = Annotated[str, AfterValidator(_check_owner)]
-
 
 def payload_path(sha256: str) -> str:
     """Content-addressed: workers whose payload bytes are identical share one object."""
@@ -116,7 +95,7 @@ class Capsule(StrictModel):
 
 class ArtifactObject(StrictModel):
     role: NonEmpty
-    owner: Owner
+    owner: OwnerText
     path: RelPath
     bytes: NonNegative
     sha256: Digest
@@ -153,12 +132,12 @@ class Artifact(StrictModel):
     objects: list[ArtifactObject] = Field(default_factory=list)
     weights: WeightsRecord = Field(default_factory=WeightsRecord)
 
-    def objects_owned_by(self, owner: str) -> list[ArtifactObject]:
-        return [o for o in self.objects if o.owner == owner]
+    def objects_owned_by(self, owner: Owner) -> list[ArtifactObject]:
+        return [o for o in self.objects if o.owner == str(owner)]
 
-    def object(self, role: str, owner: str) -> ArtifactObject:
+    def object(self, role: str, owner: Owner) -> ArtifactObject:
         for obj in self.objects:
-            if obj.role == role and obj.owner == owner:
+            if obj.role == role and obj.owner == str(owner):
                 return obj
         raise KeyError(f"{role} of {owner}")
 
@@ -175,10 +154,11 @@ def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
     if artifact.requires != sorted(set(artifact.requires)):
         issues.append(ValidationIssue("requires", "must be sorted and without repeats"))
     unit_ids = [u.id for u in artifact.launch.units]
-    owners = {f"unit/{u}" for u in unit_ids}
-    owners |= {f"worker/{w.id}" for w in artifact.launch.execution.workers}
-    owners |= {f"service/{s.id}" for s in artifact.launch.execution.services}
-    owners |= {f"group/{g.id}" for g in artifact.launch.execution.groups}
+    execution = artifact.launch.execution
+    owners = {str(Owner.unit(u)) for u in unit_ids}
+    owners |= {str(Owner.worker(w.id)) for w in execution.workers}
+    owners |= {str(Owner.service(s.id)) for s in execution.services}
+    owners |= {str(Owner.group(g.id)) for g in execution.groups}
     images = [i.unit for i in artifact.capsule.images]
     if sorted(images) != sorted(unit_ids):
         issues.append(ValidationIssue("capsule.images", "must hold exactly one image per unit"))

@@ -9,6 +9,7 @@ Public API:
 - `ValidationIssue(path, message)`; `str(issue)` is `PATH: message` (what the CLI prints).
 - `RequestInvalid(issues)`: raised with ALL issues of a document, never just the first.
 - `format_path(parts)`: render a location tuple as a path string.
+- `Issues`: a list of issues that rules append to with `add(path, message)`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def join(path: str, *parts: str | int) -> str:
     if rest.startswith("["):
         return path + rest
     return f"{path}.{rest}"
+
+
+class Issues(list[ValidationIssue]):
+    def add(self, path: str, message: str) -> None:
+        self.append(ValidationIssue(path, message))
 
 
 class DocumentInvalid(Exception):

@@ -20,7 +20,7 @@ from typing import Annotated, Final, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
-from coldsnap.formats.request import Digest, Id, NonEmpty, StrictModel
+from coldsnap.formats.fields import Digest, Id, NonEmpty, StrictModel
 from coldsnap.formats.timing import Seconds, Timing
 
 RECEIPT_KIND: Final = "coldsnap-operation-receipt"

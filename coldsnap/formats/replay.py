@@ -11,7 +11,9 @@ from typing import Final, Literal
 from pydantic import Field, ValidationError
 
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.request import AbsPath, Digest, Id, Mount, NonEmpty, StrictModel
+from coldsnap.formats.fields import AbsPath, Digest, Id, NonEmpty, StrictModel
+from coldsnap.formats.request.launch import Mount
+from coldsnap.formats.request.models import Validation
 
 REPLAY_PLAN_FORMAT: Final = "coldsnap-replay-plan/1"
 
@@ -32,12 +34,6 @@ class ReplayPayload(StrictModel):
     container_path: AbsPath | None = None
 
 
-class ReplayValidation(StrictModel):
-    prompt: NonEmpty
-    expected: NonEmpty
-    health_path: NonEmpty = "/health"
-
-
 class ReplayPlan(StrictModel):
     format: Literal["coldsnap-replay-plan/1"] = REPLAY_PLAN_FORMAT
     unit_id: Id
@@ -50,7 +46,7 @@ class ReplayPlan(StrictModel):
     mounts: list[Mount]
     model_dir: AbsPath | None = None
     payload: ReplayPayload
-    validation: ReplayValidation
+    validation: Validation
 
 
 def parse_replay_plan(data: bytes) -> ReplayPlan:

@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ValidationIssue
-from coldsnap.formats.request import Digest, Id, NonEmpty, NonNegative, StrictModel
+from coldsnap.formats.fields import Digest, Id, NonEmpty, NonNegative, StrictModel
 
 TIMING_EVENT_KIND: Final = "coldsnap-timing-event"
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]

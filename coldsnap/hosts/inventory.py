@@ -27,8 +27,18 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from coldsnap.formats.documents import (
+    DocumentUnreadable,
+    decode_document,
+    encoding_of,
+    read_document,
+    value_issues,
+)
+
+# A few thousand hosts fit in far less; the bound only stops a wrong file from being read whole.
+MAX_INVENTORY_BYTES = 16 * 1024 * 1024
 
 
 class InventoryError(ValueError):
@@ -214,14 +224,18 @@ def parse_inventory(data: Any, *, source: Path | str = "<inventory>") -> Invento
 
 
 def load_inventory(path: Path | str) -> Inventory:
-    """Read and validate an inventory file; raise InventoryError naming the bad field."""
+    """Read and validate an inventory file; raise InventoryError naming the bad field.
+
+    Decoded like a request: a repeated key is refused (it would otherwise silently replace an
+    earlier one, say a host's address), and so is any value JSON cannot carry.
+    """
     p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as exc:
-        raise InventoryError(p, [f"cannot read: {exc.strerror or exc}"]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InventoryError(p, [f"not valid YAML: {exc}"]) from None
+        data = decode_document(read_document(p, limit=MAX_INVENTORY_BYTES), what="inventory",
+                               encoding=encoding_of(p))
+    except DocumentUnreadable as exc:
+        raise InventoryError(p, [exc.reason]) from None
+    problems = value_issues(data, what="inventory")
+    if problems:
+        raise InventoryError(p, [str(issue) for issue in problems])
     return parse_inventory(data, source=p)

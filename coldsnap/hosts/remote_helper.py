@@ -37,7 +37,7 @@ CH = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by older Pythons' fcntl module
 
 
-def fail(code: int, msg: str) -> NoReturn:
+def die(code: int, msg: str) -> NoReturn:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
     os._exit(code)
@@ -47,7 +47,7 @@ def hash_prefix(f: Any, h: Any, n: int, mv: memoryview) -> None:
     while n:
         k = f.readinto(mv[:min(CH, n)])
         if not k:
-            fail(EXIT_OFFSET, "file shrank while reading")
+            die(EXIT_OFFSET, "file shrank while reading")
         h.update(mv[:k])
         n -= k
 
@@ -75,7 +75,7 @@ def open_part(part: str) -> Any:
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        fail(EXIT_BUSY, "busy: another transfer is writing " + part)
+        die(EXIT_BUSY, "busy: another transfer is writing " + part)
     return f
 
 
@@ -93,7 +93,7 @@ def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
         h = hashlib.sha256()
         f.truncate(0)
     elif offset != size:
-        fail(EXIT_OFFSET, f"offset {offset} does not match partial size {size}")
+        die(EXIT_OFFSET, f"offset {offset} does not match partial size {size}")
     with contextlib.suppress(OSError, ValueError):
         # A deeper pipe lets sshd keep delivering while we hash and write.
         fcntl.fcntl(inp.fileno(), F_SETPIPE_SZ, CH)
@@ -104,8 +104,8 @@ def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
         k = inp.readinto1(mv[:min(CH, left)])
         if not k:
             f.close()
-            fail(EXIT_SHORT, f"short: stream ended after {length - left} of {length} bytes; "
-                             "partial kept")
+            die(EXIT_SHORT, f"short: stream ended after {length - left} of {length} bytes; "
+                            "partial kept")
         h.update(mv[:k])
         w = 0
         while w < k:
@@ -127,14 +127,14 @@ def main(argv: list[str]) -> int:
         inp = sys.stdin.buffer
         hdr = inp.readline().split()
         if len(hdr) != 2:
-            fail(EXIT_SHORT, "short: no header")
+            die(EXIT_SHORT, "short: no header")
         offset, length = int(hdr[0]), int(hdr[1])
         h = receive(f, size, h, offset, length, inp, mv)
         want = inp.readline().strip().decode()
         got = h.hexdigest()
         if want != got:
             os.unlink(part)
-            fail(EXIT_MISMATCH, f"digest mismatch: received sha256:{got}, sender has sha256:{want}")
+            die(EXIT_MISMATCH, f"digest mismatch: received sha256:{got}, sender has sha256:{want}")
         publish(f, part, final)
         out.write(f"ok {offset + length} {got}\n".encode())
         out.flush()
@@ -159,17 +159,17 @@ def main(argv: list[str]) -> int:
         try:
             os.replace(argv[1], argv[2])
         except FileNotFoundError:
-            fail(EXIT_MISMATCH, "no verified candidate " + argv[1])
+            die(EXIT_MISMATCH, "no verified candidate " + argv[1])
         sync_dir(argv[2])
     elif mode == "get":
         path, offset = argv[1], int(argv[2])
         try:
             f = open(path, "rb", buffering=0)  # noqa: SIM115 (held to the end of the send)
         except OSError as e:
-            fail(EXIT_USAGE, f"cannot open {path}: {e.strerror}")
+            die(EXIT_USAGE, f"cannot open {path}: {e.strerror}")
         size = os.fstat(f.fileno()).st_size
         if offset > size:
-            fail(EXIT_OFFSET, f"offset {offset} beyond size {size}")
+            die(EXIT_OFFSET, f"offset {offset} beyond size {size}")
         out.write(f"size {size}\n".encode())
         out.flush()
         h = hashlib.sha256()
@@ -178,14 +178,14 @@ def main(argv: list[str]) -> int:
         while left:
             k = f.readinto(mv[:min(CH, left)])
             if not k:
-                fail(EXIT_OFFSET, "file shrank while reading")
+                die(EXIT_OFFSET, "file shrank while reading")
             h.update(mv[:k])
             out.write(mv[:k])
             left -= k
         out.write((h.hexdigest() + "\n").encode())
         out.flush()
     else:
-        fail(EXIT_USAGE, "unknown mode " + mode)
+        die(EXIT_USAGE, "unknown mode " + mode)
     return EXIT_OK
 
 

@@ -54,6 +54,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.artifact import CapsuleImage as ArtifactCapsuleImage
 from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import Host, ProgressCallback
 from coldsnap.operations.context import (
@@ -174,7 +175,7 @@ async def _capture_units(
     async def fetch(r: UnitRun) -> None:
         assert r.capsule is not None and r.workers is not None
         host = hosts.host(r.placed.host)
-        unit_owner = f"unit/{r.placed.unit_id}"
+        unit_owner = str(Owner.unit(r.placed.unit_id))
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
@@ -189,7 +190,7 @@ async def _capture_units(
                                       path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
                                       sha256=m_digest))
         for w in r.workers:
-            owner = f"worker/{w.worker_id}"
+            owner = str(Owner.worker(w.worker_id))
             p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
                                             progress(f"payload of {owner}"))
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
@@ -213,7 +214,8 @@ async def _capture_units(
     await phase(ctx, "fetch", runs, fetch)
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
-    objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST, owner=f"unit/{r.placed.unit_id}",
+    objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST,
+                                  owner=str(Owner.unit(r.placed.unit_id)),
                                   path=CAPTURE_REQUEST_PATH, bytes=q_size, sha256=q_digest)
                    for r in runs)
 

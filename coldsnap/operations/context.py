@@ -22,6 +22,7 @@ from typing import IO, Any, Literal
 import structlog
 from pydantic import ValidationError
 
+from coldsnap.exits import EXIT_FAILED, exit_status_for_signal
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.receipt import (
     Operation,
@@ -45,7 +46,7 @@ class OperationFailed(Exception):
     """An operation step failed; `code` is the receipt's error code, the message names the
     host, unit and step where they are known."""
 
-    exit_status = 1
+    exit_status = EXIT_FAILED
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -62,7 +63,7 @@ class OperationCancelled(OperationFailed):
         super().__init__("cancelled", f"cancelled by {name}"
                          + (f" (the operation then ended with {also})" if also else ""))
         self.signum = signum
-        self.exit_status = 128 + signum
+        self.exit_status = exit_status_for_signal(signum)
 
 
 # "back as it was": a lifecycle step undone (e.g. a sleep's GPUs running again, its engine as

@@ -35,11 +35,11 @@ from coldsnap.capsule.runtime import (
     LABEL_OPERATION,
     LABEL_ROLE,
     LABEL_UNIT,
+    list_containers,
     remove_container,
     remove_operation_containers,
 )
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import Mount
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE_MANIFEST,
     ROLE_REPLAY_PLAN,
@@ -48,8 +48,9 @@ from coldsnap.formats.artifact import (
     ArtifactObject,
 )
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
-from coldsnap.formats.request import Launch, Policy, Request, Validation
+from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
@@ -123,7 +124,7 @@ def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -
 
 
 def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
-    obj = artifact.object(ROLE_CAPSULE_MANIFEST, f"unit/{unit_id}")
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
     data: Any = json.loads(store.read_bytes(obj.sha256))
     return CapsuleImage.from_json(data)
 
@@ -262,8 +263,8 @@ async def _replaced_units(placed: Sequence[PlacedUnit],
     async def one(p: PlacedUnit) -> str | None:
         s = sessions[p.host]
         for role in ("restore", "replay"):
-            found = await s.call(s.client.containers.list, filters={
-                "label": [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"]})
+            found = await list_containers(
+                s, [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"], stopped=False)
             if found:
                 return p.unit_id
         return None
@@ -304,12 +305,13 @@ def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
     data_dir = hosts.entries[r.placed.host].data_dir
     extra: list[Mount] = []
     for w in r.placed.spec.workers:
-        plan_obj = artifact.object(ROLE_REPLAY_PLAN, f"worker/{w.id}")
+        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
-        payload = artifact.object(ROLE_WEIGHTS, f"worker/{w.id}")
+        payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
         if target is not None:
-            extra.append(Mount(remote_object_path(data_dir, payload.sha256), target, True))
+            extra.append(Mount(source=remote_object_path(data_dir, payload.sha256), target=target,
+                               read_only=True))
     return (*r.placed.spec.mounts, *extra)
 
 
@@ -323,8 +325,8 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         # reconcile-replace: a unit restored earlier on this host is replaced, not doubled.
         s = r.session
         for role in ("restore", "replay"):
-            old = await s.call(s.client.containers.list, all=True, filters={
-                "label": [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"]})
+            old = await list_containers(
+                s, [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"])
             for c in old:
                 await remove_container(s, c.id)
 

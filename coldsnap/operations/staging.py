@@ -46,7 +46,7 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
         seen: set[str] = set()
         chosen: list[ArtifactObject] = []
         for item in planned:
-            obj = artifact.object(item.role, str(item.owner))
+            obj = artifact.object(item.role, item.owner)
             if obj.sha256 not in seen:
                 seen.add(obj.sha256)
                 chosen.append(obj)

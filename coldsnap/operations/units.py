@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
 from coldsnap.capsule.runtime import LABEL_ARTIFACT, LABEL_OPERATION, LABEL_WORKLOAD
-from coldsnap.capsule.spec import Mount, UnitSpec, Validation, WorkerSpec, host_path_for
+from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
-from coldsnap.formats.request import Launch, WeightsPolicy, Workload
-from coldsnap.formats.request import Validation as RequestValidation
+from coldsnap.formats.request import Launch, Mount, Validation, WeightsPolicy, Workload
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.topology import Topology
 
@@ -42,7 +41,7 @@ def place_units(
     topology: Topology,
     facts: Mapping[str, HostFacts],
     entries: Mapping[str, HostEntry],
-    validation: RequestValidation,
+    validation: Validation,
     operation_id: str,
     weights: WeightsPolicy | None = None,
     *,
@@ -79,7 +78,7 @@ def unit_spec(
     index: int,
     topology: Topology,
     entries: Mapping[str, HostEntry],
-    validation: RequestValidation,
+    validation: Validation,
     devices: tuple[str, ...],
     *,
     labels: Mapping[str, str],
@@ -89,12 +88,12 @@ def unit_spec(
     """`launch.units[index]` on its host with `devices` (that host's GPU UUIDs, by slot)."""
     unit = launch.units[index]
     model_dir = adapter_for(launch.engine).model_dir(unit.command)
-    mounts = tuple(Mount(m.source, m.target, m.read_only) for m in unit.mounts)
+    mounts = tuple(unit.mounts)
     workers = tuple(
         WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
                    process_slot=w.process_slot, device_slots=w.device_slots,
-                   payload_path=payload_path(w.id, index, unit.command, mounts, weights,
-                                             model_dir))
+                   payload_path=host_payload_path(w.id, index, unit.command, mounts, weights,
+                                                  model_dir))
         for w in topology.workers if w.unit == unit.id)
     return UnitSpec(
         unit_id=unit.id,
@@ -103,8 +102,7 @@ def unit_spec(
         command=tuple(unit.command),
         devices=devices,
         workers=workers,
-        validation=Validation(prompt=validation.prompt, expected=validation.expected,
-                              health_path=validation.health_path),
+        validation=validation,
         environment=dict(unit.environment),
         mounts=mounts,
         engine=launch.engine,
@@ -116,9 +114,13 @@ def unit_spec(
     )
 
 
-def payload_path(worker: str, unit_index: int, command: Sequence[str],
-                 mounts: Sequence[Mount], weights: WeightsPolicy | None,
-                 model_dir: str | None) -> str | None:
+def host_payload_path(worker: str, unit_index: int, command: Sequence[str],
+                      mounts: Sequence[Mount], weights: WeightsPolicy | None,
+                      model_dir: str | None) -> str | None:
+    """Where the worker's weight payload lies on its host, from policy.weights.native (a
+    staged file, or a file under the engine's model directory through the unit's mounts);
+    None when the request does not say. Not `formats.artifact.payload_path`, the object's
+    path inside an artifact."""
     if weights is None or weights.native is None:
         return None
     for entry in weights.native.staged or []:

@@ -6,7 +6,7 @@ Layout under the store root:
   operations/<id>.json          one record per operation id: claimed, then its receipt
   tmp/                          partial writes; never read as objects
 
-`LocalStore.resolve_artifact(ref)` (`refs.py`) turns an artifact reference (file path, capture
+`resolve_reference(store, ref)` (`refs.py`) turns an artifact reference (file path, capture
 id, digest prefix) into the indexed artifact; `OperationRecords` (`operations.py`) keeps the
 operation ids.
 """
@@ -22,7 +22,7 @@ from coldsnap.store.local import (
     StoreError,
     default_store_root,
 )
-from coldsnap.store.refs import ArtifactRefInvalid
+from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference
 
 __all__ = [
     "ArtifactAmbiguous",
@@ -35,4 +35,5 @@ __all__ = [
     "StoreError",
     "StoredArtifact",
     "default_store_root",
+    "resolve_reference",
 ]

@@ -261,10 +261,3 @@ class LocalStore:
         """The artifact indexed under `capture_id`, or None."""
         path = self._artifact_file(capture_id)
         return self._load(path) if path.is_file() else None
-
-    def resolve_artifact(self, ref: str) -> StoredArtifact:
-        """By artifact file path, capture id or digest prefix: `coldsnap.store.refs`."""
-        # refs builds on this class; importing it here keeps the module graph acyclic.
-        from coldsnap.store.refs import resolve_reference
-
-        return resolve_reference(self, ref)

@@ -20,8 +20,8 @@ from typing import Any, Final, Literal
 
 from pydantic import ValidationError
 
+from coldsnap.formats.fields import Digest, Id, StrictModel
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
-from coldsnap.formats.request import Digest, Id, StrictModel
 from coldsnap.store.local import StoreError, atomic_write_bytes
 from coldsnap.store.refs import is_capture_id
 

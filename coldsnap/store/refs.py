@@ -18,22 +18,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.formats.request import is_clean_absolute
+from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.store.local import (
     ArtifactAmbiguous,
     ArtifactExists,
     ArtifactNotFound,
+    LocalStore,
     StoredArtifact,
     StoreError,
 )
-
-if TYPE_CHECKING:
-    from coldsnap.store.local import LocalStore
 
 MIN_PREFIX = 6
 # An artifact lists its launch and objects; even thousands of workers stay far below this.

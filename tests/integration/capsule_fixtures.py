@@ -163,7 +163,7 @@ def unit_spec(capsule_ref: str, host: ClusterHost, unit_id: str, workers: int, m
                        payload_path=f"{model_dir}/{shard_file(i, workers)}")
             for i in range(workers)
         ),
-        validation=Validation(PROMPT, EXPECTED),
+        validation=Validation(prompt=PROMPT, expected=EXPECTED),
         environment={"NCCL_SOCKET_IFNAME": host.interface},
         mounts=(Mount(source=model_dir, target="/models", read_only=True),),
         address=host.address,

@@ -6,6 +6,7 @@ data_dir on this machine, their dockerd through its socket) to check what the CL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import docker.errors
 import pytest
 import yaml
 
@@ -80,8 +82,16 @@ class Ops:
         """Containers of the dev requests' units (other tests use other unit ids)."""
         client = self.docker(host)
         try:
-            return [c for c in client.containers.list(all=True, filters={"label": LABEL_UNIT})
-                    if c.labels.get(LABEL_UNIT) in DEV_UNITS]
+            # Sparse, then inspected one by one: a container that a rollback removes meanwhile
+            # must not fail the listing.
+            listed = client.containers.list(all=True, sparse=True, filters={"label": LABEL_UNIT})
+            found = []
+            for c in listed:
+                if c.attrs.get("Labels", {}).get(LABEL_UNIT) not in DEV_UNITS:
+                    continue
+                with contextlib.suppress(docker.errors.NotFound):
+                    found.append(client.containers.get(c.id))
+            return found
         finally:
             client.close()
 

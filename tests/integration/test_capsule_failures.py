@@ -4,6 +4,7 @@ and step, and leaves nothing half-done behind."""
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 
 import docker.errors
 import pytest
@@ -192,9 +193,10 @@ async def test_payload_paths_are_resolved_and_checked_on_the_host(
     device that would be read forever."""
     h0 = capsule_cluster["host-0"]
     s = h0.session
-    root = f"{h0.entry.data_dir}/../payload-check-{unique('d')}"
+    # Clean (no '..'): a mount's source is an absolute, clean path like every request path.
+    root = f"{posixpath.dirname(h0.entry.data_dir)}/payload-check-{unique('d')}"
     models = f"{root}/models"
-    mounts = (Mount(models, "/models", read_only=True),)
+    mounts = (Mount(source=models, target="/models", read_only=True),)
     run = h0.target.host.run
     await run(["mkdir", "-p", models])
     try:

@@ -19,7 +19,6 @@ from coldsnap.store import (
     ArtifactAmbiguous,
     ArtifactNotFound,
     LocalStore,
-    StoredArtifact,
     StoreError,
 )
 from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference
@@ -238,13 +237,6 @@ def test_a_file_that_is_not_an_artifact_is_refused(tmp_path: Path, content: byte
     path.write_bytes(content)
     with pytest.raises(ArtifactRefInvalid, match=str(path)):
         resolve_reference(store, str(path))
-
-
-def test_store_method_delegates(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path / "store").ensure()
-    stored: StoredArtifact = store.put_artifact(with_objects(store, "cap-a"))
-    path = write_output(tmp_path / "a.json", stored.artifact)
-    assert store.resolve_artifact(str(path)).digest == stored.digest
 
 
 def test_capture_ids_alphabet_is_the_request_id_pattern() -> None:

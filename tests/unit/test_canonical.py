@@ -17,6 +17,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.canonical import canonical_json, digest, digest_bytes, is_digest
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.receipt import Receipt, parse_rfc3339_ns, replay_semantics_for, rfc3339_ns
 from coldsnap.formats.request import parse_request
 from coldsnap.formats.timing import (
@@ -162,7 +163,7 @@ def test_artifact_round_trips_canonically() -> None:
     assert artifact.to_json() == doc
     assert digest(artifact.to_json()) == digest(doc)
     assert payload_path("sha256:" + "11" * 32) == f"model-payloads/sha256/{'11' * 32}.pack"
-    assert [o.path for o in artifact.objects_owned_by("worker/worker-0")] == [
+    assert [o.path for o in artifact.objects_owned_by(Owner.worker("worker-0"))] == [
         payload_path("sha256:" + "11" * 32)
     ]
 

@@ -33,7 +33,8 @@ def test_split_reference_keeps_registry_port_out_of_the_tag(
 
 
 def test_host_path_for_maps_through_the_longest_mount() -> None:
-    mounts = (Mount("/data/models", "/models"), Mount("/fast/shards", "/models/shards"))
+    mounts = (Mount(source="/data/models", target="/models"),
+              Mount(source="/fast/shards", target="/models/shards"))
     assert host_path_for(mounts, "/models/a.bin") == "/data/models/a.bin"
     assert host_path_for(mounts, "/models/shards/s0.bin") == "/fast/shards/s0.bin"
     assert host_path_for(mounts, "/models") == "/data/models"
@@ -42,14 +43,15 @@ def test_host_path_for_maps_through_the_longest_mount() -> None:
 
 
 def test_host_path_for_never_leaves_its_mount() -> None:
-    mounts = (Mount("/data/models", "/models", True),)
+    mounts = (Mount(source="/data/models", target="/models", read_only=True),)
     assert host_path_for(mounts, "/models/../../../../etc/shadow") is None
     assert host_path_for(mounts, "/models/a/../b.bin") == "/data/models/b.bin"
     assert host_path_for(mounts, "models/a.bin") is None
 
 
 def test_container_path_for_is_the_inverse_through_the_deepest_mount() -> None:
-    mounts = (Mount("/data/models", "/models", True), Mount("/data/models/fast", "/fast", True))
+    mounts = (Mount(source="/data/models", target="/models", read_only=True),
+              Mount(source="/data/models/fast", target="/fast", read_only=True))
     assert container_path_for(mounts, "/data/models/a.bin") == "/models/a.bin"
     assert container_path_for(mounts, "/data/models/fast/s0.bin") == "/fast/s0.bin"
     assert container_path_for(mounts, "/data/modelsX/a.bin") is None
@@ -78,7 +80,7 @@ def test_unit_environment_carries_identity_and_devices() -> None:
         unit_id="u1", image="r/x@" + DIGEST, image_digest=DIGEST, command=("engine",),
         devices=("GPU-a", "GPU-b"),
         workers=(WorkerSpec("w1", 3, 4, 1, (1,)), WorkerSpec("w0", 2, 4, 0, (0,))),
-        validation=Validation("p", "e"), environment={"RANK_HINT": "x"})
+        validation=Validation(prompt="p", expected="e"), environment={"RANK_HINT": "x"})
     env = spec.container_environment()
     manifest = json.loads(env["COLDSNAP_UNIT"])
     assert [w["id"] for w in manifest["workers"]] == ["w0", "w1"]  # by process slot

@@ -144,6 +144,41 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
         load_inventory(bad)
 
 
+def test_repeated_key_is_refused_not_last_one_wins(tmp_path: Path) -> None:
+    # With yaml.safe_load the second address silently replaced the first.
+    path = tmp_path / "inv.yaml"
+    path.write_text("hosts:\n  - name: gpu-a\n    address: 10.0.0.5\n    address: 10.0.0.6\n"
+                    "    data_dir: /var/lib/coldsnap\n")
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    [problem] = info.value.problems
+    assert problem.startswith("inventory is not valid YAML: duplicate key 'address'")
+    assert "line 4" in problem
+
+
+def test_json_inventory_refuses_repeated_keys_too(tmp_path: Path) -> None:
+    path = tmp_path / "inv.json"
+    path.write_text('{"hosts": [], "hosts": [{"name": "gpu-a"}]}')
+    with pytest.raises(InventoryError, match="inventory is not valid JSON: duplicate key 'hosts'"):
+        load_inventory(path)
+
+
+def test_values_json_cannot_carry_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump({"hosts": [host()]}) + "extra: !!binary aGVsbG8=\n")
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    assert info.value.problems == ["extra: a bytes value is not JSON"]
+
+
+def test_a_date_stays_the_string_it_was_written_as(tmp_path: Path) -> None:
+    # A YAML timestamp would become a date, which the strict schema refuses as a driver version.
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump({"hosts": [host(simulated=True)]}).replace(
+        "simulated: true", "simulated: true\n  driver_version: 2026-01-01"))
+    assert load_inventory(path).get("gpu-a").driver_version == "2026-01-01"
+
+
 def test_cli_exits_2_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "inv.yaml"
     path.write_text(yaml.safe_dump({"hosts": [host(simulated_gpus=[GPU])]}))

@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coldsnap.capsule.lifecycle import container_devices
-from coldsnap.capsule.spec import ENGINE_LOG, Mount, UnitSpec, Validation, container_name
+from coldsnap.capsule.spec import ENGINE_LOG, UnitSpec, container_name
 from coldsnap.cli import main
 from coldsnap.commands.lifecycle import status_rows
 from coldsnap.formats.receipt import replay_semantics_for
-from coldsnap.formats.request import Workload, parse_request
+from coldsnap.formats.request import Mount, Validation, Workload, parse_request
 from coldsnap.operations.lifecycle import UnitStatus, WorkerStatus, unit_state, worker_state
 from coldsnap.operations.units import workload_labels
 from tests.unit.conftest import issues_for, minimal_request
@@ -107,16 +107,17 @@ def test_workload_labels_one_per_given_field() -> None:
 def _spec(**kw: Any) -> UnitSpec:
     return UnitSpec(unit_id="u0", image="i", image_digest="sha256:" + "0" * 64,
                     command=("serve",), devices=("GPU-a",), workers=(),
-                    validation=Validation("p", "e"), mounts=(Mount("/srv/m", "/models", True),),
+                    validation=Validation(prompt="p", expected="e"),
+                    mounts=(Mount(source="/srv/m", target="/models", read_only=True),),
                     **kw)
 
 
 def test_log_path_is_mounted_over_the_engine_log() -> None:
-    assert _spec().container_mounts() == (Mount("/srv/m", "/models", True),)
+    assert _spec().container_mounts() == (Mount(source="/srv/m", target="/models", read_only=True),)
     # The container path stays ENGINE_LOG whatever the host file is called, so a restore
     # finds the path the captured engine's stdout was open on.
     assert _spec(log_path="/var/log/sparkrun/c1.log").container_mounts()[-1] == \
-        Mount("/var/log/sparkrun/c1.log", ENGINE_LOG, False)
+        Mount(source="/var/log/sparkrun/c1.log", target=ENGINE_LOG)
 
 
 def test_container_devices_from_the_device_request_else_the_environment() -> None:

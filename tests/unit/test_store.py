@@ -17,7 +17,7 @@ from coldsnap.store import (
     ObjectCorrupt,
     ObjectMissing,
 )
-from coldsnap.store.refs import ArtifactRefInvalid
+from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference
 from tests.unit.artifact_factory import make_artifact
 
 
@@ -77,14 +77,14 @@ def test_artifact_index_by_id_and_digest_prefix(tmp_path: Path) -> None:
     store = LocalStore(tmp_path).ensure()
     a = store.put_artifact(_artifact("cap-a"))
     b = store.put_artifact(_artifact("cap-b"))
-    assert store.resolve_artifact("cap-a").digest == a.digest
-    assert store.resolve_artifact(b.digest[7:19]).capture_id == "cap-b"
-    assert store.resolve_artifact(b.digest).capture_id == "cap-b"
+    assert resolve_reference(store, "cap-a").digest == a.digest
+    assert resolve_reference(store, b.digest[7:19]).capture_id == "cap-b"
+    assert resolve_reference(store, b.digest).capture_id == "cap-b"
     assert [s.capture_id for s in store.list_artifacts()] == ["cap-a", "cap-b"]
     with pytest.raises(ArtifactNotFound):
-        store.resolve_artifact("cap-c")
+        resolve_reference(store, "cap-c")
     with pytest.raises(ArtifactRefInvalid, match="absolute"):
-        store.resolve_artifact("../cap-a")
+        resolve_reference(store, "../cap-a")
 
 
 def test_artifact_prefix_ambiguity_is_an_error(tmp_path: Path) -> None:
@@ -94,12 +94,12 @@ def test_artifact_prefix_ambiguity_is_an_error(tmp_path: Path) -> None:
     # so build the shortest shared prefix of 6+ characters by construction instead.
     first = stored[0].digest[7:]
     with pytest.raises(ArtifactNotFound):
-        store.resolve_artifact(first[:3])
+        resolve_reference(store, first[:3])
     # Make a second artifact file whose digest shares the prefix by copying the first one.
     clone = store.artifacts_dir / "cap-clone.json"
     clone.write_bytes((store.artifacts_dir / "cap-0.json").read_bytes())
     with pytest.raises(ArtifactAmbiguous):
-        store.resolve_artifact(first[:8])
+        resolve_reference(store, first[:8])
 
 
 def test_capture_id_written_once(tmp_path: Path) -> None:

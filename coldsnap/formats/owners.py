@@ -1,0 +1,62 @@
+"""Typed owners: which unit, worker, service or group an artifact object belongs to.
+
+Written `unit/<id>`, `worker/<id>`, `service/<id>` or `group/<id>` in artifacts (format 9).
+Build one with `Owner.unit(id)` (and `.worker`, `.service`, `.group`) and write it with
+`str(owner)`; read one with `Owner.parse(text)`. `OwnerText` is the checked string field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator
+
+OwnerKind = Literal["unit", "worker", "service", "group"]
+
+# The kind, then the id of the unit, worker, service or group (an id as requests define it).
+_OWNER = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    kind: OwnerKind
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.id}"
+
+    @classmethod
+    def parse(cls, text: str) -> Owner:
+        match = _OWNER.fullmatch(text)
+        if match is None:
+            raise ValueError(f"not a typed owner (unit/, worker/, service/, group/ + id): {text!r}")
+        kind: OwnerKind = match.group(1)  # type: ignore[assignment]
+        return cls(kind, match.group(2))
+
+    @classmethod
+    def unit(cls, unit_id: str) -> Owner:
+        return cls("unit", unit_id)
+
+    @classmethod
+    def worker(cls, worker_id: str) -> Owner:
+        return cls("worker", worker_id)
+
+    @classmethod
+    def service(cls, service_id: str) -> Owner:
+        return cls("service", service_id)
+
+    @classmethod
+    def group(cls, group_id: str) -> Owner:
+        return cls("group", group_id)
+
+
+def _check_owner(value: str) -> str:
+    if _OWNER.fullmatch(value) is None:
+        raise ValueError("must be a typed owner: unit/<id>, worker/<id>, service/<id> or "
+                         "group/<id>")
+    return value
+
+
+OwnerText = Annotated[str, AfterValidator(_check_owner)]

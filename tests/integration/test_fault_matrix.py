@@ -12,7 +12,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import yaml
 
 from tests.integration.capsule_fixtures import EXPECTED
-from tests.integration.conftest import REPO, ClusterControl
+from tests.integration.conftest import ClusterControl
 from tests.integration.fault_checks import (
     assert_nothing_left,
     failed,
@@ -33,26 +32,13 @@ from tests.integration.fault_checks import (
     paused,
 )
 from tests.integration.ops_fixtures import Ops, Run, dev_requests, edited_inventory, ops
-from tests.integration.test_cancellation import Started, gc, labelled, orphans
+from tests.integration.test_cancellation import gc, labelled, orphans, start
 from tests.integration.test_operations_e2e import _complete
 
 pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 
 MOVED = "tp2-two-hosts-restore-moved"  # unit-0 on host-2, unit-1 on host-3
-
-
-def launch(ops: Ops, *args: str, inventory: Path | None = None) -> Started:
-    """`coldsnapd ARGS` in the background, in its own process group, with live timing."""
-    tag = secrets.token_hex(4)
-    events, receipt = ops.work / f"events-{tag}.ndjson", ops.work / f"receipt-{tag}.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coldsnap", *args, "--inventory", str(inventory or ops.inventory),
-         "--store", str(ops.store), "--receipt-json", str(receipt),
-         "--timing-events", str(events)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
-    return Started(proc, events, receipt)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +82,7 @@ def test_a_host_unreachable_at_start_is_refused_before_anything_starts(
 
 def test_a_partition_during_staging_fails_and_leaves_no_half_written_object(
         ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
-    run = launch(ops, "restore", "--request",
+    run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="cut-staging", artifact=artifact)))
     run.wait_for("restore.stage-host", "host-3")
     with paused(run):
@@ -116,7 +102,7 @@ def test_a_partition_during_staging_fails_and_leaves_no_half_written_object(
 
 def test_a_partition_during_restore_is_rolled_back_once_the_host_is_back(
         ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
-    run = launch(ops, "restore", "--request",
+    run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="cut-restore", artifact=artifact)))
     run.wait_for("restore.criu-restore", "host-3")
     with paused(run):
@@ -227,7 +213,7 @@ def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fa
         # Room enough at the check, then the disk fills while the objects are sent.
         needed = int(message.split(" bytes needed")[0].rsplit(" ", 1)[1])
         on_host("mount", "-o", f"remount,size={(needed >> 20) + 64 + 24}m", str(small))
-        started = launch(ops, "restore", "--request", str(ops.request(
+        started = start(ops, "restore", "--request", str(ops.request(
             MOVED, suffix="fills", artifact=artifact)), inventory=inventory)
         started.wait_for("restore.stage-host", "host-3")
         with paused(started):
@@ -247,7 +233,7 @@ def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fa
 
 def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_files(
         ops: Ops, artifact: str, clean: None) -> None:
-    killed = launch(ops, "restore", "--request",
+    killed = start(ops, "restore", "--request",
                     str(ops.request(MOVED, suffix="kill9", artifact=artifact)))
     killed.wait_for("restore.gpu-restore", "host-3")
     killed.signal(signal.SIGKILL)
@@ -296,7 +282,7 @@ def _swap_host_key(ops: Ops, cluster: ClusterControl, host: str, new: bool) -> N
 
 def test_a_host_key_that_changes_mid_operation_is_refused_and_nothing_is_sent(
         ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
-    run = launch(ops, "restore", "--request",
+    run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="new-key", artifact=artifact)))
     run.wait_for("restore.ports")  # every host connected and probed, nothing sent yet
     try:

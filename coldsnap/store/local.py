@@ -18,6 +18,7 @@ from typing import Any
 from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
+from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.hosts.durable import fsync_dir
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -253,9 +254,26 @@ class LocalStore:
         return StoredArtifact(artifact.capture_id, digest(raw), path, artifact)
 
     def list_artifacts(self) -> list[StoredArtifact]:
+        """Every indexed artifact; an unreadable index entry raises, naming its file."""
+        good, bad = self.scan_artifacts()
+        if bad:
+            path, why = bad[0]
+            raise StoreError(f"{path}: {why}")
+        return good
+
+    def scan_artifacts(self) -> tuple[list[StoredArtifact], list[tuple[Path, str]]]:
+        """The readable index entries, and each unreadable one with why: one bad file must
+        not hide the others."""
+        good: list[StoredArtifact] = []
+        bad: list[tuple[Path, str]] = []
         if not self.artifacts_dir.is_dir():
-            return []
-        return [self._load(p) for p in sorted(self.artifacts_dir.glob("*.json"))]
+            return good, bad
+        for path in sorted(self.artifacts_dir.glob("*.json")):
+            try:
+                good.append(self._load(path))
+            except (OSError, ValueError, ArtifactInvalid) as exc:
+                bad.append((path, str(exc) or type(exc).__name__))
+        return good, bad
 
     def indexed(self, capture_id: str) -> StoredArtifact | None:
         """The artifact indexed under `capture_id`, or None."""

@@ -19,7 +19,7 @@ from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.hosts.durable import fsync_dir
+from coldsnap.hosts.durable import fsync_dir, publish
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -187,8 +187,8 @@ class LocalStore:
         if dest.is_file() and sha256_file(dest)[0] == actual:
             path.unlink()  # deduplicated: identical bytes are already stored
         else:
-            os.replace(path, dest)
-            fsync_dir(dest.parent)
+            # Whoever wrote it (add_bytes did not fsync), it is on disk before it is named.
+            publish(path, dest)
         return actual, size
 
     def add_file(self, src: Path) -> tuple[str, int]:

@@ -313,11 +313,22 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
         except CapsuleError as exc:
             detail += f"\n(rollback failed: {exc.detail})"
         raise fail(s, handle.unit, step, detail, DumpFailed)
-    du = await s.exec(container, ["du", "-sb", CRIU_IMAGES_DIR])
-    size = int(du.stdout.split()[0]) if du.ok else 0
+    size = await _images_bytes(s, container)
     log.info("capsule.dumped", host=s.host, unit=handle.unit, step=step, bytes=size,
              seconds=round(seconds, 3))
     return DumpResult(handle.unit, size, seconds)
+
+
+async def _images_bytes(s: CapsuleSession, container: Any) -> int:
+    """The dump's size, for the log and the manifest. An exec's output now and then comes
+    back empty under load (seen in CI: `du` exits 0 with no output); asked twice, then 0,
+    since the size decides nothing."""
+    for _ in range(2):
+        du = await s.exec(container, ["du", "-sb", CRIU_IMAGES_DIR], timeout_s=120)
+        first = du.stdout.split()[:1]
+        if du.ok and first and first[0].isdigit():
+            return int(first[0])
+    return 0
 
 
 def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:

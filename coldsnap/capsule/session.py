@@ -49,6 +49,10 @@ class ExecOutput:
         return text[-limit:]
 
 
+# How long a failed Docker call waits to learn why its host's connection dropped.
+_WHY_LOST_S = 20.0
+
+
 class CapsuleSession:
     """One host's Docker engine plus its transport; shared by every unit on that host."""
 
@@ -82,10 +86,21 @@ class CapsuleSession:
         except requests.exceptions.ConnectionError as exc:
             # The relay's SSH side failed: say which host and why (a refused host key must
             # read as such, and is never retried), not "connection aborted".
-            cause = self._relay.last_error if self._relay is not None else None
-            if cause is not None:
-                raise cause from exc
-            raise HostUnreachable(self.host, f"Docker connection lost: {exc}") from exc
+            raise await self._why_lost(exc) from exc
+
+    async def _why_lost(self, exc: Exception) -> HostError:
+        """Why the Docker connection through the relay dropped: the relay's own error, else
+        what one fresh command on the host says now (the dropped connection may have
+        been the last one that still worked, e.g. before a host key changed)."""
+        if self._relay is not None and self._relay.last_error is not None:
+            return self._relay.last_error
+        try:
+            await self.target.host.run(["true"], timeout=_WHY_LOST_S)
+        except HostError as err:
+            return err
+        except Exception as other:  # only a better message is at stake
+            log.debug("capsule.why_lost", host=self.host, error=str(other))
+        return HostUnreachable(self.host, f"Docker connection lost: {exc}")
 
     def _landed(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.discard(fut)

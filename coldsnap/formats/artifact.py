@@ -169,6 +169,14 @@ def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
     for i, obj in enumerate(artifact.objects):
         if obj.owner not in owners:
             issues.append(ValidationIssue(f"objects[{i}].owner", f"unknown owner '{obj.owner}'"))
+    # Without its capsule a unit cannot be restored: an artifact that lost one (an edited
+    # or truncated `objects`) is refused here, not half-way through a restore.
+    for u in unit_ids:
+        owner = str(Owner.unit(u))
+        count = sum(1 for o in artifact.objects if o.role == ROLE_CAPSULE and o.owner == owner)
+        if count != 1:
+            issues.append(ValidationIssue("objects", f"must hold exactly one {ROLE_CAPSULE} "
+                                                     f"object owned by {owner}, not {count}"))
     return issues
 
 

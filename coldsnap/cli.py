@@ -25,6 +25,8 @@ COMMAND_MODULES = (
     "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
     "coldsnap.commands.gc",
+    "coldsnap.commands.serve",
+    "coldsnap.commands.jobs",
 )
 
 DESCRIPTION = """\

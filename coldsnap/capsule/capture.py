@@ -42,7 +42,8 @@ from coldsnap.capsule.runtime import (
     pids_alive,
     remove_container,
 )
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.seccomp import engine_filter_b64
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
     ENGINE_LOG,
@@ -56,18 +57,26 @@ from coldsnap.engines import EngineCallFailed
 
 log = structlog.get_logger("coldsnap.capsule")
 
-# Started with `docker exec`, then detached: its own session (setsid), stdio on regular files
-# in the rootfs (CRIU cannot resolve stdio inherited from docker exec), stdout/stderr opened
-# O_APPEND so CRIU does not pin their size, PIDs above ENGINE_PID_FLOOR. Prints the engine PID.
+# Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
+# engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
+# inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
+# PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
+# the engine's seccomp filter. It prints the engine PID.
 _LAUNCH = f"""set -e
 mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
 : > {ENGINE_STDIN}
 : >> {ENGINE_LOG}
 chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
-echo {ENGINE_PID_FLOOR} > /proc/sys/kernel/ns_last_pid
-setsid "$@" < {ENGINE_STDIN} >> {ENGINE_LOG} 2>&1 &
-echo $!
+exec "$@"
 """
+
+
+def launch_argv(spec: UnitSpec) -> list[str]:
+    """The `docker exec` argv that starts the unit's engine, confined."""
+    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
+            "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
+            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
+
 
 _BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -158,7 +167,8 @@ async def ensure_image(s: CapsuleSession, spec: UnitSpec) -> str:
             try:
                 image = await s.call(s.client.images.get, f"{repo}@{spec.image_digest}")
             except docker.errors.NotFound:
-                image = await s.call(s.client.images.pull, repo, tag=want)
+                image = await s.call(s.client.images.pull, repo, tag=want,
+                                     timeout_s=LONG_DOCKER_CALL)
         except docker.errors.DockerException as exc:
             raise fail(s, spec.unit_id, step, f"cannot pull {repo}@{want}: {exc}",
                        ImageDigestMismatch if ref_digest else CapsuleError) from exc
@@ -184,7 +194,7 @@ async def start_unit(
     handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
                                     step=step, error=CapsuleError)
     container = await s.container(handle.container_id, spec.unit_id, step)
-    out = await s.exec(container, ["sh", "-c", _LAUNCH, "sh", *spec.command])
+    out = await s.exec(container, launch_argv(spec), timeout_s=120)
     try:
         handle.engine_pid = int(out.stdout.split()[-1])
     except (ValueError, IndexError):
@@ -302,7 +312,8 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_IMAGES_DIR])
     t0 = time.monotonic()
     out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
-                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"])
+                                   "-D", CRIU_IMAGES_DIR, "--leave-running", "-o", "dump.log"],
+                       timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/dump.log")
@@ -351,7 +362,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
     marks = [time.monotonic()]
     try:
         image = await s.call(container.commit, repository=repo, tag=tag,
-                             message=f"coldsnap capsule of unit {spec.unit_id}")
+                             message=f"coldsnap capsule of unit {spec.unit_id}",
+                             timeout_s=LONG_DOCKER_CALL)
         image_id = str(image.id)
         marks.append(time.monotonic())
         await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])

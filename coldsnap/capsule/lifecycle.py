@@ -25,9 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
-
-import docker.errors
+from typing import Literal
 
 from coldsnap.capsule.capture import checkpoint_gpus
 from coldsnap.capsule.errors import CapsuleError, EngineNotReady, GpuCheckpointFailed
@@ -35,15 +33,16 @@ from coldsnap.capsule.restore import device_map
 from coldsnap.capsule.runtime import (
     LABEL_ARTIFACT,
     LABEL_CLUSTER_ID,
-    LABEL_ROLE,
-    LABEL_UNIT,
+    SERVING_ROLES,
+    UnitContainer,
     UnitHandle,
+    container_devices,
     cuda_state,
     discover_workers,
     endpoint,
     fail,
     gpu_return_to_running,
-    list_containers,
+    list_unit_containers,
     pids_alive,
     put_runtime_file,
 )
@@ -55,24 +54,9 @@ GPU_RECORD = "gpu-checkpoint.json"
 GPU_RECORD_FORMAT = "coldsnap-gpu-checkpoint/1"
 # A lifecycle operation acts on units a restore started (from their snapshot, or natively
 # with --fallback replay), never on a capture's own containers.
-LIFECYCLE_ROLES = ("restore", "replay")
+LIFECYCLE_ROLES = SERVING_ROLES
 
 EngineState = Literal["awake", "asleep", "down"]
-
-
-@dataclass(frozen=True)
-class UnitContainer:
-    """A unit's container as Docker lists it."""
-
-    id: str
-    name: str
-    role: Literal["restore", "replay"]
-    docker_state: str  # running, exited, paused, ...
-    devices: tuple[str, ...]  # the GPU UUIDs it was given, by device slot
-
-    @property
-    def running(self) -> bool:
-        return self.docker_state == "running"
 
 
 @dataclass(frozen=True)
@@ -85,40 +69,13 @@ class GpuRecord:
                            "workers": dict(self.workers)}, sort_keys=True).encode() + b"\n"
 
 
-def container_devices(attrs: Mapping[str, Any]) -> tuple[str, ...]:
-    """The GPUs a container holds: its Docker device request (real GPUs), else the
-    NVIDIA_VISIBLE_DEVICES it was created with (simulated GPUs)."""
-    host_config = attrs.get("HostConfig") or {}
-    for request in host_config.get("DeviceRequests") or []:
-        ids = request.get("DeviceIDs") or []
-        if ids:
-            return tuple(str(i) for i in ids)
-    for item in (attrs.get("Config") or {}).get("Env") or []:
-        name, _, value = str(item).partition("=")
-        if name == "NVIDIA_VISIBLE_DEVICES":
-            return tuple(d for d in value.split(",") if d)
-    return ()
-
-
 async def find_unit_containers(s: CapsuleSession, unit_id: str, *, cluster_id: str,
                                artifact: str) -> list[UnitContainer]:
     """Every container of `unit_id` on this host that a restore of `artifact` started for the
     workload `cluster_id`, running or not."""
-    try:
-        found = await list_containers(s, [
-            f"{LABEL_CLUSTER_ID}={cluster_id}", f"{LABEL_UNIT}={unit_id}",
-            f"{LABEL_ARTIFACT}={artifact}"])
-    except docker.errors.DockerException as exc:
-        raise fail(s, unit_id, "find", f"cannot list containers: {exc}") from exc
-    out = []
-    for c in found:
-        role = c.labels.get(LABEL_ROLE)
-        if role not in LIFECYCLE_ROLES:
-            continue
-        out.append(UnitContainer(c.id, c.name, cast(Literal["restore", "replay"], role),
-                                 str((c.attrs.get("State") or {}).get("Status", c.status)),
-                                 container_devices(c.attrs)))
-    return sorted(out, key=lambda c: c.name)
+    return await list_unit_containers(
+        s, unit_id, [f"{LABEL_CLUSTER_ID}={cluster_id}", f"{LABEL_ARTIFACT}={artifact}"],
+        step="find")
 
 
 def handle_for(found: UnitContainer, spec: UnitSpec, host: str) -> UnitHandle:

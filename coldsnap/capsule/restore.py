@@ -27,6 +27,7 @@ from coldsnap.capsule.errors import (
     ValidationFailed,
 )
 from coldsnap.capsule.runtime import (
+    HARMLESS_CRIU_ERRORS,
     LABEL_ROLE,
     UnitHandle,
     create_container,
@@ -39,7 +40,7 @@ from coldsnap.capsule.runtime import (
     remove_container,
     start_container,
 )
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_IMAGES_DIR,
@@ -47,7 +48,6 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG,
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
-    UNMASKED_PATHS,
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
@@ -84,9 +84,26 @@ def device_map(captured: Sequence[str], destination: Sequence[str]) -> dict[str,
     return dict(zip(captured, destination, strict=True))
 
 
-_PROBE = 'criu --version; criu check'
+# Docker keeps /proc/sys read-only, so `criu check` reports ns_last_pid as not writable. CRIU
+# needs it only where clone3 cannot set a child's PID: with clone3_set_tid supported (and the
+# container has the SYS_ADMIN it requires) that complaint is no refusal.
+_PROBE = 'criu --version; criu check --feature clone3_set_tid; criu check'
+_CLONE3_SET_TID = "clone3_set_tid is supported"
+_NS_LAST_PID = "ns_last_pid sysctl is inaccessible"
 # One probe's own container, whatever else it is labelled with.
 _LABEL_PROBE = "org.coldsnap.probe"
+
+
+def criu_check_passed(output: str) -> bool:
+    """Whether the probe's output says CRIU can restore here: `criu check` looks good, or its
+    only error is the read-only ns_last_pid and clone3 sets PIDs instead."""
+    if "Looks good" in output:
+        return True
+    if _CLONE3_SET_TID not in output:
+        return False
+    errors = [ln for ln in output.splitlines() if ln.startswith("Error")
+              and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]
+    return bool(errors) and all(_NS_LAST_PID in ln for ln in errors)
 
 
 def criu_version(output: str) -> str | None:
@@ -112,12 +129,11 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
         try:
             await s.call(s.client.images.get, image)
         except docker.errors.NotFound:
-            await s.call(s.client.images.pull, image)
+            await s.call(s.client.images.pull, image, timeout_s=LONG_DOCKER_CALL)
         api = s.client.api
         host_config = api.create_host_config(
             network_mode="none", cap_add=list(CRIU_CAPABILITIES),
             security_opt=list(CRIU_SECURITY_OPT))
-        host_config.update(UNMASKED_PATHS)
         created = await s.call(api.create_container, image, command=["sh", "-c", _PROBE],
                                host_config=host_config, labels=tags)
         container = await s.call(s.client.containers.get, str(created["Id"]))
@@ -135,7 +151,7 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
         raise
     await _remove_probe(s, tags)
     code = int(status.get("StatusCode", -1))
-    if code != 0 or "Looks good" not in output:
+    if code not in (0, 1) or not criu_check_passed(output):
         raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
                    CriuProbeFailed)
     version = criu_version(output)
@@ -249,7 +265,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
     # Restore and the PID check in one exec: each exec costs tens of milliseconds.
     script = _LOG_MODE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
     out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR,
-                                   *[str(p) for p in want]])
+                                   *[str(p) for p in want]], timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_IMAGES_DIR}/restore.log")

@@ -10,7 +10,7 @@ import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import docker.errors
 import docker.types
@@ -21,7 +21,6 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_SECURITY_OPT,
     RUNTIME_DIR,
-    UNMASKED_PATHS,
     UnitSpec,
     container_name,
 )
@@ -33,13 +32,20 @@ LABEL_ROLE = "org.coldsnap.role"
 LABEL_OPERATION = "org.coldsnap.operation"
 # The capture id a restored container came from: lifecycle operations name the artifact.
 LABEL_ARTIFACT = "org.coldsnap.artifact"
+# The digest of that artifact's file: the capture id names it, the digest pins its content.
+LABEL_ARTIFACT_DIGEST = "org.coldsnap.artifact-digest"
 # Request `workload` fields, one label each: org.coldsnap.workload.cluster-id, ...
 LABEL_WORKLOAD = "org.coldsnap.workload."
 LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
 
+# The roles of the containers a restore leaves serving (from a snapshot, or natively with
+# --fallback replay): what lifecycle operations act on and what a later restore replaces.
+SERVING_ROLES: tuple[Literal["restore", "replay"], ...] = ("restore", "replay")
+
 # CRIU prints these on every run in a container without CAP_SYS_RESOURCE;
 # they never decide success, so they are left out of error messages.
-_HARMLESS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE", "Can't keep kdat cache")
+HARMLESS_CRIU_ERRORS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE",
+                        "Can't keep kdat cache")
 
 
 @dataclass
@@ -96,7 +102,6 @@ async def create_container(
             if spec.gpu_mode == "nvidia" else None
         ),
     )
-    host_config.update(UNMASKED_PATHS)
     try:
         labels = {**await _blank_workload_labels(s, image), **spec.labels,
                   LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
@@ -279,7 +284,7 @@ async def gpu_return_to_running(
 async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
     out = await s.exec(container, ["tail", "-n", "200", log_path])
     lines = [ln for ln in out.stdout.splitlines()
-             if "Error" in ln and not any(h in ln for h in _HARMLESS)]
+             if "Error" in ln and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]
     return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
 
 
@@ -321,3 +326,75 @@ async def remove_container(s: CapsuleSession, container_id: str) -> bool:
     except docker.errors.NotFound:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class UnitContainer:
+    """A unit's container as Docker lists it."""
+
+    id: str
+    name: str
+    role: Literal["restore", "replay"]
+    docker_state: str  # running, exited, paused, ...
+    devices: tuple[str, ...]  # the GPU UUIDs it was given, by device slot
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        return self.docker_state == "running"
+
+
+def container_devices(attrs: Mapping[str, Any]) -> tuple[str, ...]:
+    """The GPUs a container holds: its Docker device request (real GPUs), else the
+    NVIDIA_VISIBLE_DEVICES it was created with (simulated GPUs)."""
+    host_config = attrs.get("HostConfig") or {}
+    for request in host_config.get("DeviceRequests") or []:
+        ids = request.get("DeviceIDs") or []
+        if ids:
+            return tuple(str(i) for i in ids)
+    for item in (attrs.get("Config") or {}).get("Env") or []:
+        name, _, value = str(item).partition("=")
+        if name == "NVIDIA_VISIBLE_DEVICES":
+            return tuple(d for d in value.split(",") if d)
+    return ()
+
+
+async def list_unit_containers(s: CapsuleSession, unit_id: str, labels: Sequence[str], *,
+                               step: str) -> list[UnitContainer]:
+    """Every container of `unit_id` on this host, running or not, that a restore left
+    serving (SERVING_ROLES) and that carries every `labels` entry (`KEY=VALUE`), by name."""
+    try:
+        found = await list_containers(s, [f"{LABEL_UNIT}={unit_id}", *labels])
+    except docker.errors.DockerException as exc:
+        raise fail(s, unit_id, step, f"cannot list containers: {exc}") from exc
+    out = []
+    for c in found:
+        role = c.labels.get(LABEL_ROLE)
+        if role not in SERVING_ROLES:
+            continue
+        out.append(UnitContainer(c.id, c.name, cast(Literal["restore", "replay"], role),
+                                 str((c.attrs.get("State") or {}).get("Status", c.status)),
+                                 container_devices(c.attrs), dict(c.labels or {})))
+    return sorted(out, key=lambda c: c.name)
+
+
+async def stop_container(s: CapsuleSession, container_id: str, *, unit: str, step: str,
+                         grace_s: int = 10) -> None:
+    """Stop a container, keeping it (its rootfs, CRIU images included) for a later start.
+    PID 1 gets SIGTERM, then SIGKILL after `grace_s`; the engine dies with it."""
+    try:
+        container = await s.container(container_id, unit, step)
+        await s.call(container.stop, timeout=grace_s)
+    except docker.errors.DockerException as exc:
+        raise fail(s, unit, step, f"cannot stop container {container_id[:12]}: {exc}") from exc
+
+
+async def start_stopped_container(s: CapsuleSession, container_id: str, *, unit: str,
+                                  step: str) -> None:
+    """Start a container `stop_container` kept: its quiet PID 1 only, in a fresh PID
+    namespace, so CRIU can give the engine tree its PIDs again."""
+    try:
+        container = await s.container(container_id, unit, step)
+        await s.call(container.start)
+    except docker.errors.DockerException as exc:
+        raise fail(s, unit, step, f"cannot start container {container_id[:12]}: {exc}") from exc

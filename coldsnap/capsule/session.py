@@ -4,6 +4,14 @@ The docker SDK is synchronous; every call runs in a thread pool of the host's ow
 the event loop's shared default pool, a handful of threads on a small control node) so that
 many units and hosts proceed concurrently on one event loop: a dump or a load on one host never
 queues behind another host's.
+
+A thread cannot be stopped, but its call can be made to end: every connection the SDK opens is
+recorded against the thread that opened it, and aborting a call shuts those connections down,
+so the call fails at once (ConnectionAborted) instead of waiting on the daemon. A call runs
+for at most its `timeout_s` (DOCKER_CALL_TIMEOUT unless the caller says more); `settle` aborts
+what is still running when its wait ends, and closing the session aborts every call left.
+What the daemon was doing for an aborted call (an exec'd process, a commit) may go on there;
+the rollback that follows removes the containers it concerns.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import contextlib
 import functools
 import os
 import shutil
+import socket
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +32,7 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import docker.transport
 import requests.exceptions
 import structlog
 
@@ -32,6 +43,93 @@ from coldsnap.hosts.base import Host, HostError, HostUnreachable
 T = TypeVar("T")
 
 log = structlog.get_logger("coldsnap.capsule")
+
+# A Docker call's bound unless its caller gives one: long steps (CRIU, commit, pull) say more.
+DOCKER_CALL_TIMEOUT = 600.0
+# CRIU dump and restore, commit, pull: their time grows with the engine's memory and image.
+LONG_DOCKER_CALL = 3600.0
+# How long an aborted call gets to notice that its connections are gone.
+_ABORT_GRACE_S = 5.0
+
+
+class ConnectionAborted(ConnectionError):
+    """The session aborted this Docker call: its caller gave up on it."""
+
+
+class _Connections:
+    """The SDK's open connections, by the thread that opened them; a thread whose call is
+    aborted gets its connections shut down and opens no new one until its call ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, set[socket.socket]] = {}
+        self._aborted: set[int] = set()
+
+    def opened(self, sock: socket.socket) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            if ident in self._aborted:
+                sock.close()
+                raise ConnectionAborted("the Docker call was aborted")
+            self._open.setdefault(ident, set()).add(sock)
+
+    def call_ended(self) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            self._open.pop(ident, None)
+            self._aborted.discard(ident)
+
+    def abort(self, ident: int) -> None:
+        with self._lock:
+            self._aborted.add(ident)
+            socks = self._open.pop(ident, set())
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _AbortableConnection(docker.transport.unixconn.UnixHTTPConnection):  # type: ignore[misc]
+    registry: _Connections
+
+    def connect(self) -> None:
+        super().connect()
+        self.registry.opened(self.sock)
+
+
+class _AbortablePool(docker.transport.unixconn.UnixHTTPConnectionPool):  # type: ignore[misc]
+    registry: _Connections
+
+    def _new_conn(self) -> _AbortableConnection:
+        conn = _AbortableConnection(self.base_url, self.socket_path, self.timeout)
+        conn.registry = self.registry
+        return conn
+
+
+class _AbortableAdapter(docker.transport.UnixHTTPAdapter):  # type: ignore[misc]
+    """The SDK's unix-socket adapter, with connections the session can abort."""
+
+    def __init__(self, registry: _Connections, socket_url: str, timeout: float) -> None:
+        super().__init__(socket_url, timeout)
+        self.registry = registry
+
+    def get_connection(self, url: Any, proxies: Any = None) -> _AbortablePool:
+        with self.pools.lock:
+            pool = self.pools.get(url)
+            if pool is None:
+                pool = _AbortablePool(url, self.socket_path, self.timeout,
+                                      maxsize=self.max_pool_size)
+                pool.registry = self.registry
+                self.pools[url] = pool
+        return pool  # type: ignore[no-any-return]
+
+
+def make_abortable(client: Any, socket_path: str, timeout: float) -> _Connections:
+    """Route the client's requests through connections a session can abort."""
+    registry = _Connections()
+    adapter = _AbortableAdapter(registry, f"http+unix://{socket_path}", timeout)
+    client.api.mount("http+docker://", adapter)
+    client.api._custom_adapter = adapter  # what the SDK closes with the client
+    return registry
 
 
 @dataclass(frozen=True)
@@ -58,10 +156,13 @@ class CapsuleSession:
 
     def __init__(self, target: CapsuleHost, client: Any, *,
                  executor: concurrent.futures.Executor | None = None,
+                 connections: _Connections | None = None,
                  relay: RelayState | None = None) -> None:
         self.target = target
         self.client = client
         self._executor = executor
+        self._connections = connections or _Connections()
+        self._threads: dict[asyncio.Future[Any], list[int]] = {}
         self._relay = relay
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
@@ -72,17 +173,33 @@ class CapsuleSession:
     def host(self) -> str:
         return self.target.name
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        # A thread cannot be stopped: a cancelled caller leaves its call running (a
-        # cuda-checkpoint, a container being created), and `settle` lets a rollback wait
-        # for it instead of racing it.
+    async def call(self, fn: Callable[..., T], *args: Any,
+                   timeout_s: float | None = DOCKER_CALL_TIMEOUT, **kwargs: Any) -> T:
+        """Run a Docker SDK call in the session's threads. Past `timeout_s` (None: no bound,
+        for a caller that bounds it itself) the call is aborted and TimeoutError raised. A
+        cancelled caller leaves the call running (a cuda-checkpoint, a container being
+        created), and `settle` lets a rollback wait for it instead of racing it."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.run_in_executor(self._executor,
-                                                      functools.partial(fn, *args, **kwargs))
+        thread: list[int] = []  # the ident of the thread that runs it, once it runs
+
+        def run() -> T:
+            if thread:  # aborted before it started
+                raise ConnectionAborted("the Docker call was aborted before it started")
+            thread.append(threading.get_ident())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._connections.call_ended()
+
+        fut = loop.run_in_executor(self._executor, run)
+        self._threads[fut] = thread
         self._inflight.add(fut)
         fut.add_done_callback(self._landed)
         try:
-            return await asyncio.shield(fut)
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            self.abort(fut)
+            raise
         except requests.exceptions.ConnectionError as exc:
             # The relay's SSH side failed: say which host and why (a refused host key must
             # read as such, and is never retried), not "connection aborted".
@@ -102,17 +219,36 @@ class CapsuleSession:
             log.debug("capsule.why_lost", host=self.host, error=str(other))
         return HostUnreachable(self.host, f"Docker connection lost: {exc}")
 
+    def abort(self, fut: asyncio.Future[Any]) -> None:
+        """Make a running call fail now: its connections are shut down."""
+        thread = self._threads.get(fut)
+        if thread is None or fut.done():
+            return
+        if thread:
+            self._connections.abort(thread[0])
+        else:
+            thread.append(-1)  # not started yet: it will not start
+
+    def abort_all(self) -> None:
+        for fut in list(self._inflight):
+            self.abort(fut)
+
     def _landed(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.discard(fut)
+        self._threads.pop(fut, None)
         if not fut.cancelled():
             fut.exception()  # retrieved here: the caller may have been cancelled meanwhile
 
     async def settle(self, timeout: float) -> bool:  # noqa: ASYNC109 (a bound, not a deadline)
-        """Wait up to `timeout` seconds for the Docker calls still running; True when none
-        is left."""
+        """Wait up to `timeout` seconds for the Docker calls still running, then abort the
+        rest; True when none had to be aborted."""
         pending = set(self._inflight)
         if pending:
             _, pending = await asyncio.wait(pending, timeout=timeout)
+        if pending:
+            for fut in pending:
+                self.abort(fut)
+            await asyncio.wait(pending, timeout=_ABORT_GRACE_S)
         return not pending
 
     async def container(self, container_id: str, unit: str, step: str) -> Any:
@@ -129,7 +265,8 @@ class CapsuleSession:
         self._containers.pop(container_id, None)
 
     async def exec(
-        self, container: Any, argv: Sequence[str], *, timeout_s: float | None = None
+        self, container: Any, argv: Sequence[str], *,
+        timeout_s: float | None = DOCKER_CALL_TIMEOUT,
     ) -> ExecOutput:
         def run() -> ExecOutput:
             code, (out, err) = container.exec_run(list(argv), demux=True)
@@ -139,9 +276,10 @@ class CapsuleSession:
                 (err or b"").decode(errors="replace"),
             )
 
-        return await asyncio.wait_for(self.call(run), timeout_s)
+        return await self.call(run, timeout_s=timeout_s)
 
-    async def host_docker(self, *args: str, timeout_s: float | None = None) -> bytes:
+    async def host_docker(self, *args: str,
+                          timeout_s: float | None = DOCKER_CALL_TIMEOUT) -> bytes:
         """The docker CLI on the host itself, for what must stay on the host (save/load)."""
         res = await self.target.host.run(
             ["docker", "-H", f"unix://{self.target.docker_socket}", *args], timeout=timeout_s
@@ -242,11 +380,16 @@ async def open_session(target: CapsuleHost, *,
         # socket is served by this very event loop, so that must happen off the loop.
         client = await asyncio.get_running_loop().run_in_executor(
             executor, functools.partial(docker.DockerClient, base_url=f"unix://{local}",
-                                        timeout=600))
+                                        timeout=DOCKER_CALL_TIMEOUT))
         # No keep-alive: a pooled connection could outlive the SSH connection under it and
         # fail the next request; a fresh one per request always rides a live transport.
         client.api.headers["Connection"] = "close"
+        connections = make_abortable(client, local, DOCKER_CALL_TIMEOUT)
+        session = CapsuleSession(target, client, executor=executor, connections=connections,
+                                 relay=relay)
         try:
-            yield CapsuleSession(target, client, executor=executor, relay=relay)
+            yield session
         finally:
+            # No call outlives its session: what still runs is aborted, not waited for.
+            session.abort_all()
             await asyncio.get_running_loop().run_in_executor(executor, client.close)

@@ -21,6 +21,9 @@ from coldsnap.hosts.base import Host
 #   SYS_ADMIN, SYS_PTRACE: dump/restore of the process tree; SYS_TIME: restore writes the
 #   time-namespace offsets; NET_ADMIN: socket and netns state; DAC_READ_SEARCH: open files by
 #   handle and read /proc of other tasks.
+# Only CRIU, cuda-checkpoint and the helpers coldsnapd runs through `docker exec` hold them: the
+# engine tree is started with an empty bounding set, no-new-privs and its own seccomp filter
+# (ENGINE_LAUNCHER, coldsnap/capsule/seccomp.py).
 CRIU_CAPABILITIES: tuple[str, ...] = (
     "SYS_ADMIN",
     "SYS_PTRACE",
@@ -28,13 +31,17 @@ CRIU_CAPABILITIES: tuple[str, ...] = (
     "NET_ADMIN",
     "DAC_READ_SEARCH",
 )
+# No Docker-level seccomp filter: Docker would put it on CRIU too, and the kernel refuses to
+# let a filtered tracer suspend a filtered task's seccomp (PTRACE_O_SUSPEND_SECCOMP), which
+# CRIU needs to dump the engine. The engine gets its filter from the launcher instead.
+# Docker's masked and read-only /proc paths stay as Docker sets them.
 CRIU_SECURITY_OPT: tuple[str, ...] = (
     "seccomp=unconfined",
     "apparmor=unconfined",
 )
-# What `docker run --security-opt systempaths=unconfined` means (the CLI, not dockerd, turns
-# it into these HostConfig fields): /proc/sys writable and unmasked, needed for ns_last_pid.
-UNMASKED_PATHS: dict[str, list[str]] = {"MaskedPaths": [], "ReadonlyPaths": []}
+# Starts the engine confined (deploy/test-capsule/capsule_init.py, copied into every capsule):
+# `launch --pid-floor N --stdin F --log F --seccomp-filter B64 -- ARGV...` prints its PID.
+ENGINE_LAUNCHER: tuple[str, ...] = ("/usr/local/bin/capsule-init", "launch")
 
 # Paths inside the capsule. They live in the container's rootfs, so a commit carries them.
 CAPSULE_STATE_DIR = "/var/lib/coldsnap"
@@ -52,7 +59,8 @@ ENGINE_LOG = "/var/log/coldsnap/engine.log"
 # this mode before the engine starts and before it is restored.
 ENGINE_LOG_MODE = "0644"
 # The engine tree is started above this PID so that the helpers a fresh container runs at
-# restore (criu itself, docker exec'd tools) never hold a PID the tree needs.
+# restore (criu itself, docker exec'd tools) never hold a PID the tree needs. The launcher
+# gets there by starting short-lived threads (/proc/sys/kernel/ns_last_pid stays read-only).
 ENGINE_PID_FLOOR = 9999
 
 MANIFEST_ENV = "COLDSNAP_UNIT"
@@ -150,6 +158,7 @@ class UnitSpec:
     # simulator); "nvidia": a Docker device request for exactly these UUIDs.
     gpu_mode: Literal["simulated", "nvidia"] = "simulated"
     init_command: tuple[str, ...] = ("/usr/local/bin/capsule-init",)
+    launcher: tuple[str, ...] = ENGINE_LAUNCHER
     # Set on every container of the unit, e.g. the operation that started it, so that a
     # rollback also finds a container whose creation was still in flight when it failed.
     labels: Mapping[str, str] = field(default_factory=dict)

@@ -6,39 +6,25 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
+from coldsnap.commands.common import add_request_option, human_bytes, open_store
 from coldsnap.commands.operation import (
-    InventoryError,
+    Prepared,
+    Touches,
     add_operation_arguments,
-    check_outputs,
     load_hosts_inventory,
-    read_request,
-    run_operation,
-    start_operation,
+    operation_handler,
 )
-from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.request import Request
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
 
 
-def _handler(args: argparse.Namespace) -> int:
-    problem = check_outputs(args)
-    if problem:
-        return report_failure(problem)
-    request = read_request(args.request, "capture")
-    if request is None:
-        return EXIT_BAD_INPUT
-    try:
-        inventory = load_hosts_inventory(args)
-    except InventoryError as exc:
-        return report_failure(str(exc))
+def prepare(args: argparse.Namespace, request: Request | None) -> Prepared:
+    assert request is not None  # the skeleton requires it for capture
+    inventory = load_hosts_inventory(args)
     store = open_store(args).ensure()
-    admission = start_operation(args, store.root, ReceiptKey(request.id, "capture",
-                                                             request.request_sha256))
-    if isinstance(admission, int):
-        return admission
 
     async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
         stored = await capture(request, hosts, store, ctx)
@@ -48,9 +34,11 @@ def _handler(args: argparse.Namespace) -> int:
                          f"{len(stored.artifact.objects)} objects, {human_bytes(size)}\n")
         return ReceiptResult(artifact=stored.capture_id, output=request.output)
 
-    return run_operation(args, "capture", body, admission=admission,
-                         engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
-                         inventory=inventory)
+    return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
+                    engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
+                    inventory=inventory, store_root=store.root, body=body,
+                    touches=Touches.of(request.launch, request.id),
+                    deadline=getattr(args, "deadline", None))
 
 
 def register(subparsers: Any) -> None:
@@ -66,4 +54,4 @@ def register(subparsers: Any) -> None:
                     "succeeded prints that run's receipt again and runs nothing.")
     add_request_option(parser, required=True, help="capture request, format 4")
     add_operation_arguments(parser)
-    parser.set_defaults(handler=_handler)
+    parser.set_defaults(handler=operation_handler("capture", prepare))

@@ -93,13 +93,10 @@ def _on_record(record: OperationRecord, key: ReceiptKey) -> None:
                   "needs a fresh id")
 
 
-def admit(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
-          prepare_only: bool = False, id_generated: bool = False) -> Admission:
-    """Clear one operation to run; raises Refused or AlreadyDone.
-
-    A prepare-only restore is safe to repeat: it claims no id, and only a record of another
-    request under its id stops it."""
-    receipt_json: str | None = args.receipt_json
+def check_receipt_target(receipt_json: str | None, key: ReceiptKey, *,
+                         prepare_only: bool) -> None:
+    """Raise Refused when `--receipt-json` holds what this run must not replace, AlreadyDone
+    when it holds this same request's success."""
     try:
         existing = receipt_at(receipt_json, key)
     except ReceiptTargetTaken as exc:
@@ -112,6 +109,15 @@ def admit(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
             raise Refused(f"--receipt-json {receipt_json} holds the succeeded receipt of "
                           f"{key.operation} {key.operation_id}; a prepare-only run would "
                           "replace it")
+
+
+def admit(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
+          prepare_only: bool = False, id_generated: bool = False) -> Admission:
+    """Clear one operation to run; raises Refused or AlreadyDone.
+
+    A prepare-only restore is safe to repeat: it claims no id, and only a record of another
+    request under its id stops it."""
+    check_receipt_target(args.receipt_json, key, prepare_only=prepare_only)
     records = OperationRecords(store_root)
     try:
         record = records.load(key.operation_id)
@@ -120,7 +126,7 @@ def admit(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
             _on_record(record, key)
     except StoreError as exc:
         raise Refused(str(exc)) from None
-    events = _open_events(args.timing_events)
+    events = open_events_target(args.timing_events)
     if prepare_only:
         return Admission(key, id_generated, events, None)
     try:
@@ -128,12 +134,12 @@ def admit(args: argparse.Namespace, store_root: Path, key: ReceiptKey, *,
         if record is not None:
             _on_record(record, key)  # another run claimed the id just now
     except BaseException:
-        _discard_events(events, args.timing_events)
+        discard_events(events, args.timing_events)
         raise
     return Admission(key, id_generated, events, records)
 
 
-def _open_events(target: str | None) -> IO[bytes] | str | None:
+def open_events_target(target: str | None) -> IO[bytes] | str | None:
     if target is None or target == "-":
         return target
     try:
@@ -145,7 +151,7 @@ def _open_events(target: str | None) -> IO[bytes] | str | None:
         raise Refused(f"cannot create --timing-events {target}: {exc.strerror}") from None
 
 
-def _discard_events(events: IO[bytes] | str | None, target: str | None) -> None:
+def discard_events(events: IO[bytes] | str | None, target: str | None) -> None:
     """Remove the events file this run created but will not use."""
     if events is None or isinstance(events, str) or target is None:
         return

@@ -90,7 +90,7 @@ class Judge:
         return orphan_reason(self._seen[operation], unit)
 
 
-async def _host_gc(hosts: HostSet, name: str, judge: Judge, operation: str | None,
+async def gc_host(hosts: HostSet, name: str, judge: Judge, operation: str | None,
                    dry_run: bool) -> HostResult:
     result = HostResult(name)
     label = f"{LABEL_OPERATION}={operation}" if operation else LABEL_OPERATION
@@ -168,7 +168,7 @@ def _handler(args: argparse.Namespace) -> int:
         async with HostPool(inventory) as pool:
             hosts = HostSet(inventory, pool)
             return list(await asyncio.gather(*(
-                _host_gc(hosts, h.name, judge, args.operation, args.dry_run)
+                gc_host(hosts, h.name, judge, args.operation, args.dry_run)
                 for h in inventory.hosts)))
 
     results = asyncio.run(main())

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, TextIO
 
 from coldsnap.commands.common import add_request_option, open_store, print_json, report_failure
 from coldsnap.commands.operation import (
-    InventoryError,
+    Prepare,
+    Prepared,
+    Touches,
     add_operation_arguments,
-    check_outputs,
     load_hosts_inventory,
-    read_request,
-    run_operation,
-    start_operation,
+    operation_handler,
 )
-from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.request import Request
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext, ReceiptKey
 from coldsnap.operations.hostset import HostSet
@@ -53,38 +52,29 @@ def print_table(units: Sequence[lifecycle.UnitStatus], out: TextIO) -> None:
             out.write(f"{u.unit} on {u.host}: {u.detail}\n")
 
 
-def _handler(operation: LifecycleOperation) -> Callable[[argparse.Namespace], int]:
-    def handle(args: argparse.Namespace) -> int:
-        problem = check_outputs(args)
-        if problem:
-            return report_failure(problem)
-        stdout_taken = "-" in (args.receipt_json, args.timing_events)
-        as_json = getattr(args, "json", False)
-        if as_json and stdout_taken:
-            return report_failure("--json prints the status on stdout; --receipt-json - or "
-                                  "--timing-events - would share it")
-        request = read_request(args.request, operation)
-        if request is None:
-            return EXIT_BAD_INPUT
-        assert request.artifact is not None  # the request rules require it for lifecycle
-        try:
-            inventory = load_hosts_inventory(args)
-        except InventoryError as exc:
-            return report_failure(str(exc))
+def _check(args: argparse.Namespace) -> str | None:
+    if getattr(args, "json", False) and "-" in (args.receipt_json, args.timing_events):
+        return "--json prints the status on stdout; --receipt-json - or --timing-events - " \
+               "would share it"
+    return None
+
+
+def prepare_for(operation: LifecycleOperation) -> Prepare:
+    def prepare(args: argparse.Namespace, request: Request | None) -> Prepared | int:
+        assert request is not None and request.artifact is not None  # the request rules
+        inventory = load_hosts_inventory(args)
         store = open_store(args).ensure()
         try:
             stored = resolve_reference(store, request.artifact)
         except (StoreError, ArtifactInvalid) as exc:
             return report_failure(f"artifact: {exc}")
-        admission = start_operation(args, store.root, ReceiptKey(request.id, operation,
-                                                                 request.request_sha256))
-        if isinstance(admission, int):
-            return admission
+        as_json = getattr(args, "json", False)
         # Progress and logs go to stderr; the status report to stdout unless a receipt or
         # the timing events already own it.
-        report = sys.stderr if stdout_taken or operation != "status" else sys.stdout
+        stdout_taken = "-" in (args.receipt_json, args.timing_events)
 
         async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
+            report = sys.stderr if stdout_taken or operation != "status" else sys.stdout
             if operation == "sleep":
                 units = await lifecycle.sleep(stored, request, hosts, store, ctx)
             elif operation == "wake":
@@ -101,11 +91,14 @@ def _handler(operation: LifecycleOperation) -> Callable[[argparse.Namespace], in
                 print_table(units, report)
             return ReceiptResult(artifact=stored.capture_id)
 
-        return run_operation(args, operation, body, admission=admission,
-                             engine=request.launch.engine,
-                             snapshot_driver=request.snapshot_driver.id, inventory=inventory)
+        return Prepared(operation, ReceiptKey(request.id, operation, request.request_sha256),
+                        engine=request.launch.engine,
+                        snapshot_driver=request.snapshot_driver.id, inventory=inventory,
+                        store_root=store.root, body=body,
+                        touches=Touches.of(request.launch, stored.capture_id),
+                        deadline=getattr(args, "deadline", None))
 
-    return handle
+    return prepare
 
 
 _HELP: dict[LifecycleOperation, tuple[str, str]] = {
@@ -143,4 +136,5 @@ def register(subparsers: Any) -> None:
             parser.add_argument("--json", action="store_true",
                                 help="print the status as JSON on stdout")
         add_operation_arguments(parser)
-        parser.set_defaults(handler=_handler(operation))
+        parser.set_defaults(handler=operation_handler(operation, prepare_for(operation),
+                                                      check=_check))

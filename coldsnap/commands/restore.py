@@ -8,15 +8,12 @@ from typing import Any
 
 from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
 from coldsnap.commands.operation import (
-    InventoryError,
+    Prepared,
+    Touches,
     add_operation_arguments,
-    check_outputs,
     load_hosts_inventory,
-    read_request,
-    run_operation,
-    start_operation,
+    operation_handler,
 )
-from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request
@@ -48,19 +45,8 @@ def _resolve(args: argparse.Namespace, request: Request | None,
     return found[0][1]
 
 
-def _handler(args: argparse.Namespace) -> int:
-    problem = check_outputs(args)
-    if problem:
-        return report_failure(problem)
-    request: Request | None = None
-    if args.request is not None:
-        request = read_request(args.request, "restore")
-        if request is None:
-            return EXIT_BAD_INPUT
-    try:
-        inventory = load_hosts_inventory(args)
-    except InventoryError as exc:
-        return report_failure(str(exc))
+def prepare(args: argparse.Namespace, request: Request | None) -> Prepared | int:
+    inventory = load_hosts_inventory(args)
     store = open_store(args)
     stored = _resolve(args, request, store)
     if isinstance(stored, str):
@@ -69,10 +55,6 @@ def _handler(args: argparse.Namespace) -> int:
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
         ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
-    admission = start_operation(args, store.root, key, prepare_only=args.prepare_only,
-                                id_generated=request is None)
-    if isinstance(admission, int):
-        return admission
 
     async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=args.prepare_only,
@@ -92,9 +74,14 @@ def _handler(args: argparse.Namespace) -> int:
                              f"{', '.join(out.validated)} answered the validation prompt\n")
         return ReceiptResult(artifact=artifact.capture_id, prepared=args.prepare_only)
 
-    return run_operation(args, "restore", body, admission=admission,
-                         engine=artifact.launch.engine, snapshot_driver=artifact.snapshot_driver.id,
-                         inventory=inventory, prepare_only=args.prepare_only)
+    return Prepared("restore", key, engine=artifact.launch.engine,
+                    snapshot_driver=artifact.snapshot_driver.id, inventory=inventory,
+                    store_root=store.root, body=body,
+                    touches=Touches.of(request.launch if request else artifact.launch,
+                                       artifact.capture_id),
+                    prepare_only=args.prepare_only, id_generated=request is None,
+                    deadline=getattr(args, "deadline", None),
+                    bytes_to_move=sum(o.bytes for o in artifact.objects))
 
 
 def register(subparsers: Any) -> None:
@@ -127,4 +114,4 @@ def register(subparsers: Any) -> None:
                         help="replay: a unit whose process snapshot is not admissible is "
                              "re-created natively from its staged payloads and replay plans")
     add_operation_arguments(parser)
-    parser.set_defaults(handler=_handler)
+    parser.set_defaults(handler=operation_handler("restore", prepare, request_required=False))

@@ -35,6 +35,15 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 FORCE_AFTER = 3  # the signal that forces exit; earlier ones are the cancel and a warning
 
 
+def cancelled_by(signum: int, exc: BaseException) -> OperationCancelled:
+    """The failure of an operation that a signal cancelled: whatever it ended with, the
+    signal is why it ended."""
+    also = (None if isinstance(exc, asyncio.CancelledError)
+            else f"{exc.code}: {exc.message}" if isinstance(exc, OperationFailed)
+            else f"{type(exc).__name__}: {exc}")
+    return OperationCancelled(int(signum), also=also)
+
+
 class OperationSignals:
     def __init__(
         self,
@@ -93,11 +102,7 @@ class OperationSignals:
         except (asyncio.CancelledError, Exception) as exc:
             if self.first is None:
                 raise
-            # Whatever the cancelled operation ended with, the signal is why it ended.
-            also = (None if isinstance(exc, asyncio.CancelledError)
-                    else f"{exc.code}: {exc.message}" if isinstance(exc, OperationFailed)
-                    else f"{type(exc).__name__}: {exc}")
-            raise OperationCancelled(int(self.first), also=also) from exc
+            raise cancelled_by(self.first, exc) from exc
         finally:
             self._cancel = None
             for sig in installed:

@@ -1,13 +1,16 @@
-"""The capture request an artifact keeps: a restore without a request takes its policy and
-validation from it."""
+"""What an artifact keeps of its capture for the control node: the capture request (a restore
+without a request takes its policy and validation from it) and each unit's capsule manifest."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic import ValidationError
 
-from coldsnap.formats.artifact import ROLE_CAPTURE_REQUEST, Artifact
+from coldsnap.capsule.capture import CapsuleImage
+from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, Artifact
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.operations.context import OperationFailed
 from coldsnap.store import LocalStore, StoreError
@@ -28,3 +31,9 @@ def captured_request(store: LocalStore, artifact: Artifact) -> Request | None:
     except (ValueError, ValidationError) as exc:
         raise OperationFailed("capture-request", f"the captured request of "
                               f"{artifact.capture_id} is unreadable: {exc}") from None
+
+
+def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
+    data: Any = json.loads(store.read_bytes(obj.sha256))
+    return CapsuleImage.from_json(data)

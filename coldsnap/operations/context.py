@@ -151,6 +151,9 @@ class OperationContext:
         self.rollback: list[UnitRollback] | None = None
         # Every unit's state when an operation without a rollback (wake) was cancelled.
         self.units_now: str | None = None
+        # Per host, the bytes its staged objects hold and the bytes actually sent there (a
+        # restore's staging), for whoever reports on operations (the service's metrics).
+        self.staged: dict[str, tuple[int, int]] = {}
 
     def rollback_summary(self) -> str | None:
         if self.rollback is None:

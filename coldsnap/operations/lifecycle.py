@@ -44,10 +44,11 @@ from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import UnitSpec
 from coldsnap.formats.request import Launch, Request, Validation
 from coldsnap.hosts.base import HostError
+from coldsnap.operations.captured import capsule_meta
 from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
-from coldsnap.operations.restore import capsule_meta, restore_placement
+from coldsnap.operations.restore import restore_placement
 from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, service_heads, unit_spec
 from coldsnap.store import LocalStore, StoredArtifact

@@ -6,15 +6,21 @@ and CRIU probe per unit -> (prepare-only stops here) -> every unit restored with
 checkpointed -> barrier -> every worker's GPUs restored with the UUID map and unlocked ->
 every unit released -> the validation prompt per service. Any failure after the first
 container started removes every container this restore started.
+
+Replacing an earlier instance (reconcile-replace): a unit already serving on its destination
+host for the same workload (the request's `workload.cluster_id`; without one, the same
+artifact and no cluster id) is replaced only once the new one has validated. It holds the
+unit's ports and GPUs, so it is stopped (not removed) just before the new unit starts; after
+validation it is removed. On failure or cancellation the new unit is removed and the stopped
+one is restored again from the snapshot its own container carries, as it was restored first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 from coldsnap.admission import HostFacts, check_admission
 from coldsnap.capsule.capture import CapsuleImage, start_unit, wait_ready
@@ -33,10 +39,8 @@ from coldsnap.capsule.restore import (
 )
 from coldsnap.capsule.runtime import (
     LABEL_OPERATION,
-    LABEL_ROLE,
     LABEL_UNIT,
-    list_containers,
-    remove_container,
+    UnitContainer,
     remove_operation_containers,
 )
 from coldsnap.capsule.session import CapsuleSession
@@ -52,10 +56,23 @@ from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
 from coldsnap.identity import compare_restore_identity
-from coldsnap.operations.captured import captured_request
-from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
+from coldsnap.operations.captured import capsule_meta, captured_request
+from coldsnap.operations.context import (
+    OperationContext,
+    OperationFailed,
+    RollbackOutcome,
+    Undone,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
+from coldsnap.operations.replace import (
+    ReplacingRun,
+    previous_identity,
+    previous_units,
+    remove_previous,
+    revive,
+    stop_previous,
+)
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostStaging,
@@ -64,8 +81,8 @@ from coldsnap.operations.staging import (
     remote_object_path,
     stage_host,
 )
-from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
-from coldsnap.operations.units import PlacedUnit, PlacementError, place_units, service_heads
+from coldsnap.operations.unit_runs import phase, rollback_units
+from coldsnap.operations.units import PlacementError, place_units, service_heads
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
@@ -73,7 +90,7 @@ Fallback = Literal["none", "replay"]
 
 
 @dataclass
-class RestoreRun(UnitRun):
+class RestoreRun(ReplacingRun):
     capsule_meta: CapsuleImage | None = None
     replay_reason: str | None = None  # set when the unit is re-created natively instead
 
@@ -123,12 +140,6 @@ def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -
             raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
 
 
-def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleImage:
-    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
-    data: Any = json.loads(store.read_bytes(obj.sha256))
-    return CapsuleImage.from_json(data)
-
-
 async def restore(
     stored: StoredArtifact,
     request: Request | None,
@@ -156,7 +167,7 @@ async def restore(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, validation,
                              ctx.operation_id, workload=request.workload if request else None,
-                             artifact=artifact.capture_id)
+                             artifact=artifact.capture_id, artifact_digest=stored.digest)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
 
@@ -167,21 +178,28 @@ async def restore(
             [i for unit_issues in refusals.values() for i in unit_issues]))
 
     per_host = objects_by_host(artifact, topology)
+    previous: dict[str, list[UnitContainer]] = {}
     async with hosts.sessions(topology.hosts) as sessions:
         if not prepare_only:
             with ctx.span("restore.ports"):
                 # Ports held by the earlier instance of a unit that this restore replaces
                 # are freed by that replacement, not a conflict.
-                replaced = await _replaced_units(placed, sessions)
-                await check_ports_free(hosts, unit_ports(launch, topology), exempt=replaced)
+                previous = await previous_units(placed, sessions,
+                                                 previous_identity(request, artifact))
+                await check_ports_free(hosts, unit_ports(launch, topology),
+                                       exempt=[u for u, found in previous.items() if found])
         with ctx.span("restore.space"):
             await check_staging_space(
                 {n: hosts.host(n) for n in per_host},
                 {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
         with ctx.span("restore.stage"):
             outcome.staging = await _stage(hosts, store, per_host, ctx)
+        for s in outcome.staging:
+            ctx.staged[s.host] = (s.owned_bytes, s.sent_bytes)
 
-        runs = [RestoreRun(p, sessions[p.host]) for p in placed]
+        heads = set(service_heads(topology).values())
+        runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
+                           previous=previous.get(p.unit_id, [])) for p in placed]
         for r in runs:
             r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
             if r.placed.unit_id in replay_units:
@@ -207,7 +225,7 @@ async def restore(
             outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
                                                      topology, runs, warm=warm)
         except BaseException:
-            await _rollback(ctx, hosts, runs)
+            await _rollback(ctx, hosts, store, runs)
             raise
     return outcome
 
@@ -254,22 +272,6 @@ async def _stage(hosts: HostSet, store: LocalStore,
                 raise res
             raise OperationFailed("staging", f"host {name}: step stage: {res}") from res
     return [r for r in results if isinstance(r, HostStaging)]
-
-
-async def _replaced_units(placed: Sequence[PlacedUnit],
-                          sessions: dict[str, CapsuleSession]) -> list[str]:
-    """Units that already run restored (or replayed) on their destination host."""
-
-    async def one(p: PlacedUnit) -> str | None:
-        s = sessions[p.host]
-        for role in ("restore", "replay"):
-            found = await list_containers(
-                s, [f"{LABEL_UNIT}={p.unit_id}", f"{LABEL_ROLE}={role}"], stopped=False)
-            if found:
-                return p.unit_id
-        return None
-
-    return [u for u in await asyncio.gather(*(one(p) for p in placed)) if u]
 
 
 async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[RestoreRun],
@@ -321,16 +323,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
 
-    async def replace_previous(r: RestoreRun) -> None:
-        # reconcile-replace: a unit restored earlier on this host is replaced, not doubled.
-        s = r.session
-        for role in ("restore", "replay"):
-            old = await list_containers(
-                s, [f"{LABEL_UNIT}={r.placed.unit_id}", f"{LABEL_ROLE}={role}"])
-            for c in old:
-                await remove_container(s, c.id)
-
-    await phase(ctx, "replace", runs, replace_previous)
+    await phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous)
 
     async def start(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
@@ -351,6 +344,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, r.started))
     if warm:
         await phase(ctx, "hold-warm", snap, hold_warm)
+        await remove_previous(ctx, runs)
         return []
 
     async def gpus(r: RestoreRun) -> None:
@@ -369,10 +363,10 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         await phase(ctx, "replay", native, start_native)
 
     # One validation per service, on the unit that holds the service's first world rank.
-    heads = service_heads(topology)
-    targets = [r for r in runs if r.placed.unit_id in set(heads.values())]
+    targets = [r for r in runs if r.head]
     await phase(ctx, "validate", targets, lambda r: validate(r.session, r.started))
-    return sorted(heads)
+    await remove_previous(ctx, runs)
+    return sorted(service_heads(topology))
 
 
 async def hold_warm(r: RestoreRun) -> None:
@@ -384,13 +378,20 @@ async def hold_warm(r: RestoreRun) -> None:
                            GpuRecord(r.capsule_meta.captured_devices, dict(r.started.worker_pids)))
 
 
-async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[RestoreRun]) -> None:
-    """Remove every container this restore started."""
+async def _rollback(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                    runs: Sequence[RestoreRun]) -> None:
+    """Remove every container this restore started, then bring back the earlier instances
+    it stopped."""
 
-    async def undo(r: RestoreRun, s: CapsuleSession) -> RollbackOutcome:
+    async def undo(r: RestoreRun, s: CapsuleSession) -> Undone:
         # By label, not by handle: a container whose creation was in flight when its host
         # was lost has no handle, but it carries this operation's id.
         removed = await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
-        return "removed" if removed else "nothing to undo"
+        outcome: RollbackOutcome = "removed" if removed else "nothing to undo"
+        if not r.stopped:
+            return outcome
+        revived = [await revive(s, r, old, store) for old in r.stopped]
+        detail = "; ".join(text for _, text in revived)
+        return (outcome if all(ok for ok, _ in revived) else "failed"), detail
 
     await rollback_units(ctx, hosts, runs, undo)

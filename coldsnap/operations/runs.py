@@ -23,7 +23,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
@@ -131,9 +131,23 @@ class OperationRun:
             control_node=socket.gethostname(), started_at=self._started, state=state,
             completed_at=None if state == "running" else rfc3339_ns(time.time_ns()),
             kept_units=kept)
-        atomic_write_bytes(self.record_path,
-                           json.dumps(record.to_json(), indent=2, sort_keys=True).encode()
-                           + b"\n")
+        _write_record(self.record_path, record)
+
+
+def record_interrupted(store_root: Path, operation_id: str) -> None:
+    """The record of a run whose process died mid-operation (its lock is free, its record
+    still `running`) now says `failed`, nothing kept: whoever recovered it rolled it back."""
+    status = run_status(store_root, operation_id)
+    record = status.record
+    if status.running or record is None or record.state != "running":
+        return
+    done = replace(record, state="failed", completed_at=rfc3339_ns(time.time_ns()))
+    _write_record(_paths(store_root, operation_id)[1], done)
+
+
+def _write_record(path: Path, record: RunRecord) -> None:
+    atomic_write_bytes(path, json.dumps(record.to_json(), indent=2, sort_keys=True).encode()
+                       + b"\n")
 
 
 @dataclass(frozen=True)

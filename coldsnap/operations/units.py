@@ -7,7 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
-from coldsnap.capsule.runtime import LABEL_ARTIFACT, LABEL_OPERATION, LABEL_WORKLOAD
+from coldsnap.capsule.runtime import (
+    LABEL_ARTIFACT,
+    LABEL_ARTIFACT_DIGEST,
+    LABEL_OPERATION,
+    LABEL_WORKLOAD,
+)
 from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
 from coldsnap.formats.request import Launch, Mount, Validation, WeightsPolicy, Workload
@@ -47,15 +52,19 @@ def place_units(
     *,
     workload: Workload | None = None,
     artifact: str | None = None,
+    artifact_digest: str | None = None,
 ) -> list[PlacedUnit]:
     """Each unit as the capsule layer runs it on its host. With `weights` (capture), every
     worker's payload is located from `policy.weights.native`: `files_by_worker` paths are
     relative to the engine's model directory (from its command line) and mapped to the host
     through the unit's mounts; a `staged` entry names the host file directly. Containers are
-    labelled with the operation, the `workload` and the `artifact` they restore."""
+    labelled with the operation, the `workload` and the `artifact` they restore (its capture
+    id and the digest of its file)."""
     labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
     if artifact is not None:
         labels[LABEL_ARTIFACT] = artifact
+    if artifact_digest is not None:
+        labels[LABEL_ARTIFACT_DIGEST] = artifact_digest
     placed: list[PlacedUnit] = []
     for i, unit in enumerate(launch.units):
         host_facts = facts[unit.host]

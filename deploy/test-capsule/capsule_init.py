@@ -1,17 +1,163 @@
 #!/usr/bin/env python3
-"""Quiet PID 1 for capsule containers.
+"""Quiet PID 1 for capsule containers, and the confined launcher of the engine.
+
+    capsule-init                         PID 1: spawns nothing, reaps orphans
+    capsule-init launch --pid-floor N --stdin FILE --log FILE [--seccomp-filter B64] -- ARGV...
 
 CRIU restores the engine tree with its original PIDs, so PID 1 must never spawn anything that
-could take one of them. This shim spawns nothing: it reaps orphans (a restored engine is
-reparented to PID 1) and exits on SIGTERM/SIGINT so `docker stop` is prompt.
+could take one of them. As PID 1 this shim spawns nothing: it reaps orphans (a restored engine
+is reparented to PID 1) and exits on SIGTERM/SIGINT so `docker stop` is prompt.
+
+`launch` (run by coldsnapd through `docker exec`, with the container's capabilities) starts the
+engine confined: its own session, stdio on regular files, PIDs above N, then an empty
+capability bounding set, no inheritable or ambient capabilities, no-new-privs and the seccomp
+filter coldsnapd generated (coldsnap/capsule/seccomp.py) before the exec, so the engine tree
+holds no capability at all while CRIU, exec'd beside it, keeps the container's. It prints
+the engine's PID and returns at once; the engine is reparented to PID 1.
+
+PIDs above N without writing /proc/sys/kernel/ns_last_pid (Docker keeps /proc/sys read-only):
+the kernel hands out PIDs (thread ids included) cyclically, so short-lived threads are started
+until one gets a PID above N; the next fork, the engine, follows it. A restored tree's PIDs
+are set by CRIU itself (clone3 with set_tid), which does not move that cursor, so a fresh
+container's helpers (criu, its lazy-pages daemon) stay at low PIDs, clear of the tree.
+
+Standard library only: real capsules copy this file as they are (deploy/capsule/).
 """
 
+import argparse
+import base64
+import ctypes
 import os
 import signal
 import sys
+import threading
+
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# A ceiling, not the kernel's count: dropping a capability the kernel does not know fails
+# with EINVAL, which ends the loop.
+_CAP_CEILING = 64
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def confine(seccomp_filter: bytes | None) -> None:
+    """Empty bounding set, no inheritable or ambient capabilities, no-new-privs, then the
+    seccomp filter coldsnapd generated (`struct sock_filter[]`): after the next exec this
+    process holds no capability, can never gain one (not even from a setuid or
+    file-capability binary), and the filter stays on it and on all it starts."""
+    libc = _libc()
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                           ctypes.c_ulong]
+    for cap in range(_CAP_CEILING):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+                break
+            _check(-1, f"drop capability {cap} from the bounding set")
+    # Root keeps, across exec, whatever is in its inheritable set: empty it too.
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(libc.capget(ctypes.byref(header), data), "capget")
+    for d in data:
+        d.inheritable = 0
+    _check(libc.capset(ctypes.byref(header), data), "capset")
+    _check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if seccomp_filter:
+        if len(seccomp_filter) % 8:
+            raise ValueError("a seccomp filter is a whole number of 8-byte instructions")
+        buf = ctypes.create_string_buffer(seccomp_filter, len(seccomp_filter))
+        prog = _SockFprog(len(seccomp_filter) // 8, ctypes.addressof(buf))
+        _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0),
+               "seccomp filter")
+
+
+def advance_pids(floor: int, limit: int = 1 << 17) -> int:
+    """Start short-lived threads (each takes the next PID, as a fork would, at a fraction of
+    a fork's cost) until one gets a PID above `floor`; returns it, or 0 when none did."""
+    got: list[int] = []
+    for _ in range(limit):
+        thread = threading.Thread(target=lambda: got.append(threading.get_native_id()))
+        thread.start()
+        thread.join()
+        tid = got.pop()
+        if tid > floor:
+            return tid
+    return 0
+
+
+def launch(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="capsule-init launch")
+    p.add_argument("--pid-floor", type=int, required=True)
+    p.add_argument("--stdin", required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--seccomp-filter", default="",
+                   help="base64 of the struct sock_filter[] to install (none: no filter)")
+    p.add_argument("command", nargs="+")
+    args = p.parse_args(argv)
+    if not advance_pids(args.pid_floor):
+        print(f"capsule-init: could not get a PID above {args.pid_floor}", file=sys.stderr)
+        return 1
+    # The child reports a failed confinement or exec through this pipe (closed on exec).
+    r, w = os.pipe()
+    os.set_inheritable(w, False)
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setsid()
+            stdin = os.open(args.stdin, os.O_RDONLY)
+            log = os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(stdin, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(stdin)
+            os.close(log)
+            confine(base64.b64decode(args.seccomp_filter, validate=True))
+            os.execvp(args.command[0], args.command)  # noqa: S606 (an argv list, no shell)
+        except BaseException as exc:  # reported to the parent, then exit
+            os.write(w, f"{type(exc).__name__}: {exc}".encode())
+        os._exit(127)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        failure = pipe.read().decode(errors="replace")
+    if failure:
+        os.waitpid(pid, 0)
+        print(f"capsule-init: cannot start {args.command[0]}: {failure}", file=sys.stderr)
+        return 1
+    print(pid, flush=True)
+    return 0
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["launch"]:
+        return launch(sys.argv[2:])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     # SIGCHLD is ignored by default, which would leave pause() asleep while orphans die.

@@ -8,9 +8,9 @@
 
 --api defaults to vllm; --port to 8000 (vllm) or 30000 (sglang); --master-addr to
 $MASTER_ADDR else 127.0.0.1 and --master-port to $MASTER_PORT else 29500 (as torch);
---served-model-name to the model dir. --hold-undumpable makes the API process open a perf event
-fd at start and keep it: CRIU has no dumper for it, so a dump of the tree is refused (a test
-knob).
+--served-model-name to the model dir. --hold-undumpable makes the API process open a TCP
+connection to itself at start and keep it: CRIU refuses to dump a connected TCP socket without
+--tcp-established, so a dump of the tree is refused (a test knob).
 
 Processes, shaped like a real engine at MiB-to-GiB scale and without a GPU:
 - one API process serving HTTP on TCP (--host, --port), plus one EXEC'd worker process per
@@ -92,15 +92,12 @@ engine_http.py (the HTTP surfaces) and cuda_checkpoint_sim.py next to it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import itertools
 import json
 import os
-import platform
 import random
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -503,7 +500,8 @@ class Engine:
         self.control = threading.Lock()  # one sleep/wake/reload at a time
         self.placement: dict[str, Any] | None = None
         self.placement_digest: str | None = None
-        self.undumpable: int | None = None  # the perf event fd of --hold-undumpable
+        # the loopback TCP connection of --hold-undumpable
+        self.undumpable: tuple[socket.socket, socket.socket] | None = None
 
     def call_all(self, op: str, timeout: float, **kw: Any) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{} for _ in self.channels]
@@ -636,23 +634,15 @@ class Engine:
             return 200, [None for _ in results]
 
 
-PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
-
-
-def open_perf_event() -> int:
-    """perf_event_open(software CPU clock, this process): needs no PMU, works in containers.
-    CRIU has no dumper for it ("Can't dump file ... anon_inode:[perf_event]")."""
-    nr = PERF_EVENT_OPEN.get(platform.machine())
-    if nr is None:
-        raise OSError(f"perf_event_open: unknown syscall number on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    # struct perf_event_attr: type=PERF_TYPE_SOFTWARE(1), size=128, config=CPU_CLOCK(0)
-    attr = ctypes.create_string_buffer(struct.pack("<IIQ", 1, 128, 0), 128)
-    fd = int(libc.syscall(nr, attr, 0, -1, -1, 0))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
+def open_undumpable() -> tuple[socket.socket, socket.socket]:
+    """An established TCP connection of this process to itself over loopback. CRIU dumps a
+    connected TCP socket only when told to (--tcp-established, which coldsnapd does not pass),
+    and an engine confined by its seccomp filter may still open one (a perf event fd, the
+    earlier knob, is refused by the filter)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
 
 
 def start_workers(args: argparse.Namespace, manifest: dict[str, Any]) -> list[Channel]:
@@ -675,7 +665,7 @@ def start_workers(args: argparse.Namespace, manifest: dict[str, Any]) -> list[Ch
 def serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else DEFAULT_PORTS[args.api]
     # Opened before the workers start (they do not inherit it) and kept for the process's life.
-    undumpable = open_perf_event() if args.hold_undumpable else None
+    undumpable = open_undumpable() if args.hold_undumpable else None
     manifest = load_manifest()
     channels = start_workers(args, manifest)
     # Workers warm up in parallel; the API opens only once all of them are ready.
@@ -718,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--warmup-rounds", type=int, default=4,
                    help="digest rounds per weight chunk: the CPU cost of warm-up")
     s.add_argument("--hold-undumpable", action="store_true",
-                   help="keep a perf event fd open so that a CRIU dump is refused (tests)")
+                   help="keep a TCP connection open so that a CRIU dump is refused (tests)")
     w = sub.add_parser("worker", help="internal: one worker process, started by serve")
     w.add_argument("--channel-fd", type=int, required=True)
     w.add_argument("--slot", type=int, required=True)

@@ -53,3 +53,26 @@ def engine_view_sync(container: Any) -> dict[str, Any]:
     """The same through a docker SDK container object."""
     code, out = container.exec_run(["python3", "-c", _SCRIPT])
     return _parse(int(code), out.decode(errors="replace"))
+
+
+_CONFINEMENT = r"""
+import json, sys
+out = {}
+for pid in sys.argv[1:]:
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+    out[pid] = {k: fields[k].strip() for k in ("CapBnd", "CapEff", "CapPrm", "NoNewPrivs",
+                                               "Seccomp")}
+print(json.dumps(out))
+"""
+
+
+async def confinement(s: CapsuleSession, container: Any, pids: list[int]) -> dict[int, dict[
+        str, str]]:
+    """What /proc/PID/status says of each process's capabilities, no-new-privs and seccomp."""
+    out = await s.exec(container, ["python3", "-c", _CONFINEMENT, *map(str, pids)])
+    assert out.ok, out.tail()
+    return {int(k): v for k, v in json.loads(out.stdout).items()}
+
+
+CONFINED = {"CapBnd": "0000000000000000", "CapEff": "0000000000000000",
+            "CapPrm": "0000000000000000", "NoNewPrivs": "1", "Seccomp": "2"}

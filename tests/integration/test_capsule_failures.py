@@ -56,7 +56,8 @@ async def test_dump_refused_by_criu_leaves_original_serving(
     models = None
     try:
         models = await put_shards(h0, 2, 1024 * 1024)
-        # The engine holds a perf event fd: a kernel object CRIU has no dumper for.
+        # The engine holds a connected TCP socket, which CRIU dumps only with
+        # --tcp-established (not passed).
         spec = unit_spec(capsule_ref, h0, unit_id, 2, models,
                          extra_args=("--hold-undumpable",))
         h = await start_unit(s, spec)
@@ -69,7 +70,7 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         e = err.value
         assert (e.host, e.unit, e.step) == ("host-0", unit_id, "dump")
         assert "host-0" in str(e) and unit_id in str(e)
-        assert "perf_event" in e.detail, e.detail  # CRIU's own reason is passed on
+        assert "Connected TCP socket" in e.detail, e.detail  # CRIU's own reason is passed on
 
         # the original keeps serving: GPUs running again, awake, right answer
         view = await engine_view(s, c)

@@ -46,7 +46,7 @@ from tests.integration.capsule_fixtures import (
     unit_containers,
     unit_spec,
 )
-from tests.integration.engine_view import engine_view
+from tests.integration.engine_view import CONFINED, confinement, engine_view
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ async def test_capture_on_host0_restore_on_host1(
         staged = await stage(h0, h1, capsule)
         spec1 = for_host(spec0, h1, models1)
         probe = await probe_criu(s1, capsule.base_image, unit=unit_id)
-        assert "Looks good" in probe.output
+        assert "clone3_set_tid is supported" in probe.output
         assert await load_capsule(s1, capsule, staged) == capsule.image_id
         r = await start_restore_container(s1, spec1, capsule)
         await criu_restore(s1, r, lazy=lazy)
@@ -152,6 +152,11 @@ async def test_capture_on_host0_restore_on_host1(
         # PIDs inside the container are the captured ones
         assert [(w["rank"], w["pid"]) for w in after["workers"]] == [
             (w["rank"], w["pid"]) for w in before["workers"]]
+        # CRIU brought the tree back confined as it was launched: no capability,
+        # no-new-privs, the engine's seccomp filter
+        restored_tree = [capsule.engine_pid, *capsule.worker_pids.values()]
+        for pid, confined in (await confinement(s1, c1, restored_tree)).items():
+            assert confined == CONFINED, (pid, confined)
         # warm-up did not run again: the counter files travelled in the capsule, still 1
         assert after["warmups"] == before["warmups"]
         # simulated GPU UUIDs were remapped to host-1's

@@ -8,7 +8,7 @@ import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
 from coldsnap.capsule.capture import split_reference
-from coldsnap.capsule.restore import criu_version
+from coldsnap.capsule.restore import criu_check_passed, criu_version
 from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
 
 DIGEST = "sha256:" + "ab" * 32
@@ -73,6 +73,20 @@ def test_docker_name_is_safe_for_names_repositories_and_tags() -> None:
 def test_criu_version_is_read_from_the_probe_output() -> None:
     assert criu_version("Version: 4.2.1\nLooks good.") == "4.2.1"
     assert criu_version("Looks good.") is None
+
+
+def test_criu_check_accepts_a_read_only_ns_last_pid_only_when_clone3_sets_pids() -> None:
+    read_only = ("Error (criu/cr-check.c:160): sys/kernel/ns_last_pid sysctl is inaccessible: "
+                 "Read-only file system\n")
+    tun = "Error (criu/tun.c:85): tun: Unable to create tun: No such file or directory\n"
+    looks_bad = "Warn  (criu/cr-check.c:1674): Does not look good.\n"
+    supported = "clone3_set_tid is supported\n"
+    assert criu_check_passed("Version: 4.2.1\nLooks good.\n")
+    assert criu_check_passed(supported + tun + read_only + looks_bad)
+    assert not criu_check_passed(tun + read_only + looks_bad)
+    other = "Error (criu/cr-check.c:99): Kernel doesn't support PTRACE_O_SUSPEND_SECCOMP\n"
+    assert not criu_check_passed(supported + read_only + other + looks_bad)
+    assert not criu_check_passed(supported + tun + looks_bad)
 
 
 def test_unit_environment_carries_identity_and_devices() -> None:

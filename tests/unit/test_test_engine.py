@@ -526,7 +526,7 @@ def test_missing_interface_keeps_health_503_with_one_log_line(
     assert not tcp_sockets(u.workers[0]) and not tcp_sockets(u.workers[1])
 
 
-def test_hold_undumpable_keeps_a_perf_event_open(tmp_path: Path) -> None:
+def test_hold_undumpable_keeps_a_tcp_connection_to_itself(tmp_path: Path) -> None:
     model = make_model(tmp_path, 1)
     [port] = free_ports(1)
     env = {**os.environ, "CUDA_SIM_STATE_DIR": str(tmp_path / "sim"),
@@ -536,14 +536,13 @@ def test_hold_undumpable_keeps_a_perf_event_open(tmp_path: Path) -> None:
          "--port", str(port), "--model-dir", str(model), "--hold-undumpable"],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        def perf() -> bool:
+        def connected() -> bool:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            targets = set()
-            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-                with contextlib.suppress(OSError):
-                    targets.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
-            return any("perf_event" in t for t in targets)
-        wait_for("the perf event fd", perf, 10)
+            established = [s for s in tcp_sockets(proc.pid) if s[0] == "01"]
+            # both ends of one loopback connection: each one's peer is the other one
+            ends = {(local, rport) for _, local, _, rport in established}
+            return any((rport, local) in ends for local, rport in ends)
+        wait_for("the loopback TCP connection", connected, 10)
     finally:
         proc.kill()
         proc.wait(10)

@@ -1,0 +1,90 @@
+"""`coldsnapd serve [--socket PATH] [--state-dir DIR] [--metrics-listen ADDR:PORT]`."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+from coldsnap.commands.common import add_store_argument, open_store, report_failure
+from coldsnap.commands.operation import DEFAULT_INVENTORY, inventory_path
+from coldsnap.exits import EXIT_FAILED
+from coldsnap.hosts.inventory import InventoryError, load_inventory
+from coldsnap.service.client import DEFAULT_SOCKET
+from coldsnap.service.daemon import ServeConfig, ServeError, serve
+
+DEFAULT_STATE_DIR = "/var/lib/coldsnap/service"
+
+
+def parse_listen(text: str) -> tuple[str, int] | str:
+    """(address, port) from `ADDR:PORT` (`[V6]:PORT` for IPv6), or why not."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--metrics-listen {text!r}: must be ADDR:PORT with a port from 1 to 65535"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return f"--metrics-listen {text!r}: {host!r} is not an IP address"
+    return host, int(port)
+
+
+def _handler(args: argparse.Namespace) -> int:
+    listen = None
+    if args.metrics_listen is not None:
+        parsed = parse_listen(args.metrics_listen)
+        if isinstance(parsed, str):
+            return report_failure(parsed)
+        listen = parsed
+    if args.drain_seconds < 0 or args.host_check_seconds <= 0:
+        return report_failure("--drain-seconds must be 0 or more, --host-check-seconds more than 0")
+    inventory = inventory_path(args).absolute()
+    try:
+        hosts = load_inventory(inventory)
+    except InventoryError as exc:
+        return report_failure(str(exc))
+    store = open_store(args).ensure()
+    config = ServeConfig(
+        socket=args.socket.absolute(), state_dir=args.state_dir.absolute(),
+        inventory_path=inventory, inventory=hosts, store=store.root.absolute(),
+        drain_seconds=args.drain_seconds, metrics_listen=listen,
+        socket_group=args.socket_group or None, host_check_s=args.host_check_seconds,
+        verbose=args.verbose)
+    try:
+        return serve(config)
+    except (ServeError, OSError) as exc:
+        return report_failure(f"serve: {exc}", EXIT_FAILED)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the control node's service (systemd Type=notify)",
+        description="Serve the job API (HTTP and JSON) on a unix socket: the CLI's capture, "
+                    "restore, sleep, wake and status submit to it when it answers. Jobs are "
+                    "kept in SQLite under --state-dir; two jobs on the same host and unit, or "
+                    "the same capture, run one after the other. At start, jobs a crash "
+                    "interrupted are rolled back and marked failed (interrupted). SIGTERM "
+                    "stops intake, lets running jobs finish for --drain-seconds, then "
+                    "cancels them (rolled back); exit 0 when every job ended cleanly.")
+    parser.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET), metavar="PATH",
+                        help=f"the API socket, mode 0660 (default {DEFAULT_SOCKET}); systemd "
+                             "socket activation is used when it passes one")
+    parser.add_argument("--socket-group", default="coldsnap", metavar="GROUP",
+                        help="group owning the socket (default coldsnap; '' keeps root's)")
+    parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
+                        metavar="DIR", help=f"the job store (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--metrics-listen", metavar="ADDR:PORT", default=None,
+                        help="also serve GET /metrics (Prometheus) on this TCP address")
+    parser.add_argument("--drain-seconds", type=float, default=240.0, metavar="S",
+                        help="on SIGTERM, how long running jobs may go on before they are "
+                             "cancelled (default 240)")
+    parser.add_argument("--host-check-seconds", type=float, default=60.0, metavar="S",
+                        help="how often every inventory host is checked over SSH for the "
+                             "coldsnapd_host_reachable metric (default 60)")
+    parser.add_argument(
+        "--inventory", type=Path, default=None, metavar="FILE",
+        help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")
+    add_store_argument(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    parser.set_defaults(handler=_handler)

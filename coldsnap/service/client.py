@@ -1,0 +1,238 @@
+"""The CLI's side of the service: an operation command submits to `coldsnapd serve` when its
+socket answers, and then behaves as if it ran the operation itself: the job's stderr lines on
+stderr, its reports on stdout, its timing events to `--timing-events`, its receipt to
+`--receipt-json`, and the job's exit status. SIGINT/SIGTERM ask the service to cancel the job
+(its rollback runs there) and the command still waits for the receipt; a third signal leaves
+at once, as in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from coldsnap.commands.common import report_failure
+from coldsnap.commands.gate import (
+    AlreadyDone,
+    Refused,
+    answer_again,
+    check_receipt_target,
+    discard_events,
+    open_events_target,
+)
+from coldsnap.commands.signals import OperationSignals
+from coldsnap.exits import EXIT_FAILED
+from coldsnap.formats.receipt import Receipt
+from coldsnap.formats.request import Request
+from coldsnap.formats.timing import TimingEvent
+from coldsnap.operations.context import EventSink, ReceiptKey, write_receipt
+
+DEFAULT_SOCKET = "/run/coldsnap/coldsnapd.sock"
+CALL_TIMEOUT_S = 30.0
+# The service sends a heartbeat every 15 s while a job is quiet: a minute of silence is a
+# lost service.
+STREAM_READ_TIMEOUT_S = 60.0
+
+
+class ServiceLost(Exception):
+    """The service stopped answering."""
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    given = getattr(args, "socket", None)
+    return Path(given or os.environ.get("COLDSNAP_SOCKET") or DEFAULT_SOCKET)
+
+
+def answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket at `path`."""
+    if not path.is_socket():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+class ServiceClient:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> ServiceClient:
+        self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(self.path)))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        assert self._session is not None
+        await self._session.close()
+
+    async def call(self, method: str, path: str,
+                   body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        assert self._session is not None
+        try:
+            async with self._session.request(
+                    method, f"http://coldsnapd{path}", json=body,
+                    timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)) as response:
+                doc = await response.json(content_type=None)
+                return response.status, doc if isinstance(doc, dict) else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise ServiceLost(f"the service at {self.path} did not answer {method} {path}: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+    async def events(self, job_id: str, start: int) -> AsyncIterator[dict[str, Any]]:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CALL_TIMEOUT_S,
+                                        sock_read=STREAM_READ_TIMEOUT_S)
+        try:
+            async with self._session.get(f"http://coldsnapd/v1/jobs/{job_id}/events",
+                                         params={"from": str(start)},
+                                         timeout=timeout) as response:
+                if response.status != 200:
+                    raise ServiceLost(f"the service cannot follow job {job_id} "
+                                      f"(HTTP {response.status})")
+                async for line in response.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise ServiceLost(f"lost the service at {self.path} while following job "
+                              f"{job_id}: {type(exc).__name__}: {exc}") from None
+
+
+def submit_if_serving(args: argparse.Namespace, operation: str,
+                      request: Request | None) -> int | None:
+    """The exit status of the operation run by the service, or None when no service answers
+    (the command then runs it in-process)."""
+    path = socket_path(args)
+    if not answers(path):
+        return None
+    if request is not None:
+        key = ReceiptKey(request.id, operation, request.request_sha256)
+        try:
+            check_receipt_target(args.receipt_json, key,
+                                 prepare_only=bool(getattr(args, "prepare_only", False)))
+        except Refused as exc:
+            return report_failure(str(exc))
+        except AlreadyDone as done:
+            return answer_again(done.receipt, args.receipt_json)
+    return asyncio.run(_submit(args, operation, request, path))
+
+
+def _differs(args: argparse.Namespace, info: dict[str, Any]) -> str | None:
+    """A refusal when the command names another inventory or store than the service's."""
+    for flag, given, env, theirs in (
+            ("--inventory", args.inventory, "COLDSNAP_INVENTORY", info.get("inventory")),
+            ("--store", args.store, "COLDSNAP_STORE", info.get("store"))):
+        mine = given or os.environ.get(env)
+        if mine and theirs and os.path.realpath(mine) != os.path.realpath(theirs):
+            return (f"{flag} {mine} is not the service's ({theirs}); the service runs with its "
+                    "own; add --local to run in this process with yours")
+    return None
+
+
+def _submission(args: argparse.Namespace, operation: str,
+                request: Request | None) -> dict[str, Any]:
+    names = ("artifact", "prepare_only", "fallback", "json", "verbose", "deadline")
+    options = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return {"operation": operation, "request": request.canonical() if request else None,
+            "options": options, "wait": bool(getattr(args, "wait", True))}
+
+
+async def _submit(args: argparse.Namespace, operation: str, request: Request | None,
+                  path: Path) -> int:
+    async with ServiceClient(path) as client:
+        try:
+            status, info = await client.call("GET", "/v1/info")
+            if status != 200:
+                return report_failure(f"{path} does not answer as coldsnapd serve "
+                                      f"(HTTP {status})", EXIT_FAILED)
+            problem = _differs(args, info)
+            if problem:
+                return report_failure(problem)
+            try:
+                events = open_events_target(args.timing_events)
+            except Refused as exc:
+                return report_failure(str(exc))
+            status, reply = await client.call("POST", "/v1/jobs",
+                                              _submission(args, operation, request))
+        except ServiceLost as exc:
+            return report_failure(str(exc), EXIT_FAILED)
+        if status != 201:
+            discard_events(events, args.timing_events)
+            if "already" in reply:
+                return answer_again(Receipt.model_validate(reply["already"]), args.receipt_json)
+            for line in reply.get("lines") or []:
+                sys.stderr.write(line + "\n")
+            return report_failure(str(reply.get("error", f"HTTP {status}")),
+                        int(reply.get("exit_status", EXIT_FAILED)))
+        job_id = str(reply["job"])
+        sys.stderr.write(f"coldsnapd: {operation} {job_id} runs in the service at {path}\n")
+        with OperationSignals(job_id) as signals:
+            return await signals.cancellable(_follow(client, args, job_id, events, signals))
+
+
+async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
+                  events: Any, signals: OperationSignals) -> int:
+    sink = EventSink(events)
+    # The receipt or the timing events may own stdout: then reports go to stderr, as the
+    # status command does in-process.
+    report = sys.stderr if "-" in (args.receipt_json, args.timing_events) else sys.stdout
+    index = 0
+    try:
+        while True:
+            try:
+                async for item in client.events(job_id, index):
+                    kind = item.get("kind")
+                    if kind == "heartbeat":
+                        continue
+                    index += 1
+                    if kind == "stderr":
+                        sys.stderr.write(item["text"] + "\n")
+                    elif kind == "stdout":
+                        report.write(item["text"] + "\n")
+                    elif kind == "timing":
+                        sink(TimingEvent.model_validate(item["event"]))
+                    elif kind == "end":
+                        return _end(args, item)
+                raise ServiceLost(f"the service ended job {job_id}'s stream early")
+            except asyncio.CancelledError:
+                if signals.first is None:
+                    raise
+                # The first signal: the service cancels the job and rolls it back; this
+                # command waits for the receipt as it would in-process.
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                await client.call("POST", f"/v1/jobs/{job_id}/cancel",
+                                  {"signal": signals.first.name})
+    except ServiceLost as exc:
+        return report_failure(f"{exc}; `coldsnapd jobs show {job_id}` says how it ended once the "
+                    "service is back", EXIT_FAILED)
+    finally:
+        sink.close()
+
+
+def _end(args: argparse.Namespace, item: dict[str, Any]) -> int:
+    status = int(item["exit_status"])
+    receipt = Receipt.model_validate(item["receipt"])
+    try:
+        write_receipt(receipt, args.receipt_json)
+    except OSError as exc:
+        return report_failure(f"cannot write the receipt to {args.receipt_json}: {exc}",
+                              EXIT_FAILED)
+    return status

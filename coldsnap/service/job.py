@@ -1,0 +1,112 @@
+"""One job of the service: an admitted operation, run by the same code as the CLI's
+(`execute`, `conclude` of coldsnap.commands.operation) as a task on the service's loop.
+
+Cancelling a job (`jobs cancel`, the submitting CLI's Ctrl-C, the end of the SIGTERM drain)
+cancels its operation's task once, as the CLI's first signal does: the operation rolls back
+under `asyncio.shield`, and its receipt is `failed` with the error code `cancelled`. Later
+cancels never interrupt that rollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coldsnap.commands.gate import Admission
+from coldsnap.commands.operation import Prepared, as_failure, conclude, execute
+from coldsnap.commands.signals import cancelled_by
+from coldsnap.formats.receipt import Receipt, ReceiptResult
+from coldsnap.operations.context import OperationCancelled, OperationContext, OperationFailed
+from coldsnap.operations.runs import OperationRun
+from coldsnap.progress import ProgressBoard
+from coldsnap.service.output import JobOutput, TimingFeed, route_to, unroute
+
+
+@dataclass
+class Ended:
+    """How a job ended, for the job store, its followers and the metrics."""
+
+    receipt: Receipt
+    exit_status: int
+    ctx: OperationContext
+    started: bool
+
+
+@dataclass
+class Job:
+    prepared: Prepared
+    admission: Admission
+    uid: int
+    output: JobOutput
+    on_end: Callable[[Job, Ended], None]
+    verbose: bool = False
+    waiting_for: str | None = None
+    cancel_signal: signal.Signals | None = None
+    task: asyncio.Task[None] | None = None
+    _operation: asyncio.Future[ReceiptResult] | None = field(default=None, repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.prepared.key.operation_id
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None
+
+    def say(self, message: str) -> None:
+        """A line on the job's stderr, as the CLI's own messages read."""
+        self.output.write("stderr", f"coldsnapd: {message}\n")
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"job {self.id}")
+
+    def cancel(self, sig: signal.Signals, why: str) -> str:
+        """Cancel once; what happened, for the one who asked."""
+        if self.cancel_signal is not None:
+            return f"job {self.id} is already being cancelled; its rollback goes on"
+        self.cancel_signal = sig
+        self.say(f"{why}: cancelling {self.prepared.operation} {self.id}"
+                 + (" and rolling back its units" if self.running else " (it had not started)"))
+        if self.task is None:
+            self._end_unstarted(OperationCancelled(int(sig)))
+        elif self._operation is not None:
+            self._operation.cancel()
+        return f"job {self.id} is being cancelled"
+
+    def _context(self) -> OperationContext:
+        return OperationContext(self.prepared.operation, operation_id=self.id,
+                                timing_events=TimingFeed(self.output))
+
+    def _end_unstarted(self, error: OperationFailed) -> None:
+        token = route_to(self.output)
+        try:
+            ctx = self._context()
+            receipt, status = conclude(self.prepared, self.admission, ctx, None, error, None)
+        finally:
+            unroute(token)
+        self.on_end(self, Ended(receipt, status, ctx, started=False))
+
+    async def _run(self) -> None:
+        route_to(self.output)  # this task's context only: its writes are the job's
+        ctx = self._context()
+        board = ProgressBoard(tty=False)
+        ctx.progress = board
+        result: ReceiptResult | None = None
+        error: OperationFailed | None = None
+        try:
+            with board, OperationRun(self.prepared.store_root, ctx):
+                if self.cancel_signal is not None:
+                    raise OperationCancelled(int(self.cancel_signal))
+                self._operation = asyncio.ensure_future(execute(self.prepared, ctx))
+                try:
+                    result = await self._operation
+                except (asyncio.CancelledError, Exception) as exc:
+                    if self.cancel_signal is None:
+                        raise
+                    raise cancelled_by(self.cancel_signal, exc) from exc
+        except Exception as exc:
+            error = as_failure(exc, verbose=self.verbose)
+        receipt, status = conclude(self.prepared, self.admission, ctx, result, error, None)
+        self.on_end(self, Ended(receipt, status, ctx, started=True))

@@ -1,0 +1,110 @@
+"""Crash recovery at start: every job the job store still shows `running` or `queued` was
+interrupted by the end of the service's previous process (kill -9, a crash, the machine).
+
+Nothing is resumed. A job that was running is rolled back as `coldsnapd gc --operation ID`
+would: on every host it touched, the containers labelled with its operation are judged from
+the run records and removed (its run record says `running` and its lock is free, so they are
+orphans). Its run record then says `failed`, its operation record holds its receipt (`failed`,
+error code `interrupted`, with what the rollback did per unit), and so does its row. A queued
+job never touched a host: it only gets its receipt.
+
+A job whose operation finished before the process died (its receipt is in the store's
+operation record already) keeps that receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from coldsnap.commands.gc import Container, HostResult, Judge, gc_host
+from coldsnap.formats.receipt import Receipt, ReceiptResult
+from coldsnap.hosts.inventory import Inventory
+from coldsnap.hosts.pool import HostPool
+from coldsnap.operations.context import OperationContext, OperationFailed, UnitRollback
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.runs import record_interrupted
+from coldsnap.service.jobs import ACTIVE, JobRow, JobStore
+from coldsnap.store import StoreError
+from coldsnap.store.operations import OperationRecords
+
+
+async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> list[str]:
+    """Recover every interrupted job; one line per job saying what was done."""
+    rows = jobs.list(ACTIVE)
+    if not rows:
+        return []
+    judge = Judge(store_root)
+    async with HostPool(inventory) as pool:
+        hosts = HostSet(inventory, pool)
+        return list(await asyncio.gather(*(_recover(jobs, hosts, judge, store_root, row)
+                                           for row in rows)))
+
+
+async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Path,
+                   row: JobRow) -> str:
+    records = OperationRecords(store_root)
+    try:
+        record = records.load(row.id)
+    except StoreError:
+        record = None
+    if record is not None and record.state != "running" and record.receipt is not None:
+        receipt = record.receipt
+        _finish(jobs, row, receipt)
+        return f"job {row.id}: had ended ({receipt.state}) before the service stopped"
+    ctx = OperationContext(row.operation, operation_id=row.id)  # type: ignore[arg-type]
+    if row.started_ns is not None:
+        ctx.started_ns = row.started_ns
+    if row.state == "running":
+        ctx.rollback = await _roll_back(hosts, judge, row)
+        record_interrupted(store_root, row.id)
+        why = "coldsnapd stopped while this job was running; recovered when it started again"
+    else:
+        why = "coldsnapd stopped before this job started; nothing ran"
+    result = ReceiptResult(operation_id_generated=True) if row.options.get("id_generated") \
+        else None
+    receipt = ctx.finish(request_sha256=row.request_sha256, engine=row.options["engine"],
+                         snapshot_driver=row.options["snapshot_driver"],
+                         prepare_only=bool(row.options.get("prepare_only")), result=result,
+                         error=OperationFailed("interrupted", why))
+    if not row.options.get("prepare_only"):
+        records.complete(receipt)
+    _finish(jobs, row, receipt)
+    return f"job {row.id}: {receipt.error.message if receipt.error else receipt.state}"
+
+
+def _finish(jobs: JobStore, row: JobRow, receipt: Receipt) -> None:
+    error = receipt.error
+    jobs.finished(row.id, "succeeded" if error is None else "failed",
+                  exit_status=0 if error is None else 1,
+                  error_code=error.code if error else None, receipt=receipt.to_json())
+
+
+async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow) -> list[UnitRollback]:
+    """What the gc of the job's operation did to each of its units, host by host."""
+    results: list[HostResult] = list(await asyncio.gather(*(
+        gc_host(hosts, host, judge, row.id, dry_run=False) for host in row.hosts
+        if host in hosts.entries)))
+    by_host = {r.host: r for r in results}
+    out: list[UnitRollback] = []
+    for host, unit in row.units:
+        result = by_host.get(host)
+        if result is None:
+            out.append(UnitRollback(host, unit, "failed", "host not in the inventory"))
+            continue
+        if result.error:
+            out.append(UnitRollback(host, unit, "failed", f"cleanup unconfirmed: {result.error}"))
+            continue
+        mine: list[Container] = [c for c in result.containers if c.unit == unit]
+        failed = [c for c in mine if c.error or (c.orphan and not c.removed)]
+        if failed:
+            out.append(UnitRollback(host, unit, "failed",
+                                    "; ".join(f"{c.name}: {c.error or c.reason}" for c in failed)))
+        elif any(c.removed for c in mine):
+            out.append(UnitRollback(host, unit, "removed"))
+        elif mine:
+            out.append(UnitRollback(host, unit, "back as it was",
+                                    "; ".join(f"{c.name} kept: {c.reason}" for c in mine)))
+        else:
+            out.append(UnitRollback(host, unit, "nothing to undo"))
+    return out

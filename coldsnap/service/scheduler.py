@@ -1,0 +1,199 @@
+"""The service's jobs in flight: admission, conflicts, the queue, cancellation and the drain.
+
+Two jobs conflict when they share a (host, unit) or a capture id (`Touches.shared_with`). A job
+waits until no running job and no job queued before it conflicts with it (first come, first
+served: a later job never overtakes an earlier one on the same units); jobs on disjoint units
+run at once. With `wait: false` a job that would wait is refused instead, and nothing of it is
+recorded: its id stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from coldsnap.commands.gate import AlreadyDone, Refused, admit
+from coldsnap.commands.operation import Touches
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.service.job import Ended, Job
+from coldsnap.service.jobs import JobState, JobStore
+from coldsnap.service.metrics import Metrics
+from coldsnap.service.output import JobOutput, route_to, unroute
+from coldsnap.service.submission import OPERATIONS, SubmissionInvalid, parse_submission
+
+# After the drain's grace period, how long the cancelled jobs' rollbacks may take (each
+# rollback bounds itself at about 150 s; this is the backstop).
+ROLLBACK_BACKSTOP_S = 300.0
+
+# How many ended jobs' lines stay in memory for late followers.
+KEEP_OUTPUTS = 100
+
+Reply = tuple[int, dict[str, Any]]
+
+
+class Scheduler:
+    def __init__(self, store: JobStore, metrics: Metrics, *, inventory: Path, store_root: Path,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.jobs = store
+        self.metrics = metrics
+        self.inventory = inventory
+        self.store_root = store_root
+        self.on_change = on_change
+        self.active: dict[str, Job] = {}  # queued and running, in submission order
+        self.outputs: dict[str, JobOutput] = {}  # every job this process ran, to follow
+        self.recovering = True
+        self.draining = False
+        self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
+
+    @property
+    def running(self) -> list[Job]:
+        return [j for j in self.active.values() if j.running]
+
+    @property
+    def queued(self) -> list[Job]:
+        return [j for j in self.active.values() if not j.running]
+
+    def status_line(self) -> str:
+        state = "draining; " if self.draining else "recovering; " if self.recovering else ""
+        return f"{state}{len(self.running)} job(s) running, {len(self.queued)} queued"
+
+    def submit(self, doc: Any, uid: int) -> Reply:
+        if self.draining:
+            return 503, {"error": "coldsnapd is shutting down and accepts no job",
+                         "exit_status": EXIT_FAILED}
+        try:
+            sub = parse_submission(doc)
+        except SubmissionInvalid as exc:
+            return 400, {"error": "invalid submission", "lines": exc.lines,
+                         "exit_status": EXIT_BAD_INPUT}
+        output = JobOutput(asyncio.get_running_loop())
+        # What the command's checks say (a refusal names its reason on stderr) is collected
+        # and sent back instead of reaching the service's journal.
+        token = route_to(output)
+        try:
+            prepared = OPERATIONS[sub.operation].prepare(
+                sub.args(self.inventory, self.store_root), sub.request)
+        except Exception as exc:  # an inventory or store the service cannot read
+            output.write("stderr", f"coldsnapd: {type(exc).__name__}: {exc}\n")
+            prepared = EXIT_BAD_INPUT
+        finally:
+            unroute(token)
+        if isinstance(prepared, int):
+            output.end({})
+            return 400, {"error": "refused", "lines": output.lines(), "exit_status": prepared}
+        key = prepared.key
+        if key.operation_id in self.active:
+            return 409, {"error": f"job {key.operation_id} is already queued or running",
+                         "exit_status": EXIT_BAD_INPUT}
+        blockers = self._blockers(prepared.touches, before=None)
+        if blockers and not sub.wait:
+            return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
+                                  f"{blockers}; refused (wait: false)",
+                         "exit_status": EXIT_BAD_INPUT}
+        args = sub.args(self.inventory, self.store_root)
+        try:
+            admission = admit(args, prepared.store_root, key, prepare_only=prepared.prepare_only,
+                              id_generated=prepared.id_generated)
+        except Refused as exc:
+            return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
+        except AlreadyDone as done:
+            return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
+        job = Job(prepared, admission, uid, output, self._ended,
+                  verbose=bool(sub.options.get("verbose")))
+        t = prepared.touches
+        self.jobs.add(id=job.id, operation=sub.operation,
+                      request=sub.request.canonical() if sub.request else None,
+                      request_sha256=key.request_sha256,
+                      options={**sub.options, "engine": prepared.engine,
+                               "snapshot_driver": prepared.snapshot_driver,
+                               "id_generated": prepared.id_generated},
+                      uid=uid, units=t.units, captures=t.captures)
+        self.active[job.id] = job
+        self.outputs[job.id] = output
+        self.pump()
+        return 201, {"job": job.id, "state": "running" if job.running else "queued",
+                     "waiting_for": job.waiting_for}
+
+    def _blockers(self, touches: Touches, before: str | None) -> str | None:
+        """The jobs a job touching `touches` waits for (those running, and those queued
+        before it), said with what they share; None when it may start."""
+        said = []
+        for other in self.active.values():
+            if other.id == before:
+                break
+            shared = touches.shared_with(other.prepared.touches)
+            if shared:
+                said.append(f"job {other.id} ({', '.join(shared)})")
+        return "; ".join(said) or None
+
+    def pump(self) -> None:
+        """Start every queued job that waits for nothing; say what the others wait for."""
+        for job in self.queued:
+            if job.cancel_signal is not None:
+                continue
+            waits = "crash recovery" if self.recovering else \
+                self._blockers(job.prepared.touches, before=job.id)
+            if waits is None:
+                self.jobs.started(job.id, time.time_ns())
+                job.waiting_for = None
+                job.start()
+            elif waits != job.waiting_for:
+                job.waiting_for = waits
+                self.jobs.waiting(job.id, waits)
+                job.say(f"{job.prepared.operation} {job.id} waits for {waits}")
+        self.on_change()
+
+    def _ended(self, job: Job, ended: Ended) -> None:
+        receipt = ended.receipt
+        error = receipt.error
+        state: JobState = ("succeeded" if error is None else
+                           "cancelled" if error.code == "cancelled" else "failed")
+        self.jobs.finished(job.id, state, exit_status=ended.exit_status,
+                           error_code=error.code if error else None,
+                           receipt=receipt.to_json())
+        if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
+            self.unclean.append(job.id)
+        self.metrics.job_ended(receipt, ended.ctx)
+        job.output.end({"exit_status": ended.exit_status, "receipt": receipt.to_json()})
+        self.active.pop(job.id, None)
+        # Followers of older jobs get their end from the job store; their lines are let go.
+        ended_ids = [i for i in self.outputs if i not in self.active]
+        for old in ended_ids[:max(len(ended_ids) - KEEP_OUTPUTS, 0)]:
+            del self.outputs[old]
+        self.pump()
+
+    def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
+        job = self.active.get(job_id)
+        if job is None:
+            row = self.jobs.get(job_id)
+            if row is None:
+                return 404, {"error": f"no job {job_id}"}
+            return 409, {"error": f"job {job_id} already ended: {row.state}"}
+        if uid not in (0, job.uid):
+            return 403, {"error": f"job {job_id} was submitted by uid {job.uid}; only that "
+                                  "user or root may cancel it"}
+        return 202, {"message": job.cancel(sig, f"cancel asked by uid {uid}")}
+
+    async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> bool:
+        """Stop taking jobs, cancel the queued ones, give the running ones `grace_s` to end
+        (less when `hurry` is set meanwhile), then cancel them: their rollback is shielded
+        and bounded. True when every job ended and no rollback failed."""
+        self.draining = True
+        self.on_change()
+        for job in self.queued:
+            job.cancel(signal.SIGTERM, "coldsnapd is shutting down")
+        deadline = time.monotonic() + grace_s
+        while self.running and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+            tasks = [j.task for j in self.running if j.task is not None]
+            await asyncio.wait(tasks, timeout=min(1.0, max(deadline - time.monotonic(), 0)))
+        for job in self.running:
+            job.cancel(signal.SIGTERM, "coldsnapd is shutting down (its drain period is over)")
+        tasks = [j.task for j in self.running if j.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=ROLLBACK_BACKSTOP_S)
+            self.unclean.extend(t.get_name() for t in pending)
+        return not self.unclean and not self.active

@@ -1,0 +1,126 @@
+"""A job submission, as the API receives it, turned into the operation its command would run.
+
+    {"operation": "restore", "request": {...} | null, "wait": true,
+     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false}}
+
+The request is the canonical JSON of a format-4 request (the CLI parsed and checked it
+first; the service parses it again: it never trusts a client). The options are the CLI's
+flags that change what runs. The command's own `prepare` then runs as it would in the CLI,
+with the service's inventory and store.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coldsnap.commands import capture, lifecycle, restore
+from coldsnap.commands.operation import Prepare
+from coldsnap.formats.errors import RequestInvalid
+from coldsnap.formats.receipt import Operation
+from coldsnap.formats.request import Request, parse_request
+
+
+@dataclass(frozen=True)
+class Kind:
+    prepare: Prepare
+    request_required: bool = True
+
+
+OPERATIONS: dict[str, Kind] = {
+    "capture": Kind(capture.prepare),
+    "restore": Kind(restore.prepare, request_required=False),
+    "sleep": Kind(lifecycle.prepare_for("sleep")),
+    "wake": Kind(lifecycle.prepare_for("wake")),
+    "status": Kind(lifecycle.prepare_for("status")),
+}
+
+# option -> (its type, its default, a check that says what is wrong or None)
+_OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
+    "artifact": (str, None, lambda v: None if 0 < len(v) <= 4096 else "1 to 4096 characters"),
+    "prepare_only": (bool, False, lambda v: None),
+    "fallback": (str, "none", lambda v: None if v in ("none", "replay") else "none or replay"),
+    "json": (bool, False, lambda v: None),
+    "verbose": (bool, False, lambda v: None),
+    "deadline": (float, None, lambda v: None if 0 < v < float("inf") else "a positive number"),
+}
+
+
+class SubmissionInvalid(Exception):
+    """The submission cannot run: each line names the bad field."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+@dataclass(frozen=True)
+class Submission:
+    operation: Operation
+    request: Request | None
+    options: dict[str, Any]
+    wait: bool
+
+    def args(self, inventory: Path, store: Path) -> argparse.Namespace:
+        """The arguments the command's `prepare` reads, as the CLI would have parsed them;
+        the outputs (receipt, timing events) are the client's, never the service's files."""
+        return argparse.Namespace(
+            request=None, inventory=inventory, store=store, receipt_json=None,
+            timing_events=None, local=True, socket=None, wait=self.wait, **self.options)
+
+
+def parse_submission(doc: Any) -> Submission:
+    if not isinstance(doc, dict):
+        raise SubmissionInvalid(["the submission must be a JSON object"])
+    unknown = sorted(set(doc) - {"operation", "request", "options", "wait"})
+    if unknown:
+        raise SubmissionInvalid([f"{k}: unknown field" for k in unknown])
+    operation = doc.get("operation")
+    if operation not in OPERATIONS:
+        raise SubmissionInvalid([f"operation: must be one of {', '.join(OPERATIONS)}"])
+    wait = doc.get("wait", True)
+    if not isinstance(wait, bool):
+        raise SubmissionInvalid(["wait: must be true or false"])
+    options = _options(doc.get("options") or {})
+    raw = doc.get("request")
+    request: Request | None = None
+    if raw is None:
+        if OPERATIONS[operation].request_required:
+            raise SubmissionInvalid([f"request: {operation} needs a request"])
+    elif not isinstance(raw, dict):
+        raise SubmissionInvalid(["request: must be a JSON object (a format-4 request)"])
+    else:
+        try:
+            request = parse_request(raw, expected_operation=operation)
+        except RequestInvalid as exc:
+            raise SubmissionInvalid([f"request.{i.path}: {i.message}" if i.path
+                                     else f"request: {i.message}" for i in exc.issues]) from None
+    return Submission(operation, request, options, wait)
+
+
+def _options(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise SubmissionInvalid(["options: must be a JSON object"])
+    problems = [f"options.{k}: unknown option" for k in sorted(set(raw) - set(_OPTIONS))]
+    out: dict[str, Any] = {}
+    for name, (kind, default, check) in _OPTIONS.items():
+        value = raw.get(name, default)
+        if value is None or value == default:
+            out[name] = value
+            continue
+        # bool is an int; neither is the other here. A whole number of seconds is a float.
+        if kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not kind:
+            problems.append(f"options.{name}: must be a {kind.__name__}")
+            continue
+        why = check(value)
+        if why:
+            problems.append(f"options.{name}: must be {why}")
+        out[name] = value
+    if problems:
+        raise SubmissionInvalid(problems)
+    return out

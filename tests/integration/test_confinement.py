@@ -1,0 +1,99 @@
+"""The engine runs confined inside its unit: no capability, no-new-privs, its own seccomp
+filter, Docker's masked and read-only /proc paths, PIDs above the floor; CRIU, exec'd beside
+it, keeps the container's capabilities (the round-trip tests prove it still dumps and
+restores, and that a restored tree is confined the same)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from dataclasses import replace
+
+import pytest
+
+from coldsnap.capsule import remove_unit, start_unit, wait_ready
+from coldsnap.capsule.capture import launch_argv
+from coldsnap.capsule.spec import ENGINE_PID_FLOOR
+from tests.integration.capsule_fixtures import *  # noqa: F403
+from tests.integration.capsule_fixtures import (
+    ClusterHost,
+    cleanup_paths,
+    cleanup_unit,
+    put_shards,
+    unique,
+    unit_spec,
+)
+from tests.integration.engine_view import CONFINED, confinement
+
+pytestmark = pytest.mark.integration
+
+# Run as the engine is (same launcher, same filter): what the kernel answers it.
+_PROBE = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(ret):
+    return 0 if ret == 0 else ctypes.get_errno()
+out = {
+    "pid": os.getpid(),
+    "unshare_user": errno_of(libc.unshare(0x10000000)),
+    "unshare_net": errno_of(libc.unshare(0x40000000)),
+    "mount": errno_of(libc.mount(b"none", b"/mnt", b"tmpfs", 0, None)),
+    "keyctl": errno_of(libc.syscall(250, 0, 0, 0, 0, 0)),  # x86_64 keyctl(GET_KEYRING_ID)
+    "status": {k: v.strip() for k, v in (l.split(":", 1) for l in open("/proc/self/status")
+                                        if ":" in l) if k in ("CapBnd", "NoNewPrivs", "Seccomp")},
+}
+open("/tmp/confinement-probe.json", "w").write(json.dumps(out))
+"""
+
+
+async def test_engine_tree_holds_no_capability_and_proc_stays_masked(
+        capsule_cluster: dict[str, ClusterHost], capsule_ref: str) -> None:
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("confine")
+    models = None
+    try:
+        models = await put_shards(h0, 2, 1 << 20)
+        spec = unit_spec(capsule_ref, h0, unit_id, 2, models)
+        handle = await start_unit(s, spec)
+        pids = await wait_ready(s, handle)
+        assert handle.engine_pid is not None and handle.engine_pid > ENGINE_PID_FLOOR
+        container = await s.container(handle.container_id, unit_id, "test")
+        tree = [handle.engine_pid, *pids.values()]
+        assert all(p > ENGINE_PID_FLOOR for p in tree), tree
+        for pid, status in (await confinement(s, container, tree)).items():
+            assert status == CONFINED, (pid, status)
+
+        # CRIU's side: a docker exec keeps the container's capabilities.
+        exec_status = await s.exec(container, ["grep", "^CapEff:", "/proc/self/status"])
+        assert exec_status.stdout.split()[1] != "0000000000000000"
+
+        # Docker's masked and read-only paths are kept: /proc/sys cannot be written even with
+        # the container's capabilities, and /proc/keys is hidden.
+        inspect = await s.call(s.client.api.inspect_container, handle.container_id)
+        assert "/proc/keys" in inspect["HostConfig"]["MaskedPaths"]
+        assert "/proc/sys" in inspect["HostConfig"]["ReadonlyPaths"]
+        write = await s.exec(container, ["sh", "-c", "echo 20000 > /proc/sys/kernel/ns_last_pid"])
+        assert not write.ok and "Read-only file system" in write.stderr, write
+        keys = await s.exec(container, ["cat", "/proc/keys"])
+        assert keys.stdout == ""
+
+        # The filter is real: what the engine is refused, a process started the same way is.
+        probe = replace(spec, command=("python3", "-c", _PROBE))
+        launched = await s.exec(container, launch_argv(probe), timeout_s=60)
+        assert launched.ok, launched.tail()
+        got = {}
+        for _ in range(100):
+            read = await s.exec(container, ["cat", "/tmp/confinement-probe.json"])
+            if read.ok and read.stdout:
+                got = json.loads(read.stdout)
+                break
+        assert got["pid"] == int(launched.stdout.split()[-1]) > ENGINE_PID_FLOOR
+        assert got["status"] == {"CapBnd": "0000000000000000", "NoNewPrivs": "1",
+                                 "Seccomp": "2"}
+        for call in ("unshare_user", "unshare_net", "mount", "keyctl"):
+            assert got[call] == errno.EPERM, (call, got)
+        await remove_unit(s, handle)
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_paths(h0, models)

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coldsnap import cli
-from coldsnap.commands import restore as restore_command
+from coldsnap.commands import operation as operation_command
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.store import LocalStore
 from tests.unit.artifact_factory import make_artifact
@@ -206,9 +206,10 @@ def test_artifact_files_given_to_restore_are_refused_with_exit_2(
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(restore_command, "run_operation", tripwire)
+        mp.setattr(operation_command, "run_operation", tripwire)
         status, out, err = run_cli([
-            "restore", "--artifact", str(path), "--inventory", str(restore_env / "inventory.yaml"),
+            "restore", "--local", "--artifact", str(path),
+            "--inventory", str(restore_env / "inventory.yaml"),
             "--store", str(restore_env / "store"), "--receipt-json", str(restore_env / "r.json")])
     assert "Traceback" not in err
     # The store holds none of the artifact's objects: no artifact file can be restored.

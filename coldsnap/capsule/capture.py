@@ -106,6 +106,10 @@ class CapsuleImage:
     captured_devices: tuple[str, ...]
     base_image: str
     base_image_digest: str
+    # What the quiesce before the dump released: with the weights released, the CRIU images
+    # do not hold them and the restored engine reloads them from its workers' payloads.
+    weights_released: bool = False
+    kv_discarded: bool = True
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -238,23 +242,26 @@ async def wait_ready(
 
 
 async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
-    """Put the engine to sleep through its own surface: requests drained, KV cache (and with
-    `release_weights` the weights) released, cross-worker connections closed."""
+    """Put the engine to sleep through its own surface: requests drained, cross-worker
+    connections closed, the KV cache (`discard_kv`) and the weights (`release_weights`)
+    released."""
     adapter, ep = endpoint(s, handle)
     try:
-        await adapter.quiesce(ep, release_weights=handle.spec.release_weights)
+        await adapter.quiesce(ep, release_weights=handle.spec.release_weights,
+                              discard_kv=handle.spec.discard_kv)
     except EngineCallFailed as exc:
         raise fail(s, handle.unit, "quiesce", f"{ep}: {exc}", QuiesceFailed) from None
 
 
 async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:
     """Wake the engine (after a failed capture, or to release a restored unit): it reads any
-    new placement, rebuilds its cross-worker connections and reloads released weights."""
+    new placement, rebuilds its cross-worker connections and, when its quiesce released
+    them, reloads its weights from its model directory."""
     spec = handle.spec
     adapter, ep = endpoint(s, handle)
     model_dir = adapter.model_dir(spec.command) if spec.release_weights else None
     try:
-        await adapter.resume(ep, model_dir=model_dir)
+        await adapter.resume(ep, model_dir=model_dir, discard_kv=spec.discard_kv)
     except EngineCallFailed as exc:
         raise fail(s, handle.unit, step, f"{ep}: {exc}") from None
 
@@ -390,7 +397,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str,
         tar_path=final, tar_sha256=sha, tar_bytes=size, criu_images_bytes=dumped.images_bytes,
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=handle.devices, base_image=spec.image,
-        base_image_digest=spec.image_digest)
+        base_image_digest=spec.image_digest, weights_released=spec.release_weights,
+        kv_discarded=spec.discard_kv)
 
 
 async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:

@@ -16,6 +16,7 @@ from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
 from coldsnap.formats.request import Mount
 from coldsnap.hosts.base import Host
+from coldsnap.hosts.transfer_protocol import remote_file_digest
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ async def remove_capsule_files(host: Host, data_dir: str, capture_id: str, unit_
                     unit_dir, posixpath.dirname(unit_dir)], check=False)
 
 
-# Hashing on the host runs at well over 100 MB/s; a minute plus this rate bounds it.
+# Hashing on the host (OpenSSL's SHA-256 in the transfer helper) runs at well over 100 MB/s;
+# a minute plus this rate bounds it.
 _HASH_BYTES_PER_SECOND = 50 * 1024 * 1024
 # A worker payload larger than this is refused rather than read (a device node or a runaway
 # path must never turn into an endless read).
@@ -57,11 +59,14 @@ MAX_PAYLOAD_BYTES = 1 << 40
 
 
 async def host_sha256(s: CapsuleSession, path: str, *, size_hint: int = 0) -> tuple[str, int]:
-    h = s.target.host
+    """("sha256:<hex>", bytes) of a file on the unit's host, hashed there by the transfer
+    helper: a GiB payload takes a fraction of coreutils' sha256sum's time."""
     limit = 60.0 + size_hint / _HASH_BYTES_PER_SECOND
-    digest = (await h.run(["sha256sum", "--", path], timeout=limit)).stdout.split()[0].decode()
-    size = int((await h.run(["stat", "-c", "%s", "--", path])).stdout.strip())
-    return f"sha256:{digest}", size
+    found = await remote_file_digest(s.target.host, path, timeout=limit)
+    if found is None:
+        raise FileNotFoundError(f"{s.host}: {path} does not exist")
+    size, digest = found
+    return digest, size
 
 
 _CHECK_FILE = 'p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && stat -L -c "%F|%s" -- "$p"'

@@ -36,6 +36,7 @@ import docker.transport
 import requests.exceptions
 import structlog
 
+from coldsnap.capsule.docker_exec import exec_in_container
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import CapsuleHost
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
@@ -269,12 +270,9 @@ class CapsuleSession:
         timeout_s: float | None = DOCKER_CALL_TIMEOUT,
     ) -> ExecOutput:
         def run() -> ExecOutput:
-            code, (out, err) = container.exec_run(list(argv), demux=True)
-            return ExecOutput(
-                int(code if code is not None else -1),
-                (out or b"").decode(errors="replace"),
-                (err or b"").decode(errors="replace"),
-            )
+            code, out, err = exec_in_container(self.client.api, container.id, argv)
+            return ExecOutput(-1 if code is None else code, out.decode(errors="replace"),
+                              err.decode(errors="replace"))
 
         return await self.call(run, timeout_s=timeout_s)
 

@@ -152,8 +152,12 @@ class UnitSpec:
     # The host's address: units share their host's network, so the engine serves there and
     # the controller reaches it from the host itself (coldsnap.hosts.http).
     address: str = "127.0.0.1"
-    # Quiesce releases the weights too (they come back from the model directory on resume).
+    # Quiesce releases the weights too, so that no snapshot holds them: they come back on
+    # resume through the engine's reload call, from its model directory, where the worker's
+    # payload lies (a capture: the request's mounts; a restore: its staged payload).
     release_weights: bool = False
+    # Quiesce drops the KV cache (policy.process.kv_discard).
+    discard_kv: bool = True
     # "simulated": devices go only into the environment (test capsule, cuda-checkpoint
     # simulator); "nvidia": a Docker device request for exactly these UUIDs.
     gpu_mode: Literal["simulated", "nvidia"] = "simulated"

@@ -104,6 +104,10 @@ class EngineAdapter(Protocol):
     """One engine's public surface. Implementations are stateless."""
 
     name: str
+    # Whether its quiesce can keep the KV cache (policy.process.kv_discard: false).
+    can_keep_kv_cache: bool
+    # Whether its quiesce can drop the weights and its resume reload them from disk.
+    can_release_weights: bool
 
     def serving_port(self, command: Sequence[str]) -> int:
         """The HTTP port the unit's engine serves on."""
@@ -122,9 +126,11 @@ class EngineAdapter(Protocol):
         """One readiness probe; status 200 means ready to serve."""
         ...
 
-    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False) -> None:
-        """Drain requests and release the accelerators (KV cache always; the weights too when
-        `release_weights`), closing the engine's cross-worker connections."""
+    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False,
+                      discard_kv: bool = True) -> None:
+        """Drain requests and put the engine to sleep, closing its cross-worker connections:
+        the KV cache dropped (`discard_kv`) and, with `release_weights`, the weights dropped
+        too, so that a snapshot taken now holds neither."""
         ...
 
     async def is_sleeping(self, ep: EngineEndpoint) -> bool | None:
@@ -132,9 +138,11 @@ class EngineAdapter(Protocol):
         readiness probe is all there is)."""
         ...
 
-    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
-        """Undo `quiesce`: the engine reads any new placement, rebuilds its cross-worker
-        connections and reloads released weights from `model_dir`."""
+    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None,
+                     discard_kv: bool = True) -> None:
+        """Undo `quiesce`: the engine reads any new placement and rebuilds its cross-worker
+        connections; with `model_dir` (the weights were released) it reloads its weights from
+        there, through the engine's own reload call."""
         ...
 
     async def complete(self, ep: EngineEndpoint, prompt: str, *, timeout: float) -> str:  # noqa: ASYNC109

@@ -1,8 +1,9 @@
 """SGLang's public surface: its native server plus memory release and resume.
 
-`POST /release_memory_occupation` frees the KV cache and the weights (the server must run with
-`--enable-memory-saver`); `POST /resume_memory_occupation` takes the memory back, and the
-weights come back from disk through `POST /update_weights_from_disk {"model_path": ...}`.
+`POST /release_memory_occupation {"tags": [...]}` frees what its tags name, `kv_cache` and/or
+`weights` (the server must run with `--enable-memory-saver`); `POST /resume_memory_occupation`
+takes the memory back, and released weights come back from disk through
+`POST /update_weights_from_disk {"model_path": ...}`.
 """
 
 from __future__ import annotations
@@ -20,29 +21,41 @@ from coldsnap.identity import flag_value
 DEFAULT_PORT = 30000
 
 
+def _tags(*, weights: bool, kv_cache: bool) -> list[str]:
+    return [t for t, on in (("kv_cache", kv_cache), ("weights", weights)) if on]
+
+
 class SglangAdapter(HttpEngine):
     name = "sglang"
     default_port = DEFAULT_PORT
+    can_keep_kv_cache = True
+    # The `weights` tag drops them; /update_weights_from_disk brings them back.
+    can_release_weights = True
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         return flag_value(command, ("--model-path", "--model", "--model-dir"))
 
-    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False) -> None:
-        # SGLang releases everything it holds on the accelerator; the weights always come
-        # back from disk on resume.
-        expect_ok(await ep.call("POST", "/release_memory_occupation", {}, timeout=120),
-                  "POST /release_memory_occupation")
+    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False,
+                      discard_kv: bool = True) -> None:
+        # Tags say what is released; without them SGLang would release the weights too.
+        body = {"tags": _tags(weights=release_weights, kv_cache=discard_kv)}
+        expect_ok(await ep.call("POST", "/release_memory_occupation", body, timeout=120),
+                  f"POST /release_memory_occupation {body}")
 
     async def is_sleeping(self, ep: EngineEndpoint) -> bool | None:
         # SGLang's public surface has no query for a released memory occupation.
         return None
 
-    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
-        expect_ok(await ep.call("POST", "/resume_memory_occupation", {}, timeout=120),
+    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None,
+                     discard_kv: bool = True) -> None:
+        tags = {"tags": _tags(weights=model_dir is not None, kv_cache=discard_kv)}
+        expect_ok(await ep.call("POST", "/resume_memory_occupation", tags, timeout=120),
                   "POST /resume_memory_occupation")
-        body = {"model_path": model_dir} if model_dir else {}
-        ans = await ep.call("POST", "/update_weights_from_disk", body, timeout=600)
-        expect_ok(ans, "POST /update_weights_from_disk")
+        if model_dir is None:
+            return
+        ans = await ep.call("POST", "/update_weights_from_disk", {"model_path": model_dir},
+                            timeout=600)
+        expect_ok(ans, f"POST /update_weights_from_disk {model_dir}")
         try:
             ok = ans.json().get("success", True)
         except (ValueError, AttributeError):

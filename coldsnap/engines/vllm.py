@@ -25,6 +25,10 @@ DEFAULT_PORT = 8000
 class VllmAdapter(HttpEngine):
     name = "vllm"
     default_port = DEFAULT_PORT
+    # Both sleep levels free the KV cache; there is no sleep that keeps it.
+    can_keep_kv_cache = False
+    # Sleep level 2 drops them; /collective_rpc reload_weights brings them back.
+    can_release_weights = True
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         found = flag_value(command, ("--model", "--model-dir"))
@@ -44,7 +48,11 @@ class VllmAdapter(HttpEngine):
             raise EngineCallFailed(f"GET /is_sleeping: unexpected answer {ans.describe()}") \
                 from None
 
-    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False) -> None:
+    async def quiesce(self, ep: EngineEndpoint, *, release_weights: bool = False,
+                      discard_kv: bool = True) -> None:
+        if not discard_kv:
+            raise EngineCallFailed("vLLM's sleep always drops the KV cache: it cannot be kept "
+                                   "(policy.process.kv_discard: false)")
         level = 2 if release_weights else 1
         expect_ok(await ep.call("POST", f"/sleep?level={level}", timeout=120),
                   f"POST /sleep?level={level}")
@@ -52,13 +60,17 @@ class VllmAdapter(HttpEngine):
             raise EngineCallFailed(f"POST /sleep?level={level} answered, but /is_sleeping "
                                    "still says false")
 
-    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None) -> None:
+    async def resume(self, ep: EngineEndpoint, *, model_dir: str | None = None,
+                     discard_kv: bool = True) -> None:
         expect_ok(await ep.call("POST", "/wake_up", timeout=120), "POST /wake_up")
         if await self.is_sleeping(ep):
             raise EngineCallFailed("POST /wake_up answered, but /is_sleeping still says true")
         if model_dir is not None:
+            # vLLM reloads from the model it serves (its --model directory, where the
+            # controller mounted each worker's payload): the call takes no path.
             expect_ok(await ep.call("POST", "/collective_rpc", {"method": "reload_weights"},
-                                    timeout=600), "POST /collective_rpc reload_weights")
+                                    timeout=600),
+                      f"POST /collective_rpc reload_weights (from {model_dir})")
 
     async def complete(self, ep: EngineEndpoint, prompt: str, *, timeout: float) -> str:  # noqa: ASYNC109
         models = await ep.call("GET", "/v1/models", timeout=timeout)

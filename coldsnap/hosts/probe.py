@@ -1,11 +1,13 @@
 """Host facts: what a host is (arch, kernel, Docker, NVIDIA driver and GPUs, free space).
 
-One round trip per host: a Python snippet runs on the host and answers in JSON. GPU facts come
-from nvidia-ml-py *on the host*; when the host has no `pynvml` module, this side's copy of
-the module's source is sent along on stdin (it is pure Python over the driver's libnvidia-ml),
-so nothing has to be installed there. A host marked `simulated: true` in the inventory
-reports the inventory's GPUs instead, flagged `simulated: true`; a real host never falls back
-to simulation.
+One round trip per host, one light command: `sh` reads uname, the free space of `data_dir`
+(`stat -f`, the statvfs figures) and Docker's version from its socket (`curl`, else the
+`docker` CLI). Only a real host's GPU part needs more: nvidia-ml-py *on the host*, run by
+python3 in the same command; when the host has no `pynvml` module, this side's copy of the
+module's source is sent along on stdin (it is pure Python over the driver's libnvidia-ml), so
+nothing has to be installed there. A host marked `simulated: true` in the inventory reports
+the inventory's GPUs instead, flagged `simulated: true`, and runs no python at all; a real
+host never falls back to simulation.
 """
 
 from __future__ import annotations
@@ -25,79 +27,154 @@ from coldsnap.hosts.inventory import HostEntry
 if TYPE_CHECKING:
     from coldsnap.hosts.pool import HostPool
 
-PROBE_SCRIPT = r"""
-import json, os, socket, sys, types
-cfg = json.loads(sys.stdin.readline())
-notes = []
-u = os.uname()
-facts = {"arch": u.machine, "kernel": u.release, "notes": notes,
-         "docker": None, "nvidia_driver": None, "gpus": [], "data_dir_free_bytes": None}
-p = cfg["data_dir"]
-while p and not os.path.exists(p):
-    p = os.path.dirname(p)
-st = os.statvfs(p or "/")
-facts["data_dir_free_bytes"] = st.f_bavail * st.f_frsize
-if p != cfg["data_dir"]:
-    notes.append("data_dir does not exist yet; free space is that of " + p)
-sock = cfg.get("docker_socket")
-if sock:
-    try:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(10)
-        s.connect(sock)
-        s.sendall(b"GET /version HTTP/1.0\r\nHost: docker\r\n\r\n")
-        data = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        s.close()
-        head, _, body = data.partition(b"\r\n\r\n")
-        if b" 200 " not in head.split(b"\r\n")[0]:
-            notes.append("docker: " + head.split(b"\r\n")[0].decode(errors="replace"))
-        else:
-            facts["docker"] = json.loads(body)["Version"]
-    except (OSError, ValueError, KeyError) as e:
-        notes.append("docker: cannot query %s: %s" % (sock, e))
-if cfg["nvml"]:
-    try:
-        import pynvml
-    except ImportError:
-        pynvml = types.ModuleType("pynvml")
-        sys.modules["pynvml"] = pynvml  # the module looks itself up while loading
-        exec(compile(sys.stdin.read(), "pynvml.py", "exec"), pynvml.__dict__)
-    def s_(v):
-        return v.decode() if isinstance(v, bytes) else v
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        if e.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
-            notes.append("no NVIDIA driver")
-        elif e.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
-            notes.append("no NVIDIA driver (installed but not loaded)")
-        else:
-            notes.append("NVML: %s" % e)
-    else:
-        try:
-            facts["nvidia_driver"] = s_(pynvml.nvmlSystemGetDriverVersion())
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-                try:
-                    mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
-                except pynvml.NVMLError:
-                    mem = None  # unified-memory parts may not report device memory
-                facts["gpus"].append({"index": i, "name": s_(pynvml.nvmlDeviceGetName(h)),
-                                      "uuid": s_(pynvml.nvmlDeviceGetUUID(h)),
-                                      "compute_capability": "%d.%d" % (major, minor),
-                                      "memory_bytes": mem, "simulated": False})
-        except pynvml.NVMLError as e:
-            notes.append("NVML: %s" % e)
-        finally:
-            pynvml.nvmlShutdown()
-json.dump(facts, sys.stdout)
+# argv: data_dir, docker socket ("" for none), 1 when NVML must be asked. Every section of the
+# answer starts with a line "@@<name>"; the parser below reads them.
+PROBE_SH = r"""
+echo "@@arch $(uname -m)"
+echo "@@kernel $(uname -r)"
+p=$1
+while [ -n "$p" ] && [ ! -e "$p" ]; do p=${p%/*}; done
+[ -n "$p" ] || p=/
+echo "@@free-path $p"
+echo "@@free $(stat -f -c '%a %S' -- "$p")"
+if [ -n "$2" ]; then
+  if command -v curl >/dev/null 2>&1; then
+    echo "@@docker-http"
+    curl -sS --max-time 10 --unix-socket "$2" -w '
+@@docker-status %{http_code}
+'       http://docker/version 2>&1 || echo "@@docker-failed"
+  elif command -v docker >/dev/null 2>&1; then
+    echo "@@docker-cli"
+    docker -H "unix://$2" version --format '{{.Server.Version}}' 2>&1 || echo "@@docker-failed"
+  else
+    echo "@@docker-none"
+  fi
+fi
+if [ "$3" = 1 ]; then
+  echo "@@nvml"
+  python3 -I -S -c "$4" 2>&1 || echo "@@nvml-failed"
+fi
+true
 """
+
+# Run by python3 on a real host only: the GPU facts from NVML, as one JSON line.
+NVML_SCRIPT = r"""
+import json, sys, types
+notes = []
+facts = {"nvidia_driver": None, "gpus": [], "notes": notes}
+try:
+    import pynvml
+except ImportError:
+    pynvml = types.ModuleType("pynvml")
+    sys.modules["pynvml"] = pynvml  # the module looks itself up while loading
+    exec(compile(sys.stdin.read(), "pynvml.py", "exec"), pynvml.__dict__)
+def s_(v):
+    return v.decode() if isinstance(v, bytes) else v
+try:
+    pynvml.nvmlInit()
+except pynvml.NVMLError as e:
+    if e.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        notes.append("no NVIDIA driver")
+    elif e.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        notes.append("no NVIDIA driver (installed but not loaded)")
+    else:
+        notes.append("NVML: %s" % e)
+else:
+    try:
+        facts["nvidia_driver"] = s_(pynvml.nvmlSystemGetDriverVersion())
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            except pynvml.NVMLError:
+                mem = None  # unified-memory parts may not report device memory
+            facts["gpus"].append({"index": i, "name": s_(pynvml.nvmlDeviceGetName(h)),
+                                  "uuid": s_(pynvml.nvmlDeviceGetUUID(h)),
+                                  "compute_capability": "%d.%d" % (major, minor),
+                                  "memory_bytes": mem, "simulated": False})
+    except pynvml.NVMLError as e:
+        notes.append("NVML: %s" % e)
+    finally:
+        pynvml.nvmlShutdown()
+print(json.dumps(facts))
+"""
+
+
+class ProbeGarbage(ValueError):
+    """The probe's answer is not what the probe command prints."""
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    """"@@name rest" lines open sections; a section holds its rest and the lines after it."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            name, _, rest = line[2:].partition(" ")
+            current = out.setdefault(name, [])
+            current.append(rest)
+        elif current is not None:
+            current.append(line)
+    return out
+
+
+def _docker(sections: dict[str, list[str]], socket: str, notes: list[str]) -> str | None:
+    failed = "docker-failed" in sections
+    if "docker-http" in sections:
+        body = "\n".join(sections["docker-http"][1:]).strip()
+        status = (sections.get("docker-status") or ["000"])[0].strip()
+        if failed or status == "000":
+            notes.append(f"docker: cannot query {socket}: {body or 'no answer'}")
+        elif status != "200":
+            notes.append(f"docker: HTTP {status}")
+        else:
+            try:
+                return str(json.loads(body)["Version"])
+            except (ValueError, KeyError, TypeError):
+                notes.append(f"docker: cannot query {socket}: unexpected answer {body[:200]!r}")
+    elif "docker-cli" in sections:
+        lines = [x for x in sections["docker-cli"][1:] if x.strip()]
+        if failed or len(lines) != 1:
+            notes.append(f"docker: cannot query {socket}: {' '.join(lines)[:300]}")
+        else:
+            return lines[0].strip()
+    elif "docker-none" in sections:
+        notes.append(f"docker: cannot query {socket}: neither curl nor docker on the host")
+    return None
+
+
+def parse_probe_output(text: str, data_dir: str, docker_socket: str | None) -> dict[str, Any]:
+    """The probe command's answer as facts: arch, kernel, data_dir_free_bytes, docker,
+    nvidia_driver, gpus (NVML's, when it ran), notes."""
+    sec = _sections(text)
+    try:
+        arch, kernel = sec["arch"][0].strip(), sec["kernel"][0].strip()
+        path = sec["free-path"][0]
+        avail, frsize = (int(x) for x in sec["free"][0].split())
+    except (KeyError, IndexError, ValueError):
+        raise ProbeGarbage(text[:300]) from None
+    notes: list[str] = []
+    if path != data_dir:
+        notes.append("data_dir does not exist yet; free space is that of " + path)
+    facts: dict[str, Any] = {"arch": arch, "kernel": kernel, "notes": notes,
+                             "data_dir_free_bytes": avail * frsize, "nvidia_driver": None,
+                             "gpus": [],
+                             "docker": _docker(sec, docker_socket, notes) if docker_socket
+                             else None}
+    if "nvml" in sec:
+        answer = "\n".join(sec["nvml"][1:]).strip()
+        try:
+            nvml = json.loads(answer.splitlines()[-1]) if answer else None
+        except ValueError:
+            nvml = None
+        if not isinstance(nvml, dict) or "nvml-failed" in sec:
+            notes.append(f"NVML: the GPU query failed: {answer[-300:]}")
+        else:
+            facts["nvidia_driver"] = nvml["nvidia_driver"]
+            facts["gpus"] = nvml["gpus"]
+            notes.extend(nvml["notes"])
+    return facts
 
 
 @dataclass(frozen=True)
@@ -144,6 +221,13 @@ def _pynvml_source() -> bytes:
         return f.read()
 
 
+def probe_command(entry: HostEntry) -> list[str]:
+    """The argv run on the host (a real host's also reads pynvml's source on stdin)."""
+    real_gpus = not entry.simulated
+    return ["sh", "-c", PROBE_SH, "sh", entry.data_dir, entry.docker_socket or "",
+            *(("1", NVML_SCRIPT) if real_gpus else ("0",))]
+
+
 async def probe_host(
     host: Host,
     entry: HostEntry,
@@ -152,16 +236,9 @@ async def probe_host(
 ) -> HostProbe:
     """Probe one host; unreachable is an answer, not an exception."""
     real_gpus = not entry.simulated
-    cfg = {"data_dir": entry.data_dir, "docker_socket": entry.docker_socket, "nvml": real_gpus}
-    stdin = json.dumps(cfg).encode() + b"\n"
-    if real_gpus:
-        stdin += _pynvml_source()
+    stdin = _pynvml_source() if real_gpus else b""
     try:
-        # -I -S: no site-packages scan at start-up (a third of the run time on a small
-        # host); pynvml, if needed, comes along on stdin anyway.
-        result = await host.run(
-            ["python3", "-I", "-S", "-c", PROBE_SCRIPT], input=stdin, timeout=timeout
-        )
+        result = await host.run(probe_command(entry), input=stdin, timeout=timeout)
     except HostUnreachable as exc:
         return HostProbe(
             host=entry.name, reachable=False, error=exc.message, simulated=entry.simulated
@@ -174,8 +251,9 @@ async def probe_host(
             simulated=entry.simulated,
         )
     try:
-        raw = json.loads(result.stdout)
-    except ValueError:
+        raw = parse_probe_output(result.stdout.decode(errors="replace"), entry.data_dir,
+                                 entry.docker_socket)
+    except ProbeGarbage:
         return HostProbe(
             host=entry.name,
             reachable=True,

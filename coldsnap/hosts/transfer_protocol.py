@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from coldsnap.hosts.base import Host, TransferError
+from coldsnap.hosts.base import DEFAULT_RUN_TIMEOUT, Host, TransferError
 from coldsnap.hosts.remote_helper import (
     EXIT_BUSY,
     EXIT_MISMATCH,
@@ -82,13 +82,15 @@ def resume_offset(local: Path, total: int, part_size: int, part_hex: str) -> tup
     return 0, hashlib.sha256()
 
 
-async def remote_file_digest(host: Host, path: str) -> tuple[int, str] | None:
+async def remote_file_digest(host: Host, path: str, *,
+                             timeout: float = DEFAULT_RUN_TIMEOUT) -> tuple[int, str] | None:  # noqa: ASYNC109
     """(size, "sha256:<hex>") of a file on the host, hashed there by the helper (OpenSSL's
-    speed, not coreutils'); None when the file does not exist."""
+    speed, not coreutils'); None when the file does not exist. `timeout` bounds the hashing
+    (a large file needs more than the default)."""
     result = await host.run(["test", "-f", path], check=False)
     if result.exit_status != 0:
         return None
-    state = parse_part((await host.run(helper_argv("stat", path))).stdout)
+    state = parse_part((await host.run(helper_argv("stat", path), timeout=timeout)).stdout)
     if state is None:
         raise TransferError(host.name, f"unexpected answer hashing {path}")
     return state[0], "sha256:" + state[1]

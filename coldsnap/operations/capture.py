@@ -9,6 +9,7 @@ writes nothing to `output` or the store's artifact index.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
@@ -67,7 +68,7 @@ from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
-from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.store import LocalStore, ObjectCorrupt, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
@@ -92,8 +93,13 @@ async def _fetch(host: Host, remote: str, store: LocalStore, expected: str,
     """Pull one object from a host into the store, verified against the digest the host
     reported when the object was made."""
     with store.incoming() as tmp:
-        await host.get(remote, tmp, progress=progress)
-        return store.commit_incoming(tmp, expected)
+        got = await host.get(remote, tmp, progress=progress)
+        if got.sha256 != expected:
+            raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
+                                f"expected {expected}")
+        # The transfer hashed the bytes as it wrote them: no second pass over a GiB, and
+        # none on the event loop, where it would stall every other host's transfer.
+        return await asyncio.to_thread(store.commit_hashed, tmp, expected)
 
 
 async def capture(
@@ -119,7 +125,7 @@ async def capture(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
                              ctx.operation_id, weights=request.policy.weights,
-                             workload=request.workload)
+                             process=request.policy.process, workload=request.workload)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
     with ctx.span("capture.ports"):
@@ -191,8 +197,13 @@ async def _capture_units(
                                       sha256=m_digest))
         for w in r.workers:
             owner = str(Owner.worker(w.worker_id))
-            p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
-                                            progress(f"payload of {owner}"))
+            if store.has(w.payload.sha256):
+                # The same model payload, already pulled by an earlier capture: the host
+                # hashed it, so nothing needs to move.
+                p_digest, p_size = w.payload.sha256, w.payload.bytes
+            else:
+                p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
+                                                progress(f"payload of {owner}"))
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                           path=payload_path(p_digest), bytes=p_size,
                                           sha256=p_digest))

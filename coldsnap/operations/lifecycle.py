@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coldsnap.capsule.capture import quiesce, return_to_serving
+from coldsnap.capsule.capture import CapsuleImage, quiesce, return_to_serving
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.lifecycle import (
     EngineState,
@@ -119,6 +119,9 @@ class Target:
     launch: Launch
     validation: Validation
     topology: Topology
+    # Unit id -> its capsule manifest: how the capture quiesced it (sleep and wake do the
+    # same) and on which devices. Empty where only the status is read.
+    capsules: Mapping[str, CapsuleImage] = field(default_factory=dict)
 
     @property
     def cluster_id(self) -> str:
@@ -134,8 +137,14 @@ def target(stored: StoredArtifact, request: Request, hosts: HostSet) -> Target:
 
 
 def _spec(t: Target, hosts: HostSet, index: int, devices: tuple[str, ...]) -> UnitSpec:
-    return unit_spec(t.launch, index, t.topology, hosts.entries, t.validation, devices,
+    spec = unit_spec(t.launch, index, t.topology, hosts.entries, t.validation, devices,
                      labels={}, workload=t.request.workload)
+    meta = t.capsules.get(spec.unit_id)
+    if meta is None:
+        return spec
+    # A snapshot without weights came back with its payloads mounted, so sleeping releases
+    # them again and waking reloads them from there, as after the restore.
+    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded)
 
 
 def _runs(t: Target, hosts: HostSet,
@@ -236,10 +245,9 @@ async def _failed(ctx: OperationContext, t: Target, hosts: HostSet,
                            f"{exc.message}; units now: {await _units_now(ctx, t, hosts, runs)}")
 
 
-def _captured(store: LocalStore, t: Target) -> dict[str, tuple[str, ...]]:
+def _captured(t: Target) -> dict[str, tuple[str, ...]]:
     """Unit id -> the devices it was captured on (the capsule manifest's)."""
-    return {u.id: capsule_meta(store, t.stored.artifact, u.id).captured_devices
-            for u in t.launch.units}
+    return {u.id: t.capsules[u.id].captured_devices for u in t.launch.units}
 
 
 async def _gpus_running(r: LifecycleRun, captured: Mapping[str, tuple[str, ...]]) -> None:
@@ -257,7 +265,9 @@ async def _running_workload(
 ) -> AsyncIterator[tuple[Target, dict[str, tuple[str, ...]], list[LifecycleRun]]]:
     """The workload, the devices each unit was captured on, and every unit found running."""
     t = target(stored, request, hosts)
-    captured = _captured(store, t)
+    t = replace(t, capsules={u.id: capsule_meta(store, stored.artifact, u.id)
+                             for u in t.launch.units})
+    captured = _captured(t)
     async with hosts.sessions(t.topology.hosts) as sessions:
         runs = _runs(t, hosts, sessions)
         await _find(ctx, t, hosts, runs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coldsnap.capsule.capture import CapsuleImage
 from coldsnap.capsule.errors import CapsuleError
@@ -118,7 +118,11 @@ async def revive(s: CapsuleSession, r: ReplacingRun, old: UnitContainer,
         return False, (f"previous {old.name} left stopped: its snapshot is not in this store"
                        if old.role == "restore" else
                        f"previous {old.name} left stopped: a replayed unit has no snapshot")
-    handle = UnitHandle(r.placed.spec, s.host, old.id, old.name, "restore", old.devices,
+    # Woken the way its own capture quiesced it: a snapshot without weights reloads them
+    # from the payloads its container mounts.
+    spec = replace(r.placed.spec, release_weights=meta.weights_released,
+                   discard_kv=meta.kv_discarded)
+    handle = UnitHandle(spec, s.host, old.id, old.name, "restore", old.devices,
                         engine_pid=meta.engine_pid, worker_pids=dict(meta.worker_pids))
     try:
         await start_stopped_container(s, old.id, unit=unit, step="revive")

@@ -82,7 +82,12 @@ from coldsnap.operations.staging import (
     stage_host,
 )
 from coldsnap.operations.unit_runs import phase, rollback_units
-from coldsnap.operations.units import PlacementError, place_units, service_heads
+from coldsnap.operations.units import (
+    PlacedUnit,
+    PlacementError,
+    place_units,
+    service_heads,
+)
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
@@ -202,6 +207,7 @@ async def restore(
                            previous=previous.get(p.unit_id, [])) for p in placed]
         for r in runs:
             r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
+            r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
             if r.placed.unit_id in replay_units:
                 r.replay_reason = _issues_text(refusals[r.placed.unit_id])
 
@@ -301,20 +307,35 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, runs: list[Rest
     await phase(ctx, "admit", runs, one)
 
 
-def _replay_spec_mounts(r: RestoreRun, hosts: HostSet, store: LocalStore,
-                        artifact: Artifact) -> tuple[Mount, ...]:
-    """Each worker's staged payload mounted where the engine loaded its weights at capture."""
-    data_dir = hosts.entries[r.placed.host].data_dir
-    extra: list[Mount] = []
-    for w in r.placed.spec.workers:
+def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
+                  artifact: Artifact) -> tuple[Mount, ...]:
+    """The unit's mounts plus each worker's staged payload, read-only, where the engine read
+    its weights at capture (the replay plan says where): the engine's weights then come
+    from the bytes staged on this host, whatever its model directory holds."""
+    data_dir = hosts.entries[placed.host].data_dir
+    mounts = list(placed.spec.mounts)
+    for w in placed.spec.workers:
         plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
         payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
-        if target is not None:
-            extra.append(Mount(source=remote_object_path(data_dir, payload.sha256), target=target,
-                               read_only=True))
-    return (*r.placed.spec.mounts, *extra)
+        if target is not None and all(m.target != target for m in mounts):
+            mounts.append(Mount(source=remote_object_path(data_dir, payload.sha256),
+                                target=target, read_only=True))
+    return tuple(mounts)
+
+
+def as_captured(placed: PlacedUnit, meta: CapsuleImage, hosts: HostSet, store: LocalStore,
+                artifact: Artifact) -> PlacedUnit:
+    """The unit as its capture left it: its engine is woken the way it was quiesced, and when
+    that released the weights (not in the CRIU images), it reloads them on wake from its
+    workers' staged payloads, mounted where it read them at capture."""
+    spec = replace(placed.spec, release_weights=meta.weights_released,
+                   discard_kv=meta.kv_discarded)
+    if meta.weights_released:
+        spec = replace(spec, mounts=with_payloads(replace(placed, spec=spec), hosts, store,
+                                                  artifact))
+    return replace(placed, spec=spec)
 
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
@@ -336,7 +357,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         # is never compared by the identity check, so it is not what replays.
         unit = captured[r.placed.unit_id]
         spec = replace(r.placed.spec, image=unit.image, image_digest=unit.image_digest,
-                       mounts=_replay_spec_mounts(r, hosts, store, artifact))
+                       mounts=with_payloads(r.placed, hosts, store, artifact))
         r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
 from coldsnap.capsule.runtime import (
@@ -15,7 +15,14 @@ from coldsnap.capsule.runtime import (
 )
 from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
-from coldsnap.formats.request import Launch, Mount, Validation, WeightsPolicy, Workload
+from coldsnap.formats.request import (
+    Launch,
+    Mount,
+    ProcessPolicy,
+    Validation,
+    WeightsPolicy,
+    Workload,
+)
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.topology import Topology
 
@@ -50,6 +57,7 @@ def place_units(
     operation_id: str,
     weights: WeightsPolicy | None = None,
     *,
+    process: ProcessPolicy | None = None,
     workload: Workload | None = None,
     artifact: str | None = None,
     artifact_digest: str | None = None,
@@ -57,9 +65,11 @@ def place_units(
     """Each unit as the capsule layer runs it on its host. With `weights` (capture), every
     worker's payload is located from `policy.weights.native`: `files_by_worker` paths are
     relative to the engine's model directory (from its command line) and mapped to the host
-    through the unit's mounts; a `staged` entry names the host file directly. Containers are
-    labelled with the operation, the `workload` and the `artifact` they restore (its capture
-    id and the digest of its file)."""
+    through the unit's mounts; a `staged` entry names the host file directly; and the mode
+    says whether quiesce releases the weights (`releases_weights`). With `process`
+    (capture), `kv_discard` says whether it drops the KV cache. Containers are labelled with
+    the operation, the `workload` and the `artifact` they restore (its capture id and the
+    digest of its file)."""
     labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
     if artifact is not None:
         labels[LABEL_ARTIFACT] = artifact
@@ -78,6 +88,8 @@ def place_units(
             gpus.append(gpu)
         spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
                          labels=labels, weights=weights, workload=workload)
+        spec = replace(spec, release_weights=releases_weights(weights, launch.engine),
+                       discard_kv=discards_kv(process, launch.engine))
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))
     return placed
 
@@ -121,6 +133,32 @@ def unit_spec(
         cluster_id=workload.cluster_id if workload is not None else None,
         log_path=workload.log_path if workload is not None else None,
     )
+
+
+def releases_weights(weights: WeightsPolicy | None, engine: str) -> bool:
+    """Whether a capture's quiesce drops the weights, so that its CRIU images exclude them and
+    each worker's payload is the only copy that moves. `recovery` keeps them in the process
+    snapshot (the payload and replay plan are the way back when it cannot be admitted);
+    `auto` and `cache-only-auto` release them whenever the engine can; `native` always loads
+    them from the native payload, and refuses an engine that cannot release them."""
+    if weights is None or weights.mode == "recovery":
+        return False
+    adapter = adapter_for(engine)
+    if weights.mode == "native" and not adapter.can_release_weights:
+        raise PlacementError(f"policy.weights.mode: 'native' needs an engine that releases and "
+                             f"reloads its weights; {engine} cannot")
+    return adapter.can_release_weights
+
+
+def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
+    """policy.process.kv_discard (default true): the quiesce drops the KV cache. Keeping it
+    needs an engine whose sleep can keep it."""
+    if process is None or process.kv_discard:
+        return True
+    if not adapter_for(engine).can_keep_kv_cache:
+        raise PlacementError(f"policy.process.kv_discard: false, but {engine}'s sleep always "
+                             "drops the KV cache")
+    return False
 
 
 def host_payload_path(worker: str, unit_index: int, command: Sequence[str],

@@ -57,9 +57,14 @@ connection up (rank 0: every peer connected).
 
 Sleep (vLLM /sleep, SGLang release) closes intake (new completions get 503), waits for the
 ones in flight (60 s at most), then every local worker closes ALL its group sockets (rank 0 its
-listener too) and drops its KV cache; level 2 and SGLang's release also drop the weights
-(the digest table stays): they come back only through reload_weights/update_weights_from_disk,
-which re-read the shard from the model dir and check it against the warm-up digests.
+listener too) and drops its KV cache; level 2 also drops the weights (the digest table
+stays), unmapping their memory, so that a CRIU dump taken then holds no weight bytes. SGLang's
+release drops what its "tags" name ("kv_cache", "weights"; "cuda_graph" is accepted and means
+nothing here; no tags: everything). Dropped weights come back only through
+reload_weights/update_weights_from_disk, which re-read the shard from the model dir (where the
+controller mounts the worker's staged payload after a restore) and check every MiB against a
+CRC-32 taken at warm-up (staging verified the payload's sha256 already; this only has to run at
+the speed of the disk): a payload that differs is refused, and the engine stays without weights.
 Wake (vLLM /wake_up, SGLang resume) first reads $COLDSNAP_RUNTIME_DIR/placement.json (default
 dir /var/lib/coldsnap/runtime; format coldsnap-placement/1, written by the controller after a
 restore; its unit_id must be this unit's, else the wake is refused with 400 and the engine
@@ -95,6 +100,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import random
 import socket
@@ -102,6 +108,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from typing import Any
 
 # The capsule runs this file through a symlink (/usr/local/bin/test-engine).
@@ -161,6 +168,28 @@ def chunk_digest(data: memoryview, rounds: int) -> bytes:
     return d
 
 
+def chunk_crcs(view: memoryview) -> list[int]:
+    """A CRC-32 per MiB: what a reload checks. The payload's sha256 was verified when it was
+    staged; the reload only has to notice bytes that differ from the warm-up's, at the speed
+    of the disk (a real engine's reload checks nothing)."""
+    return [zlib.crc32(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK)]
+
+
+def weight_buffer(size: int) -> mmap.mmap:
+    """Anonymous memory of its own for a weight shard: freeing it unmaps it, whatever the
+    allocator would have kept (a discarding sleep must really leave the process smaller)."""
+    return mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE)
+
+
+def free_weights(weights: mmap.mmap | None) -> None:
+    if weights is None:
+        return
+    try:
+        weights.close()
+    except BufferError:
+        pass  # a view is still out (a completion in flight): unmapped when it goes
+
+
 def state_dir() -> str:
     return os.environ.get("TEST_ENGINE_STATE_DIR", DEFAULT_STATE_DIR)
 
@@ -212,8 +241,9 @@ class Worker:
         self.model_dir = model_dir
         self.rounds = rounds
         self.header: dict[str, Any] = {}
-        self.weights: bytearray | None = None
+        self.weights: mmap.mmap | None = None
         self.table: list[bytes] = []
+        self.crcs: list[int] = []  # per chunk, what a reload is checked against
         self.root = ""
         self.kv: bytearray | None = None
         self.sleeping = False
@@ -223,7 +253,7 @@ class Worker:
         self.group: engine_group.Group | None = None
         self.config: tuple[Any, ...] | None = None
 
-    def read_shard(self, model_dir: str) -> tuple[str, dict[str, Any], bytearray, list[bytes]]:
+    def read_shard(self, model_dir: str) -> tuple[str, dict[str, Any], mmap.mmap]:
         path = os.path.join(model_dir, shard_name(self.rank, self.world_size))
         # The file is closed before serving: a snapshot must not depend on the model mount.
         with open(path, "rb") as f:
@@ -231,31 +261,43 @@ class Worker:
             if header.get("format") != SHARD_FORMAT or header.get("rank") != self.rank:
                 raise RuntimeError(f"{path}: not the shard of rank {self.rank}")
             size = int(header["payload_bytes"])
-            weights = bytearray(size)
-            view = memoryview(weights)
-            got = 0
-            while got < size:
-                n = f.readinto(view[got:got + (64 << 20)])
-                if not n:
-                    raise RuntimeError(f"{path}: truncated shard")
-                got += n
-        table = [chunk_digest(view[i:i + CHUNK], self.rounds) for i in range(0, size, CHUNK)]
-        return path, header, weights, table
+            weights = weight_buffer(size)
+            with memoryview(weights) as view:
+                got = 0
+                while got < size:
+                    n = f.readinto(view[got:got + (64 << 20)])
+                    if not n:
+                        free_weights(weights)
+                        raise RuntimeError(f"{path}: truncated shard")
+                    got += n
+        return path, header, weights
 
     def warm_up(self) -> None:
-        _, self.header, self.weights, self.table = self.read_shard(self.model_dir)
+        _, self.header, self.weights = self.read_shard(self.model_dir)
+        size = int(self.header["payload_bytes"])
+        with memoryview(self.weights) as view:
+            self.crcs = chunk_crcs(view[:size])
+            self.table = [chunk_digest(view[i:min(i + CHUNK, size)], self.rounds)
+                          for i in range(0, size, CHUNK)]
         self.root = hashlib.sha256(b"".join(self.table)).hexdigest()
         self.kv = bytearray(b"\x5a") * KV_CACHE_BYTES
         gpu_sim.register(os.getpid(), self.devices)
         bump_warmup_counter(self.ident["id"])
 
     def reload(self, model_dir: str) -> dict[str, Any]:
-        path, header, weights, table = self.read_shard(model_dir)
-        if table != self.table:
-            raise RuntimeError(f"{path}: weights do not match the digests taken at warm-up")
+        path, header, weights = self.read_shard(model_dir)
+        with memoryview(weights) as view:
+            crcs = chunk_crcs(view[:int(header["payload_bytes"])])
+        if crcs != self.crcs:
+            free_weights(weights)
+            bad = next(i for i, (a, b) in enumerate(zip([*crcs, -1], [*self.crcs, -2]))
+                       if a != b)
+            raise RuntimeError(f"{path}: weights do not match the ones loaded at warm-up "
+                               f"(first difference in MiB {bad})")
         with self.lock:
-            self.header, self.weights = header, weights
-        return {"ok": True}
+            old, self.header, self.weights = self.weights, header, weights
+        free_weights(old)
+        return {"ok": True, "bytes": len(weights)}
 
     def gpu_state(self) -> str:
         with gpu_sim.driver_lock():
@@ -264,7 +306,7 @@ class Worker:
             except gpu_sim.SimError:
                 return "absent"
 
-    def intact(self, weights: bytearray, full: bool) -> bool:
+    def intact(self, weights: mmap.mmap, full: bool) -> bool:
         if hashlib.sha256(b"".join(self.table)).hexdigest() != self.root:
             return False
         n = len(self.table)
@@ -273,9 +315,9 @@ class Worker:
         else:
             rng = random.Random(self.served)
             picks = sorted({rng.randrange(n) for _ in range(min(SAMPLED_CHUNKS, n))}) if n else []
-        view = memoryview(weights)
-        return all(chunk_digest(view[i * CHUNK:(i + 1) * CHUNK], self.rounds) == self.table[i]
-                   for i in picks)
+        with memoryview(weights) as view:
+            return all(chunk_digest(view[i * CHUNK:(i + 1) * CHUNK], self.rounds)
+                       == self.table[i] for i in picks)
 
     def contribute(self, step: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of one all-reduce step."""
@@ -328,17 +370,22 @@ class Worker:
                 "group_problem": group.problem if group is not None else None,
                 "weights_loaded": self.weights is not None}
 
-    def sleep(self, level: int) -> dict[str, Any]:
+    def sleep(self, weights: bool, kv: bool) -> dict[str, Any]:
+        """Asleep: group sockets closed; `kv` drops the KV cache, `weights` the weights (their
+        pages go back to the kernel, so a snapshot taken now does not hold them)."""
         with self.lock:
             self.sleeping = True
         with self.group_lock:
             if self.group is not None:
                 self.group.stop()
                 self.group = None
+        dropped = None
         with self.lock:
-            self.kv = None
-            if level >= 2:
-                self.weights = None
+            if kv:
+                self.kv = None
+            if weights:
+                dropped, self.weights = self.weights, None
+        free_weights(dropped)
         return {"ok": True}
 
     def wake(self, master_addr: str, master_port: int, overlay: dict[str, Any]) -> dict[str, Any]:
@@ -372,7 +419,7 @@ class Worker:
         if op == "complete":
             return self.complete(req.get("step") or {})
         if op == "sleep":
-            return self.sleep(int(req.get("level", 1)))
+            return self.sleep(bool(req.get("weights")), bool(req.get("kv", True)))
         if op == "wake":
             return self.wake(req["master_addr"], req["master_port"], req.get("env") or {})
         if op == "reload":
@@ -556,7 +603,9 @@ class Engine:
             return 503, str(r.get("error"))
         return 200, str(r["text"])
 
-    def sleep(self, level: int) -> tuple[int, str | None]:
+    def sleep(self, *, weights: bool, kv: bool = True) -> tuple[int, str | None]:
+        """Drain, then every worker sleeps, dropping its KV cache (`kv`) and its weights
+        (`weights`)."""
         with self.control:
             with self.cond:
                 was, self.sleeping = self.sleeping, True
@@ -568,7 +617,8 @@ class Engine:
                         return 503, (f"{self.in_flight} requests still in flight after "
                                      f"{DRAIN_TIMEOUT:.0f}s; not sleeping")
                     self.cond.wait(left)
-            bad = [r.get("error") for r in self.call_all("sleep", CONTROL_TIMEOUT, level=level)
+            bad = [r.get("error") for r in self.call_all("sleep", CONTROL_TIMEOUT, weights=weights,
+                                                        kv=kv)
                    if not r.get("ok")]
             return (500, "; ".join(map(str, bad))) if bad else (200, None)
 

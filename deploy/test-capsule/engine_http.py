@@ -27,7 +27,7 @@ class EngineApi(Protocol):
 
     def generate(self, prompt: str, full_check: bool = False) -> tuple[int, str]: ...
 
-    def sleep(self, level: int) -> tuple[int, str | None]: ...
+    def sleep(self, *, weights: bool, kv: bool = True) -> tuple[int, str | None]: ...
 
     def wake(self) -> tuple[int, str | None]: ...
 
@@ -185,7 +185,7 @@ class VllmSurface(Surface):
             return self.error(400, "level must be 1 or 2")
         if level not in (1, 2):
             return self.error(400, "level must be 1 or 2")
-        return self.status_reply(self.engine.sleep(level))
+        return self.status_reply(self.engine.sleep(weights=level == 2))
 
     def wake_up(self, q: dict[str, list[str]], body: dict[str, Any]) -> Reply:
         # ?tags=weights|kv_cache wakes part of a real engine; here everything wakes at once.
@@ -203,6 +203,9 @@ class VllmSurface(Surface):
                               "test engine (it knows reload_weights)")
         status, out = self.engine.reload(None)
         return (200, {"results": out}) if status == 200 else self.error(status, str(out))
+
+
+RELEASE_TAGS = {"weights", "kv_cache", "cuda_graph"}
 
 
 class SglangSurface(Surface):
@@ -266,9 +269,15 @@ class SglangSurface(Surface):
         return 200, out[0] if isinstance(text, str) else out
 
     def release(self, q: dict[str, list[str]], body: dict[str, Any]) -> Reply:
-        # SGLang's release frees weights and KV cache alike: weights return through
+        # Without tags SGLang frees weights and KV cache alike; weights return through
         # /update_weights_from_disk after the resume.
-        return self.status_reply(self.engine.sleep(2), b"null")
+        tags = body.get("tags")
+        if tags is None:
+            tags = sorted(RELEASE_TAGS)
+        if not isinstance(tags, list) or not set(tags) <= RELEASE_TAGS:
+            return self.error(400, f"tags must be a list of {sorted(RELEASE_TAGS)}")
+        return self.status_reply(
+            self.engine.sleep(weights="weights" in tags, kv="kv_cache" in tags), b"null")
 
     def resume(self, q: dict[str, list[str]], body: dict[str, Any]) -> Reply:
         return self.status_reply(self.engine.wake(), b"null")

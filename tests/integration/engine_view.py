@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from coldsnap.capsule import CapsuleSession
+from coldsnap.capsule.docker_exec import exec_in_container
 
 _SCRIPT = r"""
 import json, os
@@ -51,8 +52,9 @@ async def engine_view(s: CapsuleSession, container: Any) -> dict[str, Any]:
 
 def engine_view_sync(container: Any) -> dict[str, Any]:
     """The same through a docker SDK container object."""
-    code, out = container.exec_run(["python3", "-c", _SCRIPT])
-    return _parse(int(code), out.decode(errors="replace"))
+    code, out, _ = exec_in_container(container.client.api, container.id,
+                                     ["python3", "-c", _SCRIPT])
+    return _parse(-1 if code is None else code, out.decode(errors="replace"))
 
 
 _CONFINEMENT = r"""

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from coldsnap.capsule.docker_exec import exec_in_container
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.engine_view import engine_view_sync
 from tests.integration.ops_fixtures import Ops, Run, dev_requests, ops
@@ -221,8 +222,9 @@ mv -f /usr/local/bin/cuda-checkpoint.refusing /usr/local/bin/cuda-checkpoint
 
 
 def _refuse(container: Any, action: str) -> None:
-    code, out = container.exec_run(["sh", "-c", _REFUSE, "sh", action])
-    assert code == 0, out
+    code, out, err = exec_in_container(container.client.api, container.id,
+                                       ["sh", "-c", _REFUSE, "sh", action])
+    assert code == 0, out + err
 
 
 def test_a_failure_half_way_says_what_state_every_unit_is_in(ops: Ops, capture_id: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coldsnap.capsule.docker_exec import exec_in_container
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
 from tests.integration.engine_view import engine_view_sync
@@ -176,7 +177,7 @@ def _port_answers(address: str, port: int) -> bool:
 
 def _established(container: Any) -> set[tuple[str, int, str, int]]:
     """ESTABLISHED IPv4 TCP connections in the container's (= its host's) network."""
-    code, out = container.exec_run(["cat", "/proc/net/tcp"])
+    code, out, _ = exec_in_container(container.client.api, container.id, ["cat", "/proc/net/tcp"])
     assert code == 0
 
     def endpoint(text: str) -> tuple[str, int]:

@@ -69,6 +69,22 @@ def test_commit_incoming_refuses_wrong_bytes(tmp_path: Path) -> None:
     assert not any((tmp_path / "tmp").iterdir())
 
 
+def test_commit_hashed_takes_the_writers_digest_and_dedups(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path).ensure()
+    for _ in range(2):
+        with store.incoming() as tmp:
+            tmp.write_bytes(b"payload")
+            assert store.commit_hashed(tmp, _digest(b"payload")) == (_digest(b"payload"), 7)
+        assert not any((tmp_path / "tmp").iterdir())
+    assert store.read_bytes(_digest(b"payload")) == b"payload"
+    # Trusting the writer's digest moves the check to the read: a lie is found there.
+    with store.incoming() as tmp:
+        tmp.write_bytes(b"other bytes")
+        store.commit_hashed(tmp, _digest(b"claimed"))
+    with pytest.raises(ObjectCorrupt):
+        store.read_bytes(_digest(b"claimed"))
+
+
 def _artifact(capture_id: str) -> Artifact:
     return make_artifact(capture_id)
 

@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from coldsnap.engines import EngineCallFailed, EngineEndpoint, SglangAdapter, VllmAdapter
+from coldsnap.hosts.local import LocalHost
+
 CAPSULE = Path(__file__).resolve().parents[2] / "deploy" / "test-capsule"
 ENGINE = CAPSULE / "engine.py"
 SIM = CAPSULE / "cuda_checkpoint_sim.py"
@@ -460,8 +463,63 @@ def test_reload_refuses_weights_that_differ_from_the_warm_up(
     assert u.http("POST", "/wake_up")[0] == 200
     engine_mod.make_shards(str(model), 1, 300_000, PROMPT, ANSWER, seed=1)
     code, body = u.http("POST", "/collective_rpc", {"method": "reload_weights"})
-    assert code == 500 and "do not match the digests" in body["error"]["message"]
+    assert code == 500 and "do not match the ones loaded" in body["error"]["message"]
     assert u.http("POST", "/v1/completions", {"prompt": PROMPT})[0] == 503
+
+
+def anonymous_bytes(pid: int) -> int:
+    """The process's private anonymous memory in RAM, as CRIU would dump it."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no Anonymous line for {pid}")
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_a_discarding_sleep_gives_the_weight_memory_back(
+        tmp_path: Path, make_engine: Callable[..., Engine], api: str) -> None:
+    shard = 32 << 20
+    model = make_model(tmp_path, 1, payload=shard)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 1)], model, port, master, api=api)
+    u.wait_up()
+    u.wait_healthy()
+    (pid,) = u.workers
+    warm = anonymous_bytes(pid)
+    assert warm > shard
+    if api == "vllm":
+        assert u.http("POST", "/sleep?level=1")[0] == 200  # KV only: the weights stay
+        assert anonymous_bytes(pid) > shard
+        assert u.http("POST", "/wake_up")[0] == 200
+        assert u.http("POST", "/sleep?level=2")[0] == 200
+    else:
+        assert u.http("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        assert anonymous_bytes(pid) > shard
+        assert u.http("POST", "/resume_memory_occupation", {})[0] == 200
+        assert u.http("POST", "/release_memory_occupation",
+                      {"tags": ["weights", "kv_cache"]})[0] == 200
+    assert anonymous_bytes(pid) < warm - shard + (1 << 20)
+    wake = "/wake_up" if api == "vllm" else "/resume_memory_occupation"
+    assert u.http("POST", wake, {})[0] == 200
+    u.wait_healthy()
+    if api == "sglang":
+        # A payload with one flipped byte is refused, naming where it differs.
+        path = model / engine_mod.shard_name(0, 1)
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        (bad / path.name).write_bytes(bytes(data))
+        code, body = u.http("POST", "/update_weights_from_disk", {"model_path": str(bad)})
+        assert code == 400 and "do not match the ones loaded" in body["message"]
+        assert "MiB 31" in body["message"]
+        assert anonymous_bytes(pid) < warm - shard // 2  # the refused copy is not kept
+        assert u.http("POST", "/update_weights_from_disk", {"model_path": str(model)})[0] == 200
+    else:
+        assert u.http("POST", "/collective_rpc", {"method": "reload_weights"})[0] == 200
+    assert u.http("POST", "/v1/completions", {"prompt": PROMPT})[1]["choices"][0]["text"] \
+        == ANSWER
+    assert anonymous_bytes(pid) > shard
 
 
 def test_sglang_surface(tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
@@ -588,3 +646,40 @@ def test_interface_selection_follows_nccl_syntax() -> None:
     assert engine_group.select_interface({}, "127.0.0.1") == ("lo", "127.0.0.1")
     with pytest.raises(engine_group.GroupError, match="matches no interface"):
         engine_group.select_interface({"NCCL_SOCKET_IFNAME": "=nosuch0"}, "127.0.0.1")
+
+
+@pytest.mark.parametrize("adapter", [VllmAdapter(), SglangAdapter()], ids=["vllm", "sglang"])
+async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
+        tmp_path: Path, make_engine: Callable[..., Engine],
+        adapter: VllmAdapter | SglangAdapter) -> None:
+    shard = 32 << 20
+    model = make_model(tmp_path, 1, payload=shard)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 1)], model, port, master, api=adapter.name)
+    u.wait_up()
+    u.wait_healthy()
+    (pid,) = u.workers
+    ep = EngineEndpoint(LocalHost(), "127.0.0.1", port)
+    warm = anonymous_bytes(pid)
+
+    await adapter.quiesce(ep)  # the KV cache goes, the weights stay
+    assert warm - shard // 2 < anonymous_bytes(pid) < warm - engine_mod.KV_CACHE_BYTES // 2
+    await adapter.resume(ep)
+    u.wait_healthy()
+    assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+
+    await adapter.quiesce(ep, release_weights=True)
+    assert anonymous_bytes(pid) < warm - shard * 9 // 10
+    await adapter.resume(ep, model_dir=str(model))
+    u.wait_healthy()
+    assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+
+    if adapter.can_keep_kv_cache:
+        await adapter.quiesce(ep, discard_kv=False)
+        assert anonymous_bytes(pid) > warm - engine_mod.KV_CACHE_BYTES // 2
+        await adapter.resume(ep, discard_kv=False)
+        u.wait_healthy()
+        assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+    else:
+        with pytest.raises(EngineCallFailed, match="always drops the KV cache"):
+            await adapter.quiesce(ep, discard_kv=False)

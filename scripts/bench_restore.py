@@ -1,0 +1,323 @@
+"""Benchmark: `coldsnapd` capture and restore at the operation level, against what they replace.
+
+    scripts/bench restore [--gib 1.0] [--keep]
+
+Starts its own 2-host dev cluster (state in .cache/bench-restore, network slots 96.. so hosts
+on 198.18.0.98 and .99, next to any other cluster), writes the TP2 request of scripts/demo with
+--gib GiB of weights per worker (one unit per host) and measures, all in one run:
+
+  cold_start_seconds          the engine started from nothing: container start -> healthy
+                              (the capture's start and wait-ready phases)
+  capture_seconds             the whole `coldsnapd capture`
+  restore_cold_host_seconds   `coldsnapd restore` with nothing staged on the hosts (their
+                              data_dir objects and the capsule images removed first)
+  bytes_staged_cold           what that restore put into the hosts' data_dir objects (a
+                              capsule pulled from a registry is not counted)
+  restore_warm_host_seconds   the same restore again: every object already staged
+  scp_seconds_same_bytes      scp of the staged files from this machine to the same hosts,
+                              one scp per host side by side, as staging runs
+  scp_to_control_seconds      scp of the same files from the hosts back to this machine
+  raw_criu_dump_seconds       `docker exec C criu dump` of the restored engine, typed by hand
+                              in its own container once it sleeps (level 2) and its GPUs are
+                              checkpointed, as a capture leaves it; both units side by side
+  raw_criu_restore_seconds    `docker exec C criu restore` of those images, same containers
+  validation_round_trip_seconds  one validation prompt answered by the restored engine
+
+and the issue's target ratios from those. One JSON line on stdout, appended to
+bench-results/restore.jsonl. The cluster is stopped afterwards unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+from bench_common import REPO, emit, log
+
+BENCH_DIR = REPO / ".cache" / "bench-restore"
+NET_BASE = "96"
+PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
+RAW_DIR = "/var/lib/coldsnap/raw-bench"
+TIMEOUT = 1800.0  # any one command; a GiB-scale step takes seconds
+
+
+def cluster_env() -> dict[str, str]:
+    return dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(BENCH_DIR),
+                COLDSNAP_DEV_NET_BASE=NET_BASE,
+                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+
+def run(argv: Sequence[str], *, env: dict[str, str] | None = None) -> str:
+    r = subprocess.run(list(argv), env=env or cluster_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"bench restore: {' '.join(argv[:4])} ... exited {r.returncode}:\n"
+                         f"{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def seed_base_rootfs() -> None:
+    """The capsule's base rootfs, when the default dev cluster has one already: the same
+    inputs, so no second mmdebstrap."""
+    mine = BENCH_DIR / "cache" / "test-capsule"
+    mine.mkdir(parents=True, exist_ok=True)
+    for tar in (REPO / ".dev-cluster" / "cache" / "test-capsule").glob("base-*.tar"):
+        if not (mine / tar.name).exists():
+            os.link(tar, mine / tar.name)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def side_by_side(calls: Sequence[Callable[[], Any]]) -> float:
+    """Wall time of `calls` run at once (one per host)."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(c) for c in calls]:
+            f.result()
+        return time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, inventory: Path, work: Path) -> None:
+        self.inventory = inventory
+        self.work = work
+        self.store = work / "store"
+        self.hosts = {h["name"]: h for h in yaml.safe_load(inventory.read_text())["hosts"]}
+
+    def coldsnapd(self, *args: str) -> dict[str, Any]:
+        receipt = self.work / f"receipt-{secrets.token_hex(4)}.json"
+        run([sys.executable, "-m", "coldsnap", *args, "--inventory", str(self.inventory),
+             "--store", str(self.store), "--receipt-json", str(receipt)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)))
+        doc: dict[str, Any] = json.loads(receipt.read_text())
+        return doc
+
+    def docker(self, host: str, *args: str) -> str:
+        return run(["docker", "-H", f"unix://{self.hosts[host]['docker_socket']}", *args])
+
+    def objects(self, host: str) -> Path:
+        return Path(self.hosts[host]["data_dir"]) / "objects" / "sha256"
+
+    def staged(self, host: str) -> list[Path]:
+        d = self.objects(host)
+        return sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else []
+
+    def unit_containers(self, host: str) -> list[str]:
+        return self.docker(host, "ps", "-aq", "--filter", "label=org.coldsnap.unit").split()
+
+    def make_cold(self, image_ids: Sequence[str]) -> None:
+        """Nothing of the artifact left on the hosts: units, staged objects, capsule images."""
+        for host in self.hosts:
+            ids = self.unit_containers(host)
+            if ids:
+                self.docker(host, "rm", "-f", *ids)
+            # Everything the host holds for coldsnapd: staged objects and whatever was
+            # assembled from them (the bench cluster's own data_dir, nothing else).
+            for entry in Path(self.hosts[host]["data_dir"]).glob("*"):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            for image in image_ids:
+                subprocess.run(["docker", "-H", f"unix://{self.hosts[host]['docker_socket']}",
+                                "rmi", "-f", image], capture_output=True, timeout=TIMEOUT,
+                               check=False)
+
+    def scp(self, host: str, sources: Sequence[str], dest: str) -> None:
+        h = self.hosts[host]
+        run(["scp", "-q", "-B", "-P", str(h.get("port", 22)), "-i", h["identity_file"],
+             "-o", f"UserKnownHostsFile={h['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
+             *sources, dest])
+
+    def remote(self, host: str, path: str) -> str:
+        return f"{self.hosts[host].get('user', 'root')}@{self.hosts[host]['address']}:{path}"
+
+    def ask(self, host: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        req = urllib.request.Request(f"http://{self.hosts[host]['address']}:8000{path}",
+                                     method="POST", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+
+def span_max(receipt: dict[str, Any], name: str) -> float:
+    return max((s["duration_seconds"] for s in receipt["timing"]["spans"] if s["name"] == name),
+               default=0.0)
+
+
+def phases(receipt: dict[str, Any]) -> dict[str, float]:
+    """Each phase's longest span (one per unit), in the order they ran."""
+    out: dict[str, float] = {}
+    for s in receipt["timing"]["spans"]:
+        if s["name"].count(".") == 1 and s.get("parent") is not None:
+            out[s["name"]] = round(max(out.get(s["name"], 0.0), s["duration_seconds"]), 3)
+    return out
+
+
+def capture_request(b: Bench, gib: float) -> tuple[Path, str]:
+    run([str(REPO / "scripts" / "dev-requests"), "--shard-bytes", str(int(gib * (1 << 30)))])
+    doc = yaml.safe_load((BENCH_DIR / "requests" / "tp2-two-hosts.yaml").read_text())
+    doc["id"] = f"bench-restore-{time.strftime('%Y%m%dT%H%M%S')}"
+    doc["output"] = str(b.work / "artifact.json")
+    path = b.work / "capture.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, str(doc["id"])
+
+
+def manifests(b: Bench, artifact: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["owner"].split("/", 1)[1]: json.loads(
+        (b.store / "objects" / "sha256" / o["sha256"][7:]).read_text())
+        for o in artifact["objects"] if o["role"] == "capsule-manifest"}
+
+
+def raw_criu(b: Bench, units: dict[str, dict[str, Any]],
+             placement: dict[str, str]) -> tuple[float, float]:
+    """By hand, in each restored unit's own container: the engine asleep (level 2) and its
+    GPUs checkpointed as a capture leaves it, then `criu dump` (the tree is killed), then
+    `criu restore` of those images; both units side by side. (dump, restore) seconds."""
+    containers = {u: b.docker(h, "ps", "-q", "--filter", f"label=org.coldsnap.unit={u}").split()[0]
+                  for u, h in placement.items()}
+    for host in sorted(set(placement.values())):
+        b.ask(host, "/sleep?level=2")
+    for u, host in placement.items():
+        for pid in units[u]["worker_pids"].values():
+            for action in ("lock", "checkpoint"):
+                b.docker(host, "exec", containers[u], "cuda-checkpoint", "--action", action,
+                         "--pid", str(pid))
+        b.docker(host, "exec", containers[u], "sh", "-c", f"rm -rf {RAW_DIR}; mkdir -p {RAW_DIR}")
+
+    def criu(u: str, *args: str) -> Callable[[], Any]:
+        return lambda: b.docker(placement[u], "exec", containers[u], "criu", *args)
+
+    dump = side_by_side([criu(u, "dump", "-t", str(units[u]["engine_pid"]), "-D", RAW_DIR,
+                              "-o", "dump.log") for u in placement])
+    restore = side_by_side([criu(u, "restore", "-D", RAW_DIR, "-d", "-o", "restore.log")
+                            for u in placement])
+    return dump, restore
+
+
+def measure(b: Bench, gib: float) -> dict[str, Any]:
+    request, capture_id = capture_request(b, gib)
+    log(f"capture {capture_id} ({gib} GiB of weights per worker)")
+    cap = b.coldsnapd("capture", "--request", str(request))
+    artifact = json.loads((b.work / "artifact.json").read_text())
+    units = manifests(b, artifact)
+    placement = {u["id"]: u["host"] for u in artifact["launch"]["units"]}
+    cold_start = span_max(cap, "capture.start") + span_max(cap, "capture.wait-ready")
+
+    log("restore on cold hosts")
+    b.make_cold([m["image_id"] for m in units.values() if m.get("image_id")])
+    cold = b.coldsnapd("restore", "--artifact", capture_id)
+    staged = {h: b.staged(h) for h in b.hosts}
+    bytes_staged = sum(p.stat().st_size for files in staged.values() for p in files)
+
+    log("scp of the same bytes, both directions")
+    scratch = {h: f"{b.hosts[h]['data_dir']}/scp-bench" for h in b.hosts}
+    for d in scratch.values():
+        Path(d).mkdir(parents=True, exist_ok=True)
+    back = {h: Path(tempfile.mkdtemp(dir=b.work)) for h in b.hosts}
+
+    def to_host(h: str) -> Callable[[], None]:
+        return lambda: b.scp(h, [str(b.store / "objects" / "sha256" / p.name)
+                                 for p in staged[h]], b.remote(h, scratch[h] + "/"))
+
+    def from_host(h: str) -> Callable[[], None]:
+        return lambda: b.scp(h, [b.remote(h, str(p)) for p in staged[h]], str(back[h]) + "/")
+
+    scp_out = side_by_side([to_host(h) for h in b.hosts if staged[h]])
+    scp_back = side_by_side([from_host(h) for h in b.hosts if staged[h]])
+    for h, d in scratch.items():
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(back[h], ignore_errors=True)
+
+    log("restore on warm hosts")
+    warm = b.coldsnapd("restore", "--artifact", capture_id)
+    head = placement[artifact["launch"]["units"][0]["id"]]
+    rtts = [timed(lambda: b.ask(head, "/v1/completions",
+                                {"prompt": PROMPT, "max_tokens": 32, "temperature": 0}))
+            for _ in range(3)]
+    log("raw criu dump and restore by hand")
+    raw_dump, raw_restore = raw_criu(b, units, placement)
+    b.make_cold([])
+
+    payload_bytes = sum(o["bytes"] for o in artifact["objects"]
+                        if o["role"] == "model-weight-payload")
+    criu_bytes = sum(m["criu_images_bytes"] if "criu_images_bytes" in m else
+                     sum(f["size"] for f in m["criu_images"]["files"]) for m in units.values())
+    rtt = statistics.median(rtts)
+    return {
+        "cold_start_seconds": round(cold_start, 3),
+        "capture_seconds": round(cap["duration_seconds"], 3),
+        "restore_cold_host_seconds": round(cold["duration_seconds"], 3),
+        "restore_warm_host_seconds": round(warm["duration_seconds"], 3),
+        "bytes_staged_cold": bytes_staged,
+        "scp_seconds_same_bytes": round(scp_out, 3),
+        "scp_to_control_seconds": round(scp_back, 3),
+        "raw_criu_restore_seconds": round(raw_restore, 3),
+        "raw_criu_dump_seconds": round(raw_dump, 3),
+        "validation_round_trip_seconds": round(rtt, 3),
+        "criu_images_bytes": criu_bytes,
+        "payload_bytes": payload_bytes,
+        "weights_released": all(m.get("weights_released") for m in units.values()),
+        "ratios": {
+            # targets: <= 1.3, <= 1.0 (1.5 x raw restore + validation), <= 1.5, <= 1.1, >= 3
+            "restore_cold_host_vs_scp_plus_raw_restore": round(
+                cold["duration_seconds"] / (scp_out + raw_restore), 3),
+            "restore_warm_host_vs_1_5_raw_restore_plus_validation": round(
+                warm["duration_seconds"] / (1.5 * raw_restore + rtt), 3),
+            "capture_vs_raw_dump_plus_scp_to_control": round(
+                cap["duration_seconds"] / (raw_dump + scp_back), 3),
+            "bytes_staged_vs_criu_images_plus_payloads": round(
+                bytes_staged / (criu_bytes + payload_bytes), 3),
+            "cold_start_vs_restore_warm_host": round(cold_start / warm["duration_seconds"], 3),
+        },
+        "targets": {"restore_cold_host_vs_scp_plus_raw_restore": 1.3,
+                    "restore_warm_host_vs_1_5_raw_restore_plus_validation": 1.0,
+                    "capture_vs_raw_dump_plus_scp_to_control": 1.5,
+                    "bytes_staged_vs_criu_images_plus_payloads": 1.1,
+                    "cold_start_vs_restore_warm_host_min": 3.0},
+        "phases": {"capture": phases(cap), "restore_cold": phases(cold),
+                   "restore_warm": phases(warm)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB of weights per worker")
+    ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
+    args = ap.parse_args()
+    seed_base_rootfs()
+    inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", "2"]).strip()
+                     .splitlines()[-1])
+    work = Path(tempfile.mkdtemp(prefix="bench-restore-", dir=BENCH_DIR))
+    try:
+        figures = measure(Bench(inventory, work), args.gib)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            run([str(REPO / "scripts" / "dev-cluster"), "down"])
+    emit("restore", {"gib_per_worker": args.gib, "hosts": 2, "workers": 2, **figures})
+
+
+if __name__ == "__main__":
+    main()

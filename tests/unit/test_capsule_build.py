@@ -1,0 +1,58 @@
+"""The test capsule's build (devtools/capsule_build.py): the same inputs give the same rootfs
+bytes (so the same image digest and a cache hit), and every engine module, link and directory
+the capsule layout promises is in it."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from devtools import capsule_build as test_capsule
+
+
+def _base(tmp_path: Path) -> Path:
+    base = tmp_path / "base.tar"
+    with tarfile.open(base, "w") as tar:
+        data = b"debian\n"
+        ti = tarfile.TarInfo("./etc/debian_version")
+        ti.size, ti.mtime = len(data), 1
+        tar.addfile(ti, io.BytesIO(data))
+    return base
+
+
+def test_the_same_inputs_compose_the_same_bytes(tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    a, b = tmp_path / "a.tar", tmp_path / "b.tar"
+    test_capsule.compose(base, a)
+    test_capsule.compose(base, b)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_the_rootfs_holds_the_engine_the_links_and_the_directories(tmp_path: Path) -> None:
+    out = tmp_path / "rootfs.tar"
+    test_capsule.compose(_base(tmp_path), out)
+    with tarfile.open(out) as tar:
+        members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+    engine = members["opt/coldsnap-test/engine.py"]
+    assert engine.isfile() and engine.mode == 0o755 and engine.mtime == test_capsule.EPOCH
+    assert members["usr/local/bin/cuda-checkpoint"].linkname == "cuda-checkpoint-sim"
+    assert members["usr/local/bin/capsule-init"].linkname.endswith("capsule_init.py")
+    assert all(members[d].isdir() for d in test_capsule.DIRS)
+    assert "etc/debian_version" in members  # the base is kept under the additions
+
+
+def test_a_changed_source_changes_the_inputs_key(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _base(tmp_path)
+    before = test_capsule.inputs_key(base)
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for src, _ in test_capsule.FILES.values():
+        (sources / src).write_bytes((test_capsule.SOURCES / src).read_bytes())
+    monkeypatch.setattr(test_capsule, "SOURCES", sources)
+    assert test_capsule.inputs_key(base) == before
+    (sources / "engine.py").write_bytes(b"# changed\n")
+    assert test_capsule.inputs_key(base) != before

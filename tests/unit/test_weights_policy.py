@@ -1,0 +1,32 @@
+"""Which quiesce a capture asks of its engine: `policy.weights.mode` decides whether the
+weights are released (so that the CRIU images exclude them), `policy.process.kv_discard`
+whether the KV cache is dropped; an engine that cannot do what the policy asks is refused
+before any unit starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from coldsnap.formats.request import ProcessPolicy, WeightsPolicy
+from coldsnap.operations.units import PlacementError, discards_kv, releases_weights
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize(("mode", "released"), [
+    ("auto", True), ("cache-only-auto", True), ("native", True), ("recovery", False)])
+def test_weights_mode_decides_the_release(engine: str, mode: str, released: bool) -> None:
+    assert releases_weights(WeightsPolicy.model_validate({"mode": mode}), engine) is released
+
+
+def test_without_a_weights_policy_nothing_is_released() -> None:
+    # A restore or a lifecycle operation: the capsule manifest says what the capture did.
+    assert releases_weights(None, "vllm") is False
+
+
+def test_kv_discard_false_needs_an_engine_that_keeps_its_kv_cache() -> None:
+    assert discards_kv(ProcessPolicy(), "vllm") is True
+    assert discards_kv(None, "vllm") is True
+    assert discards_kv(ProcessPolicy(kv_discard=False), "sglang") is False
+    with pytest.raises(PlacementError, match=r"policy\.process\.kv_discard.*vllm"):
+        discards_kv(ProcessPolicy(kv_discard=False), "vllm")
+

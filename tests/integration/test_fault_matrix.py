@@ -224,8 +224,10 @@ def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fa
         assert_nothing_left(ops, outcome.receipt["operation_id"])
         assert on_host("find", str(small), "-name", "*.coldsnap-part") == ""
 
+        # The retry stages into host-3's own data_dir: the restored container mounts staged
+        # payloads, and dockerd (in this machine's mount namespace) cannot see the tmpfs.
         on_host("rm", f"{small}/filler")
-        retry_succeeds(ops, artifact, "fills-retry", inventory=inventory)
+        retry_succeeds(ops, artifact, "fills-retry")
     finally:
         ops.remove_units()
         on_host("umount", "-l", str(small))

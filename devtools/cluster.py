@@ -6,6 +6,8 @@
     scripts/dev-cluster start-host NAME                 bring that sshd back
     scripts/dev-cluster partition-host NAME             cut a host's link (processes keep running)
     scripts/dev-cluster heal-host NAME                  reconnect it
+    scripts/dev-cluster stop-docker NAME                stop one host's dockerd
+    scripts/dev-cluster start-docker NAME               start it again (images kept)
     scripts/dev-cluster status                          one line per host
 
 Each host has its own network namespace (csd-host-N, address 198.18.0.{N+2} on interface ensN),
@@ -55,7 +57,8 @@ from devtools.render import (
 )
 from devtools.services import log
 
-COMMANDS = ("up", "down", "stop-host", "start-host", "partition-host", "heal-host", "status")
+COMMANDS = ("up", "down", "stop-host", "start-host", "partition-host", "heal-host",
+            "stop-docker", "start-docker", "status")
 
 
 class ClusterError(RuntimeError):
@@ -293,6 +296,17 @@ def cmd_start_host(layout: Layout, name: str) -> int:
     return 0
 
 
+def cmd_docker(layout: Layout, name: str, up: bool) -> int:
+    hn, paths = existing_host(layout, name)
+    if up:
+        services.start_dockerd(hn, paths)
+        services.wait_dockerd(name, paths)
+    else:
+        services.stop_dockerd(paths)
+    log(f"{name}: dockerd {'started' if up else 'stopped'}")
+    return 0
+
+
 def cmd_link(layout: Layout, name: str, up: bool) -> int:
     hn, _ = existing_host(layout, name)
     net.set_link(hn, up)
@@ -340,6 +354,8 @@ def dispatch(layout: Layout, argv: Sequence[str]) -> int:
         return cmd_stop_host(layout, rest[0])
     if cmd == "start-host":
         return cmd_start_host(layout, rest[0])
+    if cmd in ("stop-docker", "start-docker"):
+        return cmd_docker(layout, rest[0], up=cmd == "start-docker")
     return cmd_link(layout, rest[0], up=cmd == "heal-host")
 
 

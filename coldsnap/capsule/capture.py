@@ -294,7 +294,8 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
         raise fail(s, handle.unit, step, detail, DumpFailed)
     du = await s.target.host.run(["du", "-sb", "--", handle.images_dir], timeout=60,
                                  check=False)
-    size = int(du.stdout.split()[0]) if du.ok else 0
+    first = du.stdout.split()[:1]
+    size = int(first[0]) if du.ok and first and first[0].isdigit() else 0  # only logged
     log.info("capsule.dumped", host=s.host, unit=handle.unit, step=step, bytes=size,
              seconds=round(seconds, 3))
     return DumpResult(handle.unit, size, seconds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ from coldsnap.capsule.runtime import (
     device_map_args,
     endpoint,
     fail,
+    list_containers,
     put_runtime_file,
+    remove_container,
     start_container,
 )
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
@@ -92,6 +95,8 @@ def device_map(captured: Sequence[str], destination: Sequence[str]) -> dict[str,
 _PROBE = 'criu --version; criu check --feature clone3_set_tid; criu check'
 _CLONE3_SET_TID = "clone3_set_tid is supported"
 _NS_LAST_PID = "ns_last_pid sysctl is inaccessible"
+# One probe's own container, whatever else it is labelled with.
+_LABEL_PROBE = "org.coldsnap.probe"
 
 
 def criu_check_passed(output: str) -> bool:
@@ -115,12 +120,16 @@ def criu_version(output: str) -> str | None:
 
 
 async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
-                     kernel: str | None = None, timeout_s: float = 120.0) -> CriuProbe:
+                     kernel: str | None = None, timeout_s: float = 120.0,
+                     labels: Mapping[str, str] | None = None) -> CriuProbe:
     """Run `criu check` from `image` (the capsule or its base image, which pins the same
     CRIU) on this host, with the capsule's capabilities: the kernel-capability admission.
-    With the host's `kernel`, the CRIU version floor for TCP-serving engines applies too."""
+    With the host's `kernel`, the CRIU version floor for TCP-serving engines applies too.
+
+    The probe container carries `labels` (an operation's, so that `coldsnapd gc` finds one
+    that a killed run left) and is removed however the probe ends."""
     step = "criu-probe"
-    created_id: str | None = None
+    tags = {**(labels or {}), LABEL_ROLE: "probe", _LABEL_PROBE: secrets.token_hex(8)}
     try:
         try:
             await s.call(s.client.images.get, image)
@@ -131,22 +140,21 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
             network_mode="none", cap_add=list(CRIU_CAPABILITIES),
             security_opt=list(CRIU_SECURITY_OPT))
         created = await s.call(api.create_container, image, command=["sh", "-c", _PROBE],
-                               host_config=host_config, labels={LABEL_ROLE: "probe"})
-        created_id = str(created["Id"])
-        container = await s.call(s.client.containers.get, created_id)
+                               host_config=host_config, labels=tags)
+        container = await s.call(s.client.containers.get, str(created["Id"]))
         await s.call(container.start)
-    except docker.errors.DockerException as exc:
-        if created_id is not None:
-            with contextlib.suppress(docker.errors.DockerException):
-                await s.call(s.client.api.remove_container, created_id, force=True)
-        raise fail(s, unit, step, f"cannot run criu check from {image}: {exc}",
-                   CriuProbeFailed) from exc
-    try:
         status = await asyncio.wait_for(s.call(container.wait), timeout_s)
         output = (await s.call(container.logs, stdout=True, stderr=True)).decode(
             errors="replace").strip()
-    finally:
-        await s.call(container.remove, force=True)
+    except docker.errors.DockerException as exc:
+        await _remove_probe(s, tags)
+        raise fail(s, unit, step, f"cannot run criu check from {image}: {exc}",
+                   CriuProbeFailed) from exc
+    except BaseException:
+        # Also when cancelled with the creation in flight: found by its own label.
+        await asyncio.shield(_remove_probe(s, tags, settle=True))
+        raise
+    await _remove_probe(s, tags)
     code = int(status.get("StatusCode", -1))
     if code not in (0, 1) or not criu_check_passed(output):
         raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
@@ -157,6 +165,18 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
         if why:
             raise fail(s, unit, step, why, CriuProbeFailed)
     return CriuProbe(s.host, image, output, version)
+
+
+async def _remove_probe(s: CapsuleSession, tags: Mapping[str, str], *,
+                        settle: bool = False) -> None:
+    """The probe container, found by its one-off label; a host that cannot be reached now
+    leaves it to `coldsnapd gc` (it carries the operation's label)."""
+    with contextlib.suppress(Exception):
+        if settle:
+            await s.settle(20.0)  # a creation still in flight lands before the search
+        found = await list_containers(s, [f"{_LABEL_PROBE}={tags[_LABEL_PROBE]}"])
+        for c in found:
+            await remove_container(s, c.id)
 
 
 async def create_restore_container(

@@ -33,12 +33,13 @@ from typing import Any, TypeVar
 import docker
 import docker.errors
 import docker.transport
+import requests.exceptions
 import structlog
 
 from coldsnap.capsule.docker_exec import exec_in_container
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import CapsuleHost
-from coldsnap.hosts.base import Host
+from coldsnap.hosts.base import Host, HostError, HostUnreachable
 
 T = TypeVar("T")
 
@@ -147,17 +148,23 @@ class ExecOutput:
         return text[-limit:]
 
 
+# How long a failed Docker call waits to learn why its host's connection dropped.
+_WHY_LOST_S = 20.0
+
+
 class CapsuleSession:
     """One host's Docker engine plus its transport; shared by every unit on that host."""
 
     def __init__(self, target: CapsuleHost, client: Any, *,
                  executor: concurrent.futures.Executor | None = None,
-                 connections: _Connections | None = None) -> None:
+                 connections: _Connections | None = None,
+                 relay: RelayState | None = None) -> None:
         self.target = target
         self.client = client
         self._executor = executor
         self._connections = connections or _Connections()
         self._threads: dict[asyncio.Future[Any], list[int]] = {}
+        self._relay = relay
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
         self._containers: dict[str, Any] = {}
@@ -194,6 +201,24 @@ class CapsuleSession:
         except TimeoutError:
             self.abort(fut)
             raise
+        except requests.exceptions.ConnectionError as exc:
+            # The relay's SSH side failed: say which host and why (a refused host key must
+            # read as such, and is never retried), not "connection aborted".
+            raise await self._why_lost(exc) from exc
+
+    async def _why_lost(self, exc: Exception) -> HostError:
+        """Why the Docker connection through the relay dropped: the relay's own error, else
+        what one fresh command on the host says now (the dropped connection may have
+        been the last one that still worked, e.g. before a host key changed)."""
+        if self._relay is not None and self._relay.last_error is not None:
+            return self._relay.last_error
+        try:
+            await self.target.host.run(["true"], timeout=_WHY_LOST_S)
+        except HostError as err:
+            return err
+        except Exception as other:  # only a better message is at stake
+            log.debug("capsule.why_lost", host=self.host, error=str(other))
+        return HostUnreachable(self.host, f"Docker connection lost: {exc}")
 
     def abort(self, fut: asyncio.Future[Any]) -> None:
         """Make a running call fail now: its connections are shut down."""
@@ -271,8 +296,17 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         dst.close()
 
 
+@dataclass
+class RelayState:
+    """Why the relay's latest connection could not reach the host (None while they do): the
+    Docker client only sees its connection closed, which names neither host nor cause."""
+
+    last_error: HostError | None = None
+
+
 @asynccontextmanager
-async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
+async def docker_relay(host: Host, remote_path: str,
+                       state: RelayState | None = None) -> AsyncIterator[str]:
     """A local unix socket whose every connection reaches `remote_path` on the host through a
     forward opened for that connection alone.
 
@@ -292,12 +326,16 @@ async def docker_relay(host: Host, remote_path: str) -> AsyncIterator[str]:
             task.add_done_callback(live.discard)
         try:
             async with host.forward_unix_socket(remote_path) as local:
+                if state is not None:
+                    state.last_error = None
                 up_r, up_w = await asyncio.open_unix_connection(local)
                 try:
                     await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
                 finally:
                     up_w.close()
         except Exception as exc:  # one failed connection must not end the relay
+            if state is not None and isinstance(exc, HostError):
+                state.last_error = exc
             log.warning("capsule.docker_relay", host=host.name, error=str(exc))
         except asyncio.CancelledError:
             # Shutdown cancels idle relay connections. This task is the top of its own
@@ -333,8 +371,9 @@ async def open_session(target: CapsuleHost, *,
         max_workers=threads, thread_name_prefix=f"docker-{target.name}")
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(executor.shutdown, wait=False, cancel_futures=True)
+        relay = RelayState()
         local = await stack.enter_async_context(
-            docker_relay(target.host, target.docker_socket))
+            docker_relay(target.host, target.docker_socket, relay))
         # The client asks the daemon for its API version while it is built; the relayed
         # socket is served by this very event loop, so that must happen off the loop.
         client = await asyncio.get_running_loop().run_in_executor(
@@ -344,7 +383,8 @@ async def open_session(target: CapsuleHost, *,
         # fail the next request; a fresh one per request always rides a live transport.
         client.api.headers["Connection"] = "close"
         connections = make_abortable(client, local, DOCKER_CALL_TIMEOUT)
-        session = CapsuleSession(target, client, executor=executor, connections=connections)
+        session = CapsuleSession(target, client, executor=executor, connections=connections,
+                                 relay=relay)
         try:
             yield session
         finally:

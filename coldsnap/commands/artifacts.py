@@ -34,22 +34,27 @@ def _summary(stored: StoredArtifact) -> dict[str, Any]:
 
 def _list(args: argparse.Namespace) -> int:
     try:
-        stored = open_store(args).list_artifacts()
-    except (StoreError, ArtifactInvalid, ValueError) as exc:
+        stored, bad = open_store(args).scan_artifacts()
+    except (StoreError, ValueError) as exc:
         return report_failure(str(exc), EXIT_FAILED)
     rows = [_summary(s) for s in stored]
+    # The good ones are listed all the same; each bad index file is named, and the exit
+    # status says the store needs a look.
+    status = EXIT_FAILED if bad else EXIT_OK
+    for path, why in bad:
+        report_failure(f"unreadable artifact index file {path}: {why}", EXIT_FAILED)
     if args.json:
         print_json(rows)
-        return EXIT_OK
+        return status
     if not rows:
         sys.stdout.write("no artifacts\n")
-        return EXIT_OK
+        return status
     sys.stdout.write(f"{'CAPTURE ID':<32} {'DIGEST':<19} {'ENGINE':<7} {'UNITS':>5} "
                      f"{'WORKERS':>7} {'SIZE':>10}\n")
     for r in rows:
         sys.stdout.write(f"{r['capture_id']:<32} {r['digest'][:19]:<19} {r['engine']:<7} "
                          f"{r['units']:>5} {r['workers']:>7} {human_bytes(r['bytes']):>10}\n")
-    return EXIT_OK
+    return status
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind.
+"""`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind,
+and temporary files older than a day (the store's tmp, partial files in each host's data_dir).
 
 Every inventory host is asked, concurrently, for the containers labelled
 `org.coldsnap.operation`; each one is judged from this control node's run records
@@ -38,7 +39,8 @@ from coldsnap.hosts.base import HostError
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.runs import RunStatus, orphan_reason, run_status
+from coldsnap.operations.runs import RunStatus, orphan_reason, prune_records, run_status
+from coldsnap.operations.sweep import TEMP_MAX_AGE_S, sweep_host_temp
 
 HOST_TIMEOUT_S = 90.0  # one host: connect, list and remove, whatever its dockerd does
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -69,10 +71,20 @@ class Leftover:
 
 
 @dataclass
+class LocalSweep:
+    """What gc swept on the control node: the store's temporary files older than a day, and
+    the run records of operations that ended long ago."""
+
+    store_tmp: list[str]
+    run_records: list[str]
+
+
+@dataclass
 class HostResult:
     host: str
     containers: list[Container] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)  # under data_dir, older than a day
     error: str | None = None
 
 
@@ -149,6 +161,9 @@ async def gc_host(hosts: HostSet, name: str, judge: Judge, operation: str | None
                     except docker.errors.DockerException as exc:
                         entry.error = f"cannot remove: {exc}"
             await _host_leftovers(hosts, name, judge, operation, dry_run, result)
+            result.temp_files = await sweep_host_temp(hosts.host(name),
+                                                      hosts.entries[name].data_dir,
+                                                      dry_run=dry_run)
     except TimeoutError:
         result.error = f"timed out after {HOST_TIMEOUT_S:.0f} s"
     except (OperationFailed, HostError, CapsuleError, docker.errors.DockerException,
@@ -157,12 +172,19 @@ async def gc_host(hosts: HostSet, name: str, judge: Judge, operation: str | None
     return result
 
 
-def _print_text(results: list[HostResult], dry_run: bool) -> None:
+def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> None:
     removed = kept = 0
+    verb = "would remove" if dry_run else "removed"
+    for path in local.store_tmp:
+        print(f"control node: {verb} temporary file {path}")
+    for operation_id in local.run_records:
+        print(f"control node: {verb} the run record of {operation_id}")
     for r in results:
         if r.error:
             print(f"{r.host}: ERROR {r.error}")
             continue
+        for path in r.temp_files:
+            print(f"{r.host}: {'would remove' if dry_run else 'removed'} temporary file {path}")
         if not r.containers and not r.leftovers:
             print(f"{r.host}: no container of a coldsnap operation")
         for c in r.containers:
@@ -194,7 +216,8 @@ def _handler(args: argparse.Namespace) -> int:
     except InventoryError as exc:
         return report_failure(str(exc))
     logs.configure(verbose=args.verbose)
-    judge = Judge(open_store(args).root)
+    store = open_store(args)
+    judge = Judge(store.root)
 
     async def main() -> list[HostResult]:
         async with HostPool(inventory) as pool:
@@ -204,12 +227,18 @@ def _handler(args: argparse.Namespace) -> int:
                 for h in inventory.hosts)))
 
     results = asyncio.run(main())
+    local = LocalSweep(
+        [str(p) for p in store.sweep_tmp(older_than_s=TEMP_MAX_AGE_S, dry_run=args.dry_run)],
+        # Only once every host was judged: a pruned failed run's orphans would read as
+        # never recorded, and be kept.
+        [] if any(r.error for r in results)
+        else prune_records(store.root, dry_run=args.dry_run))
     if args.json:
         doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
-                               "hosts": [asdict(r) for r in results]}
+                               "hosts": [asdict(r) for r in results], **asdict(local)}
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     else:
-        _print_text(results, args.dry_run)
+        _print_text(results, local, args.dry_run)
     failed = [r.host for r in results if r.error or any(c.error for c in r.containers)
               or any(d.error for d in r.leftovers)]
     if failed:
@@ -227,8 +256,10 @@ def register(subparsers: Any) -> None:
                     "rollback returned to serving). The directories an operation names after "
                     "itself in a host's data_dir (dumps/ID, capsules/ID, "
                     "criu-images/.SET.ID.partial) are judged alike. Operations this store "
-                    "never recorded are left alone. Exit 1 when a host could not be reached "
-                    "or a removal failed.")
+                    "never recorded are left alone. Also removes temporary files older than a "
+                    "day (the store's tmp, partial transfers and commits in each host's "
+                    "data_dir) and the run records of operations that ended over 30 days ago. "
+                    "Exit 1 when a host could not be reached or a removal failed.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--operation", metavar="ID",
                        help="only the containers of this operation (its id as in the receipt)")

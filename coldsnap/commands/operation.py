@@ -56,7 +56,7 @@ from coldsnap.operations.deadline import default_deadline, within_deadline
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
-from coldsnap.store import StoreError
+from coldsnap.store import LocalStore, StoreError
 from coldsnap.topology import resolve
 
 DEFAULT_INVENTORY = "/etc/coldsnap/inventory.yaml"
@@ -229,6 +229,10 @@ async def execute(prepared: Prepared, ctx: OperationContext) -> ReceiptResult:
         async with HostPool(prepared.inventory) as pool:
             with ctx.span(prepared.operation):
                 return await prepared.body(HostSet(prepared.inventory, pool), ctx)
+
+    # What an earlier run that was killed mid-fetch left in the store's tmp (files of live
+    # processes, this one's included, stay).
+    LocalStore(prepared.store_root).sweep_tmp()
 
     seconds = prepared.deadline or default_deadline(prepared.operation, prepared.bytes_to_move)
     return await within_deadline(body(), seconds, rolling_back=lambda: ctx.rollback is not None)

@@ -180,6 +180,19 @@ def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
     for i, obj in enumerate(artifact.objects):
         if obj.owner not in owners:
             issues.append(ValidationIssue(f"objects[{i}].owner", f"unknown owner '{obj.owner}'"))
+    # Without its capsule a unit cannot be restored: an artifact that lost one (an edited
+    # or truncated `objects`) is refused here, not half-way through a restore. A capsule
+    # pushed to a registry is named there by digest and travels as no object.
+    pushed = {i.unit for i in artifact.capsule.images if "@sha256:" in i.reference}
+    for u in unit_ids:
+        owner = str(Owner.unit(u))
+        count = sum(1 for o in artifact.objects if o.role == ROLE_CAPSULE and o.owner == owner)
+        want = 0 if u in pushed else 1
+        if count != want:
+            where = "pushed to a registry" if u in pushed else "not pushed to a registry"
+            issues.append(ValidationIssue(
+                "objects", f"must hold {'no' if want == 0 else 'exactly one'} {ROLE_CAPSULE} "
+                           f"object owned by {owner} (its capsule is {where}), not {count}"))
     return issues
 
 

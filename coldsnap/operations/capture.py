@@ -32,7 +32,6 @@ from coldsnap.capsule.capture import (
     wait_ready,
 )
 from coldsnap.capsule.collect import collect_worker_objects, remove_capsule_files
-from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.runtime import remove_operation_containers
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
@@ -65,9 +64,10 @@ from coldsnap.operations.context import (
     OperationFailed,
     Undone,
 )
-from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.hostset import HostSet, is_transient
 from coldsnap.operations.network import check_ports_free, unit_ports
-from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
+from coldsnap.operations.space import refuse_short, store_need
+from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, ObjectCorrupt, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
@@ -159,8 +159,11 @@ async def _capture_units(
         r.handle = await start_unit(r.session, r.placed.spec)
 
     await phase(ctx, "start", runs, start)
-    await phase(ctx, "wait-ready", runs, lambda r: wait_ready(r.session, r.started),
-                fail_fast=True)
+    async def ready(r: UnitRun) -> None:
+        await wait_ready(r.session, r.started)
+        r.ready = True
+
+    await phase(ctx, "wait-ready", runs, ready, fail_fast=True)
     await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
     await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
     dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
@@ -228,6 +231,11 @@ async def _capture_units(
         await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
                                    r.placed.unit_id)
 
+    # Refused before any byte is pulled: a store that fills up half-way helps no one.
+    refuse_short([store_need(store, [
+        pair for r in runs if r.capsule is not None and r.workers is not None
+        for pair in [*((o.file.sha256, o.file.bytes) for o in r.capsule.objects),
+                     *((w.payload.sha256, w.payload.bytes) for w in r.workers)]])])
     await phase(ctx, "fetch", runs, fetch)
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
@@ -285,18 +293,33 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRu
             # Its start failed or was cancelled, perhaps with the creation still in flight.
             removed = await remove_operation_containers(s, ctx.operation_id, r.placed.unit_id)
             return "removed" if removed else "nothing to undo"
+        if keep_serving and not r.ready:
+            # An engine that never became healthy is not worth keeping.
+            await remove_unit(s, r.handle)
+            return "removed", "it never became ready"
         if keep_serving:
             try:
                 await return_to_serving(s, r.handle)
                 return "returned to serving"
-            except CapsuleError as exc:
+            except Exception as exc:
+                if is_transient(exc):
+                    raise  # the host's connection: retried on a fresh session
                 # A unit that cannot serve again must not stay quiesced with its GPUs locked.
                 await remove_unit(s, r.handle)
-                return "removed", f"it could not return to serving: {exc.detail}"
+                return "removed", f"it could not return to serving: {explain(exc)}"
         await remove_unit(s, r.handle)
         return "removed"
 
-    await rollback_units(ctx, hosts, runs, undo)
+    async def give_up(r: UnitRun, s: CapsuleSession, exc: BaseException) -> Undone:
+        # Returning to serving kept losing the host; one removal on a fresh connection
+        # beats a unit left quiesced with its GPUs locked (gc removes it otherwise: the
+        # run record does not list it as kept).
+        if r.handle is None:
+            return await undo(r, s)
+        await remove_unit(s, r.handle)
+        return "removed", f"it could not return to serving: {explain(exc)}"
+
+    await rollback_units(ctx, hosts, runs, undo, give_up if keep_serving else None)
 
 
 async def _discard_capsule(s: CapsuleSession, r: UnitRun, capture_id: str) -> None:

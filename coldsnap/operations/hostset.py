@@ -4,20 +4,47 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypeVar
 
-from tenacity import AsyncRetrying, stop_after_attempt, wait_incrementing
+import requests.exceptions
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_incrementing
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost
-from coldsnap.hosts.base import Host
+from coldsnap.hosts.base import Host, HostAuthFailed, HostKeyRejected, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.probe import probe_hosts
 from coldsnap.operations.context import OperationFailed
 
+T = TypeVar("T")
+
 # Between fresh sessions to a host that was lost: 2, 4, then 5 s. With on_session's 8
-# reconnects that is about 36 s, for a host whose connection dropped to come back.
+# reconnects that is about 36 s, for a host whose connection dropped to come back; a rollback
+# (ROLLBACK_UNIT_S per unit) is never held longer by one that won't.
 RECONNECT_WAIT = wait_incrementing(start=2.0, increment=2.0, max=5.0)
+
+# What a dropped SSH connection or a dead Docker relay looks like from above: worth a fresh
+# session. Anything else (a refused host key, an engine error, a failed command) is not.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    HostUnreachable,
+    ConnectionError,
+    requests.exceptions.ConnectionError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A lost connection, also when a capsule step wrapped it in its own error."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, HostKeyRejected | HostAuthFailed):
+            return False  # never retried: a changed key or refused login stays so
+        if isinstance(cur, _TRANSIENT):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class HostSet:
@@ -28,6 +55,8 @@ class HostSet:
         self.inventory = inventory
         self.transports = hosts
         self.entries: Mapping[str, HostEntry] = {h.name: h for h in inventory.hosts}
+        # Free bytes in each probed host's data_dir (None: the probe could not say).
+        self.free_bytes: dict[str, int | None] = {}
 
     def check_known(self, names: Iterable[str], what: str) -> None:
         unknown = sorted(set(names) - set(self.entries))
@@ -54,8 +83,15 @@ class HostSet:
                                   else "host-probe", detail)
         out: dict[str, HostFacts] = {}
         for f in probed:
+            self.free_bytes[f.host] = f.data_dir_free_bytes
             if f.nvidia_driver is None:
                 raise OperationFailed("no-nvidia-driver", f"host {f.host}: no NVIDIA driver")
+            socket = self.entries[f.host].docker_socket
+            if socket is not None and f.docker is None:
+                # Said now, naming the host, rather than as a Docker client error later.
+                why = "; ".join(n for n in f.notes if n.startswith("docker")) or "no answer"
+                raise OperationFailed("no-docker", f"host {f.host}: dockerd does not answer on "
+                                                   f"{socket} ({why})")
             out[f.host] = f.admission_facts()
         return out
 
@@ -63,21 +99,35 @@ class HostSet:
         self,
         name: str,
         session: CapsuleSession,
-        fn: Callable[[CapsuleSession], Awaitable[None]],
+        fn: Callable[[CapsuleSession], Awaitable[T]],
         *,
         reconnects: int = 8,
-    ) -> None:
-        """Run a clean-up step on a host's session; when that session died with its
-        connection (a lost host), retry on fresh sessions with backoff (about 30 s), so a
-        host that comes back in the meantime is still cleaned. Raises the last error."""
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(1 + reconnects),
-                                           wait=RECONNECT_WAIT, reraise=True):
-            with attempt:
-                if attempt.retry_state.attempt_number == 1:
-                    await fn(session)
-                else:
+        give_up: Callable[[CapsuleSession, BaseException], Awaitable[T]] | None = None,
+    ) -> T:
+        """Run a clean-up step on a host's session. When it fails with a lost connection,
+        retry on fresh sessions with backoff (about 36 s), so a host that comes back in the
+        meantime is still cleaned. Any other error is the step's answer and is raised at
+        once.
+
+        With `give_up`, once the retries are spent it gets one last fresh session and the
+        last error (to remove what the step could not restore, say); its result is returned.
+        Otherwise the last error is raised."""
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(1 + reconnects),
+                                               wait=RECONNECT_WAIT,
+                                               retry=retry_if_exception(is_transient),
+                                               reraise=True):
+                with attempt:
+                    if attempt.retry_state.attempt_number == 1:
+                        return await fn(session)  # the operation's own session first
                     async with self.sessions([name]) as fresh:
-                        await fn(fresh[name])
+                        return await fn(fresh[name])
+        except Exception as exc:
+            if give_up is None or not is_transient(exc):
+                raise
+            last, last_resort = exc, give_up
+        async with self.sessions([name]) as fresh:
+            return await last_resort(fresh[name], last)
 
     @asynccontextmanager
     async def sessions(self, names: Iterable[str]) -> AsyncIterator[dict[str, CapsuleSession]]:

@@ -39,6 +39,8 @@ from coldsnap.capsule.restore import (
     validate,
 )
 from coldsnap.capsule.runtime import (
+    LABEL_OPERATION,
+    LABEL_UNIT,
     UnitContainer,
     remove_operation_containers,
 )
@@ -74,8 +76,10 @@ from coldsnap.operations.replace import (
     revive,
     stop_previous,
 )
+from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostStaging,
+    discard_partial_objects,
     objects_by_host,
     remote_object_path,
     stage_host,
@@ -200,6 +204,10 @@ async def restore(
             r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
             if r.placed.unit_id in replay_units:
                 r.replay_reason = _issues_text(refusals[r.placed.unit_id])
+        with ctx.span("restore.space"):
+            await check_staging_space(
+                {n: hosts.host(n) for n in per_host},
+                {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
         with ctx.span("restore.stage"):
             outcome.staging = await _stage(hosts, store, per_host, runs, ctx)
         for st in outcome.staging:
@@ -261,6 +269,14 @@ async def _stage(hosts: HostSet, store: LocalStore,
                                     image_sets=sets, operation_id=ctx.operation_id)
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
+    failed = [n for n, res in zip(per_host, results, strict=True)
+              if isinstance(res, BaseException)]
+    if failed:
+        # A transfer keeps its partial file to resume a dropped connection; once staging has
+        # failed, that file is only a half-written object filling the host's disk.
+        await asyncio.shield(asyncio.gather(*(
+            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
+            for n in failed)))
     for name, res in zip(per_host, results, strict=True):
         if isinstance(res, BaseException):
             if not isinstance(res, Exception):
@@ -286,7 +302,9 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
         if kernel_policy == "capability":
             try:
                 await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id,
-                                 kernel=facts[r.placed.host].kernel)
+                                 kernel=facts[r.placed.host].kernel,
+                                 labels={LABEL_OPERATION: ctx.operation_id,
+                                         LABEL_UNIT: r.placed.unit_id})
             except CapsuleError as exc:
                 if fallback != "replay":
                     raise

@@ -204,3 +204,36 @@ def orphan_reason(status: RunStatus, unit: str | None) -> tuple[bool, str]:
     return True, f"{record.operation} {status.operation_id} (pid {record.pid} on " \
                  f"{record.control_node}) ended without finishing"
 
+
+
+RECORD_MAX_AGE_S = 30 * 24 * 3600.0
+
+
+def prune_records(store_root: Path, *, older_than_s: float = RECORD_MAX_AGE_S,
+                  dry_run: bool = False) -> list[str]:
+    """Remove the records (and lock files) of operations that ended more than `older_than_s`
+    ago; returns their ids. A record still `running`, or whose lock is held, is never
+    removed: it is what tells a dead run's containers from a live one's. Prune after the
+    containers are judged, or a failed run's orphans would read as never recorded."""
+    base = run_dir(store_root)
+    if not base.is_dir():
+        return []
+    cutoff = time.time() - older_than_s
+    pruned: list[str] = []
+    for record_path in sorted(base.glob("*.json")):
+        operation_id = record_path.stem
+        try:
+            if record_path.stat().st_mtime > cutoff:
+                continue
+            status = run_status(store_root, operation_id)
+        except (OSError, ValueError):
+            continue
+        record = status.record
+        if status.running or record is None or record.state == "running":
+            continue
+        pruned.append(operation_id)
+        if not dry_run:
+            lock_path, _ = _paths(store_root, operation_id)
+            for path in (record_path, lock_path):
+                path.unlink(missing_ok=True)
+    return pruned

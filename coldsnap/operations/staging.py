@@ -13,6 +13,7 @@ directory already, verified, receives none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
-from coldsnap.hosts.transfer_protocol import remote_file_digest
+from coldsnap.hosts.transfer_protocol import PART_SUFFIX, remote_file_digest
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 
@@ -183,9 +184,20 @@ async def stage_host(
     return result
 
 
+async def discard_partial_objects(host: Host, data_dir: str,
+                                  objects: Sequence[ArtifactObject]) -> None:
+    """Remove what failed transfers of `objects` left half-written on the host; a host that
+    cannot be reached now keeps them (`coldsnapd gc` sweeps them after a day, and a later
+    staging resumes them before that)."""
+    parts = [remote_object_path(data_dir, o.sha256) + PART_SUFFIX for o in objects]
+    with contextlib.suppress(Exception):
+        await host.run(["rm", "-f", "--", *parts], timeout=30, check=False)
+
+
 __all__ = [
     "HostStaging",
     "TransferError",
+    "discard_partial_objects",
     "objects_by_host",
     "remote_has",
     "remote_object_path",

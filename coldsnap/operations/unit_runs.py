@@ -39,6 +39,8 @@ class UnitRun:
     handle: UnitHandle | None = None
     capsule: CommittedCapsule | None = None
     workers: list[WorkerObjects] | None = None
+    # Passed wait-ready: only such a unit is worth returning to serving on rollback.
+    ready: bool = False
 
     @property
     def started(self) -> UnitHandle:
@@ -108,9 +110,12 @@ async def rollback_units(
     hosts: HostSet,
     runs: Sequence[R],
     undo: Callable[[R, CapsuleSession], Awaitable[Undone]],
+    give_up: Callable[[R, CapsuleSession, BaseException], Awaitable[Undone]] | None = None,
 ) -> list[UnitRollback]:
     """Undo every unit, each on its own host, all at once, shielded from cancellation and
-    bounded in time. `undo` returns what it did to the unit.
+    bounded in time. `undo` returns what it did to the unit. With `give_up`, a unit whose
+    undo kept losing its host's connection gets that last step on a fresh one (capture
+    removes a unit it could not return to serving rather than leave it quiesced).
 
     A unit whose undo fails, or runs out of time, is reported as failed and the others go
     on: the operation's own error stays the one reported, and the receipt and stderr say,
@@ -130,6 +135,10 @@ async def rollback_units(
                 errors.append(explain(exc))
                 raise
 
+        async def last_resort(s: CapsuleSession, exc: BaseException) -> None:
+            assert give_up is not None
+            done.append(await give_up(r, s, exc))
+
         deadline = asyncio.timeout(ROLLBACK_UNIT_S)
         try:
             async with deadline:
@@ -137,7 +146,8 @@ async def rollback_units(
                     with contextlib.suppress(OSError, ValueError):
                         ctx.log.warning("rollback.unsettled", host=host, unit=unit,
                                         waited_s=ROLLBACK_SETTLE_S)
-                await hosts.on_session(host, r.session, attempt)
+                await hosts.on_session(host, r.session, attempt,
+                                       give_up=last_resort if give_up else None)
             outcome, detail = done[-1] if isinstance(done[-1], tuple) else (done[-1], "")
             report = UnitRollback(host, unit, outcome, detail)
         except TimeoutError as exc:

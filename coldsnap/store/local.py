@@ -8,15 +8,18 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
-from coldsnap.hosts.durable import fsync_dir
+from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.hosts.durable import fsync_dir, publish
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -81,6 +84,25 @@ def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None
             os.unlink(tmp)
 
 
+_INCOMING = "incoming."
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether `name` is an `incoming.<pid>.` file of a process that no longer exists."""
+    if not name.startswith(_INCOMING):
+        return False
+    pid_text = name[len(_INCOMING):].partition(".")[0]
+    if not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    return False
+
+
 class LocalStore:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -115,16 +137,44 @@ class LocalStore:
 
     @contextlib.contextmanager
     def incoming(self) -> Iterator[Path]:
-        """A temporary path to fetch an object into; removed unless `commit_incoming` took it."""
+        """A temporary path to fetch an object into; removed unless `commit_incoming` took it,
+        and so is what a transfer left beside it (its resumable `.coldsnap-part`)."""
         self.ensure()
-        fd, name = tempfile.mkstemp(dir=self.tmp_dir, prefix="incoming.")
+        # The PID in the name lets a later run tell a dead process's leftovers from a live one's.
+        fd, name = tempfile.mkstemp(dir=self.tmp_dir, prefix=f"{_INCOMING}{os.getpid()}.")
         os.close(fd)
         path = Path(name)
         try:
             yield path
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for leftover in (path, *self.tmp_dir.glob(f"{glob_escape(path.name)}.*")):
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
+
+    def sweep_tmp(self, *, older_than_s: float | None = None,
+                  dry_run: bool = False) -> list[Path]:
+        """Remove the temporary files of processes that are gone (run at the start of every
+        operation: a killed fetch leaves its partial object here), and with `older_than_s`
+        every temporary file older than that (`coldsnapd gc`). Returns what was (with
+        `dry_run`, would be) removed."""
+        removed: list[Path] = []
+        if not self.tmp_dir.is_dir():
+            return removed
+        now = time.time()
+        for path in sorted(self.tmp_dir.iterdir()):
+            try:
+                stale = older_than_s is not None and now - path.lstat().st_mtime > older_than_s
+                if stale or _owner_gone(path.name):
+                    if dry_run:
+                        pass
+                    elif path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+                    removed.append(path)
+            except FileNotFoundError:
+                continue
+        return removed
 
     def commit_incoming(self, path: Path, expected: str | None = None) -> tuple[str, int]:
         """Move a fully written temporary file into the store under its digest.
@@ -137,8 +187,8 @@ class LocalStore:
         if dest.is_file() and sha256_file(dest)[0] == actual:
             path.unlink()  # deduplicated: identical bytes are already stored
         else:
-            os.replace(path, dest)
-            fsync_dir(dest.parent)
+            # Whoever wrote it (add_bytes did not fsync), it is on disk before it is named.
+            publish(path, dest)
         return actual, size
 
     def commit_hashed(self, path: Path, digest: str) -> tuple[str, int]:
@@ -217,9 +267,26 @@ class LocalStore:
         return StoredArtifact(artifact.capture_id, digest(raw), path, artifact)
 
     def list_artifacts(self) -> list[StoredArtifact]:
+        """Every indexed artifact; an unreadable index entry raises, naming its file."""
+        good, bad = self.scan_artifacts()
+        if bad:
+            path, why = bad[0]
+            raise StoreError(f"{path}: {why}")
+        return good
+
+    def scan_artifacts(self) -> tuple[list[StoredArtifact], list[tuple[Path, str]]]:
+        """The readable index entries, and each unreadable one with why: one bad file must
+        not hide the others."""
+        good: list[StoredArtifact] = []
+        bad: list[tuple[Path, str]] = []
         if not self.artifacts_dir.is_dir():
-            return []
-        return [self._load(p) for p in sorted(self.artifacts_dir.glob("*.json"))]
+            return good, bad
+        for path in sorted(self.artifacts_dir.glob("*.json")):
+            try:
+                good.append(self._load(path))
+            except (OSError, ValueError, ArtifactInvalid) as exc:
+                bad.append((path, str(exc) or type(exc).__name__))
+        return good, bad
 
     def indexed(self, capture_id: str) -> StoredArtifact | None:
         """The artifact indexed under `capture_id`, or None."""

@@ -69,13 +69,14 @@ async def pool(dev_hosts: Inventory) -> AsyncIterator[HostPool]:
 
 
 class ClusterControl:
-    """Stops and starts one simulated host's sshd, or cuts and restores its network link (a
-    partition: the host's processes keep running), through scripts/dev-cluster."""
+    """Stops and starts one simulated host's sshd or dockerd, or cuts and restores its network
+    link (a partition: the host's processes keep running), through scripts/dev-cluster."""
 
     def __init__(self, inventory_path: Path) -> None:
         self.env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(inventory_path.parent))
         self.stopped: set[str] = set()
         self.partitioned: set[str] = set()
+        self.docker_stopped: set[str] = set()
 
     def _run(self, *args: str) -> None:
         subprocess.run(
@@ -103,6 +104,14 @@ class ClusterControl:
             yield
         finally:
             self.start_host(name)
+
+    def stop_docker(self, name: str) -> None:
+        self.docker_stopped.add(name)
+        self._run("stop-docker", name)
+
+    def start_docker(self, name: str) -> None:
+        self._run("start-docker", name)
+        self.docker_stopped.discard(name)
 
     def partition_host(self, name: str) -> None:
         self.partitioned.add(name)
@@ -134,6 +143,8 @@ def cluster(dev_inventory: Path) -> Iterator[ClusterControl]:
             control.heal_host(name)
         for name in sorted(control.stopped):
             control.start_host(name)
+        for name in sorted(control.docker_stopped):
+            control.start_docker(name)
 
 
 @pytest.fixture(scope="session", autouse=True)

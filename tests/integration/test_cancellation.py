@@ -58,11 +58,11 @@ class Started:
         return self.proc.returncode, err, receipt
 
 
-def start(ops: Ops, *args: str) -> Started:
+def start(ops: Ops, *args: str, inventory: Path | None = None) -> Started:
     tag = secrets.token_hex(4)
     events, receipt = ops.work / f"events-{tag}.ndjson", ops.work / f"receipt-{tag}.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coldsnap", *args, "--inventory", str(ops.inventory),
+        [sys.executable, "-m", "coldsnap", *args, "--inventory", str(inventory or ops.inventory),
          "--store", str(ops.store), "--receipt-json", str(receipt),
          "--timing-events", str(events)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,

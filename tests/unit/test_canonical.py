@@ -148,7 +148,7 @@ def _artifact_doc() -> dict[str, Any]:
                  for s in range(2)]}
             for u in units]},
         "capsule": {"images": [
-            {"unit": u, "reference": f"registry.local/coldsnap/capsule@sha256:{'33' * 32}",
+            {"unit": u, "reference": f"coldsnap/capsule/{u}:cap-1",
              "digest": "sha256:" + "33" * 32} for u in units]},
         "objects": objects,
         "weights": {"recovery": {"replay_plan": [
@@ -170,10 +170,10 @@ def test_artifact_round_trips_canonically() -> None:
 
 def test_artifact_refuses_unknown_fields_and_owners() -> None:
     doc = _artifact_doc()
-    doc["objects"][0]["owner"] = "unit/nope"
+    doc["objects"][0]["owner"] = "unit/nope"  # unit-0's capsule: now it has none
     with pytest.raises(ArtifactInvalid) as info:
         parse_artifact(doc)
-    assert [i.path for i in info.value.issues] == ["objects[0].owner"]
+    assert [i.path for i in info.value.issues] == ["objects[0].owner", "objects"]
     doc = _artifact_doc()
     doc["extra"] = 1
     with pytest.raises(ArtifactInvalid) as info:
@@ -187,6 +187,26 @@ def test_artifact_needs_one_capsule_per_unit() -> None:
     with pytest.raises(ArtifactInvalid) as info:
         parse_artifact(doc)
     assert [i.path for i in info.value.issues] == ["capsule.images"]
+    # Its capsule object too: an artifact whose `objects` lost one cannot be restored.
+    doc = _artifact_doc()
+    doc["objects"] = [o for o in doc["objects"] if o["role"] != "oci-capsule"]
+    with pytest.raises(ArtifactInvalid) as info:
+        parse_artifact(doc)
+    assert [(i.path, i.message) for i in info.value.issues] == [
+        ("objects", f"must hold exactly one oci-capsule object owned by unit/{u} (its capsule "
+                    "is not pushed to a registry), not 0")
+        for u in ("unit-0", "unit-1")]
+    # A capsule pushed to a registry is pulled by digest, so it has no object; one that names
+    # an object anyway is refused too.
+    for image in doc["capsule"]["images"]:
+        image["reference"] = f"198.18.0.1:5000/coldsnap/capsule/{image['unit']}@{image['digest']}"
+    parse_artifact(doc)
+    doc["objects"] = _artifact_doc()["objects"]
+    with pytest.raises(ArtifactInvalid) as info:
+        parse_artifact(doc)
+    assert {i.message for i in info.value.issues} == {
+        f"must hold no oci-capsule object owned by unit/{u} (its capsule is pushed to a "
+        "registry), not 1" for u in ("unit-0", "unit-1")}
 
 
 def test_artifact_snapshot_driver_minimum_must_match_driver() -> None:

@@ -1,5 +1,6 @@
 """A clean-up step on a lost host is retried on fresh Docker sessions, a bounded number of
-times, and the last error is the one reported."""
+times, and the last error is the one reported. Only a lost connection is retried, and a step
+that keeps losing its host can give up into a last action on a fresh session."""
 
 from __future__ import annotations
 
@@ -9,19 +10,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests.exceptions
 from tenacity import wait_none
 
+from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.session import CapsuleSession
+from coldsnap.hosts.base import HostKeyRejected, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.operations import hostset
-from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.hostset import HostSet, is_transient
 
 # Read before the fixture below replaces it for the tests that need no real waiting.
 PRODUCTION_WAIT = hostset.RECONNECT_WAIT
 
 
-class _Lost(Exception):
-    pass
+class _Lost(ConnectionResetError):
+    """A dropped connection, as a step on a lost host sees it."""
 
 
 def _hosts(tmp_path: Path, opened: list[str]) -> HostSet:
@@ -95,3 +99,59 @@ class _State:
 
     def __init__(self, attempt_number: int) -> None:
         self.attempt_number = attempt_number
+
+
+@pytest.mark.parametrize(("exc", "transient"), [
+    (HostUnreachable("h", "connection lost"), True),
+    (ConnectionResetError(), True),
+    (requests.exceptions.ConnectionError("relay closed"), True),
+    (HostKeyRejected("h", "host key changed"), False),
+    (CapsuleError("h", "u", "rollback", "engine refused to wake"), False),
+    (RuntimeError("bug"), False),
+])
+def test_only_lost_connections_are_transient(exc: Exception, transient: bool) -> None:
+    assert is_transient(exc) is transient
+
+
+def test_a_lost_connection_inside_a_capsule_error_is_transient() -> None:
+    try:
+        try:
+            raise requests.exceptions.ConnectionError("relay closed")
+        except requests.exceptions.ConnectionError as inner:
+            raise CapsuleError("h", "u", "rollback", "docker call failed") from inner
+    except CapsuleError as outer:
+        assert is_transient(outer)
+
+
+async def test_any_other_error_is_the_answer_at_once(tmp_path: Path) -> None:
+    opened: list[str] = []
+    calls = 0
+
+    async def step(s: Any) -> None:
+        nonlocal calls
+        calls += 1
+        raise CapsuleError("host-0", "u", "rollback", "engine refused to wake")
+
+    with pytest.raises(CapsuleError):
+        await _hosts(tmp_path, opened).on_session("host-0", "first", step)  # type: ignore[arg-type]
+    assert calls == 1 and opened == []
+
+
+async def test_a_step_that_keeps_losing_its_host_gives_up_into_a_last_action(
+        tmp_path: Path) -> None:
+    opened: list[str] = []
+    calls = 0
+
+    async def step(s: Any) -> str:
+        nonlocal calls
+        calls += 1
+        raise _Lost("dropped")
+
+    async def give_up(s: Any, exc: BaseException) -> str:
+        return f"removed on {s} after {exc}"
+
+    hosts = _hosts(tmp_path, opened)
+    said = await hosts.on_session("host-0", "first", step, reconnects=2,  # type: ignore[arg-type]
+                                  give_up=give_up)
+    assert calls == 3
+    assert said == "removed on fresh-3 after dropped"

@@ -29,7 +29,8 @@ class _Placed:
 class _Hosts:
     """The one HostSet call a rollback makes, without the reconnects to a lost host."""
 
-    async def on_session(self, name: str, session: CapsuleSession, fn: Any) -> None:
+    async def on_session(self, name: str, session: CapsuleSession, fn: Any,
+                         give_up: Any = None) -> None:
         await fn(session)
 
 

@@ -132,8 +132,9 @@ def test_a_corrupt_staged_object_is_caught_by_its_digest_and_sent_again(
     restore_moved(ops, artifact, "corrupt-prepare").ok()
     ops.remove_units()
     doc = yaml.safe_load((ops.store / "artifacts" / f"{artifact}.json").read_text())
-    payload = next(o for o in doc["objects"] if o["role"] == "model-weight-payload")
-    staged = Path(ops.hosts["host-3"]["data_dir"]) / "objects" / "sha256" / payload["sha256"][7:]
+    objects = Path(ops.hosts["host-3"]["data_dir"]) / "objects" / "sha256"
+    staged = next(objects / o["sha256"][7:] for o in doc["objects"]
+                  if o["role"] == "model-weight-payload" and (objects / o["sha256"][7:]).is_file())
     size = staged.stat().st_size
     with staged.open("r+b") as f:  # the same size, other bytes
         f.seek(size // 2)

@@ -314,7 +314,12 @@ class SSHHost:
                 )
                 return RemoteStream(stdin, stdout, stderr)
             except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-                still_up = self._connected() and not isinstance(exc, asyncssh.DisconnectError)
+                # asyncssh fails a channel open that was pending when its connection died
+                # with this reason; the connection is gone even if not marked closed yet.
+                lost = (isinstance(exc, asyncssh.ChannelOpenError)
+                        and exc.reason == "SSH connection closed")
+                still_up = (self._connected() and not lost
+                            and not isinstance(exc, asyncssh.DisconnectError))
                 if still_up and isinstance(exc, asyncssh.ChannelOpenError):
                     raise HostError(self.name, f"host refused a channel: {exc.reason}") from None
                 self._drop()

@@ -24,9 +24,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from coldsnap.digests import DIGEST_RE
+
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -62,7 +63,7 @@ def _check_qualified(value: str) -> str:
 
 
 def _check_digest(value: str) -> str:
-    if _DIGEST.fullmatch(value) is None:
+    if DIGEST_RE.fullmatch(value) is None:
         raise invalid("must be sha256: followed by 64 lowercase hex digits")
     return value
 

@@ -10,6 +10,7 @@ side).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import shlex
@@ -364,10 +365,14 @@ class SSHHost:
                         pid = int(first)
 
                     async def feed() -> None:
-                        if input:
-                            stream.stdin.write(input)
-                            await stream.stdin.drain()
-                        stream.stdin.write_eof()
+                        # A command may end, and its channel close, before it reads its
+                        # input (a paused or loaded controller sees that often): its exit
+                        # status, or the lack of one, tells what happened, not this write.
+                        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                            if input:
+                                stream.stdin.write(input)
+                                await stream.stdin.drain()
+                            stream.stdin.write_eof()
 
                     out, err, _ = await asyncio.gather(
                         stream.stdout.read(), stream.stderr.read(), feed()

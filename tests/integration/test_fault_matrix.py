@@ -91,10 +91,9 @@ def test_a_partition_during_staging_fails_and_leaves_no_half_written_object(
         outcome = finish(run)
     finally:
         cluster.heal_host("host-3")
-    # The error names the host whose staging failed first: host-3, cut off, or host-2, whose
-    # channel can close while this test holds the client stopped to cut host-3 in time.
-    message = failed(outcome, "staging")
-    assert "host-3" in message or "host-2" in message, message
+    # host-2's commands may all end while the client is held stopped; that is no failure.
+    message = failed(outcome, "staging", "host host-3")
+    assert "host host-2" not in message, message
     assert labelled(ops, outcome.receipt["operation_id"]) == {}  # nothing had started
     # host-2's staging ran to its end or cleaned up after itself; host-3 could not be
     # reached to clean: its partial object is resumed by the next staging.

@@ -23,6 +23,7 @@ from coldsnap.hosts.base import (
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.ssh import SSHHost, SSHSettings, known_hosts_pattern
+from coldsnap.hosts.streams import RemoteStream
 
 from .conftest import ClusterControl
 
@@ -73,6 +74,40 @@ async def test_run_feeds_stdin_and_reports_status(pool: HostPool) -> None:
         await host.run(["sh", "-c", "echo broken >&2; exit 3"])
     assert info.value.result.exit_status == 3
     assert "broken" in str(info.value)
+
+
+async def test_a_command_that_ends_before_its_stdin_is_closed_still_reports_its_status(
+        pool: HostPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quick command can exit, and its channel close, before this side closes its stdin: the
+    controller paused (SIGSTOP, a loaded node) between reading the pid line and feeding input.
+    That is the command's outcome, not a lost connection."""
+    host = pool.host("host-0")
+    assert isinstance(host, SSHHost)
+    opened = host._open
+
+    class LateReader:
+        """Hands over the pid line, then holds the caller while the remote side finishes."""
+
+        def __init__(self, inner: asyncssh.SSHReader[bytes]) -> None:
+            self.inner = inner
+
+        async def readline(self) -> bytes:
+            line = await self.inner.readline()
+            await self.inner.channel.wait_closed()
+            return line
+
+        async def read(self, n: int = -1) -> bytes:
+            return await self.inner.read(n)
+
+    async def open_late(command: str) -> RemoteStream:
+        stream = await opened(command)
+        return RemoteStream(stream.stdin, LateReader(stream.stdout), stream.stderr)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(host, "_open", open_late)
+    r = await host.run(["sh", "-c", "echo done; exit 4"], check=False)
+    assert (r.exit_status, r.stdout) == (4, b"done\n")
+    r = await host.run(["echo", "unread input"], input=b"x" * 4096)
+    assert r.stdout == b"unread input\n"
 
 
 async def test_failed_command_is_not_retried(pool: HostPool, dev_hosts: Inventory) -> None:

@@ -3,7 +3,7 @@
     scripts/bench restore [--gib 1.0] [--keep]
 
 Starts its own 2-host dev cluster (state in .cache/bench-restore, network slots 96.. so hosts
-on 198.18.0.98 and .99, next to any other cluster), writes the TP2 request of scripts/demo with
+on 198.18.0.98 and .99, next to any other cluster; COLDSNAP_BENCH_NET_BASE moves them), writes the TP2 request of scripts/demo with
 --gib GiB of weights per worker (one unit per host) and measures, all in one run:
 
   cold_start_seconds          the engine started from nothing: container start -> healthy
@@ -49,7 +49,8 @@ import yaml
 from bench_common import REPO, emit, log
 
 BENCH_DIR = REPO / ".cache" / "bench-restore"
-NET_BASE = "96"
+# Another slot range (COLDSNAP_BENCH_NET_BASE) lets two checkouts benchmark at once.
+NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "96")
 PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
 RAW_DIR = "/var/lib/coldsnap/raw-bench"
 TIMEOUT = 1800.0  # any one command; a GiB-scale step takes seconds

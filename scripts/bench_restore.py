@@ -3,8 +3,9 @@
     scripts/bench restore [--gib 1.0] [--keep]
 
 Starts its own 2-host dev cluster (state in .cache/bench-restore, network slots 96.. so hosts
-on 198.18.0.98 and .99, next to any other cluster; COLDSNAP_BENCH_NET_BASE moves them), writes the TP2 request of scripts/demo with
---gib GiB of weights per worker (one unit per host) and measures, all in one run:
+on 198.18.0.98 and .99, next to any other cluster; COLDSNAP_BENCH_NET_BASE moves them),
+writes the TP2 request of scripts/demo with --gib GiB of weights per worker (one unit per
+host) and measures, all in one run:
 
   cold_start_seconds          the engine started from nothing: container start -> healthy
                               (the capture's start and wait-ready phases)

@@ -120,9 +120,12 @@ class Host(Protocol):
         remote: str,
         *,
         progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
         """Copy a local file to `remote` atomically (temporary name, then rename), verifying
-        the sha256 on the far side; resumes a partial earlier transfer."""
+        the sha256 on the far side; resumes a partial earlier transfer. With `expected`,
+        the far copy must hash to it: a local file whose bytes hash otherwise is not
+        published, and the result names the digest it has."""
         ...
 
     async def get(

@@ -436,9 +436,10 @@ class SSHHost:
             )
 
     async def put(
-        self, local: Path, remote: str, *, progress: ProgressCallback | None = None
+        self, local: Path, remote: str, *, progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
-        return await put_file(self, local, remote, progress=progress)
+        return await put_file(self, local, remote, progress=progress, expected=expected)
 
     async def get(
         self, remote: str, local: Path, *, progress: ProgressCallback | None = None

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 PROBE_SH = r"""
 echo "@@arch $(uname -m)"
 echo "@@kernel $(uname -r)"
-echo "@@boot-id $(cat /proc/sys/kernel/random/boot_id 2>/dev/null)"
+b=; { read -r b </proc/sys/kernel/random/boot_id; } 2>/dev/null
+echo "@@boot-id $b"
 p=$1
 while [ -n "$p" ] && [ ! -e "$p" ]; do p=${p%/*}; done
 [ -n "$p" ] || p=/

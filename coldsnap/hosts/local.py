@@ -111,9 +111,15 @@ class LocalHost:
         return await asyncio.to_thread(_copy, Path(local), Path(remote), progress, self.name)
 
     async def get(
-        self, remote: str, local: Path, *, progress: ProgressCallback | None = None
+        self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
+        expect: str | None = None,
     ) -> TransferResult:
-        return await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name)
+        got = await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name)
+        if expect is not None and got.sha256 != expect:
+            await asyncio.to_thread(Path(local).unlink)
+            raise TransferError(self.name, f"get {remote}: corrupted in transit or changed "
+                                           f"since: it has {got.sha256}, expected {expect}")
+        return got
 
     @asynccontextmanager
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:

@@ -56,6 +56,9 @@ from coldsnap.hosts.transfer_stream import get_once_stream
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
+_REPORT_BYTES = 8 * CHUNK  # progress reported at most this often
+_WRITEBACK_BYTES = 64 * CHUNK  # written but not yet flushed, before a flush starts
+
 # With the digest known beforehand the far side only reads: the helper's header, then the
 # bytes from OFFSET ($2) by dd (1 MiB writes), no trailer and no hashing on the host.
 _SEND_KNOWN = (
@@ -82,6 +85,32 @@ def _read_header(out: io.BufferedReader) -> int | None:
     return int(words[1])
 
 
+class _Writeback:
+    """Flushes what has been written so far from a thread of its own, while the transfer goes
+    on: the fsync that publishes the file then finds little left to write, instead of a GiB
+    that the page cache held back until the very end."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.flushed = 0
+        self._thread: threading.Thread | None = None
+
+    def written(self, done: int) -> None:
+        busy = self._thread is not None and self._thread.is_alive()
+        if not busy and done - self.flushed >= _WRITEBACK_BYTES:
+            self.flushed = done
+            self._thread = threading.Thread(target=self._flush, daemon=True)
+            self._thread.start()
+
+    def _flush(self) -> None:
+        with contextlib.suppress(OSError):  # the final fsync reports what matters
+            os.fdatasync(self.fd)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
 def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
              report: Callable[[int, int], None] | None) -> tuple[int | None, int, bytes]:
     """The far side's answer into the partial file: (size from its header, bytes of the file
@@ -89,10 +118,11 @@ def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Ta
     total = _read_header(out)
     if total is None:
         return None, offset, b""
-    done = offset
+    done = reported = offset
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    writeback = _Writeback(fd)
     try:
         while done < total:
             n = out.readinto(view[:min(CHUNK, total - done)])
@@ -104,9 +134,14 @@ def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Ta
             while written < n:
                 written += os.write(fd, data[written:n])
             done += n
-            if report:
+            writeback.written(done)
+            # Every few MiB: each report waits for the event loop, which other hosts'
+            # transfers keep busy.
+            if report and (done - reported >= _REPORT_BYTES or done == total):
+                reported = done
                 report(done, total)
     finally:
+        writeback.join()
         os.close(fd)
     return total, done, out.readline().strip()
 

@@ -8,23 +8,21 @@ this side only hashes and writes (in a thread, hashlib and os.write without the 
 
 Same far side and protocol as the asyncssh path (the helper's `get` mode: "size SIZE", the
 bytes from OFFSET, the whole file's sha256), and the same resume: a `.coldsnap-part` file
-left beside `local` by an interrupted try is continued after its prefix. Nothing goes over
-the pooled connection, so a get neither waits for nor holds one of its channel slots.
+left beside `local` by an interrupted try is continued after its prefix. With the digest
+known beforehand (`expect`) the far side sends the same header and bytes from coreutils, and
+hashes nothing. Nothing goes over the pooled connection, so a get neither waits for nor
+holds one of its channel slots.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import fcntl
 import hashlib
 import io
 import os
 import shlex
-import subprocess
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,12 @@ import structlog
 
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.client_thread import (
+    Started,
+    in_client_thread,
+    loop_progress,
+    start_client,
+)
 from coldsnap.hosts.durable import publish
 from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE
 from coldsnap.hosts.streams import StreamHost
@@ -44,7 +48,6 @@ from coldsnap.hosts.transfer_openssh import (
 )
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
-    F_SETPIPE_SZ,
     PART_SUFFIX,
     Retry,
     Tamper,
@@ -112,7 +115,7 @@ class _Writeback:
 
 
 def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
-             report: Callable[[int, int], None] | None) -> tuple[int | None, int, bytes]:
+             report: ProgressCallback | None) -> tuple[int | None, int, bytes]:
     """The far side's answer into the partial file: (size from its header, bytes of the file
     now in the partial file, its trailing sha256)."""
     total = _read_header(out)
@@ -152,24 +155,14 @@ def _drain(
     offset: int,
     h: Any,
     tamper: Tamper | None,
-    report: Callable[[int, int], None] | None,
-    started: list[subprocess.Popen[bytes]],
+    report: ProgressCallback | None,
+    started: Started,
 ) -> _Received:
     """Thread body: read the far side's answer from an OpenSSH client into the partial file,
     hashing each chunk as it is written."""
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    started.append(proc)
+    proc = start_client(argv, started, feeds=False)
     assert isinstance(proc.stdout, io.BufferedReader) and proc.stderr is not None
     out, err_pipe = proc.stdout, proc.stderr
-    with contextlib.suppress(OSError):
-        # A deeper pipe lets ssh keep decrypting while this thread hashes and writes.
-        fcntl.fcntl(out.fileno(), F_SETPIPE_SZ, CHUNK)
     # stderr is drained beside stdout: a chatty far side must not block on a full pipe.
     errors: list[bytes] = []
     reader = threading.Thread(target=lambda: errors.append(err_pipe.read()), daemon=True)
@@ -204,40 +197,13 @@ async def get_once_openssh(
     h = (await loop.run_in_executor(None, hash_file_prefix, part, offset) if offset
          else hashlib.sha256())
 
-    report: Callable[[int, int], None] | None = None
-    if progress:
-        cb = progress
-
-        def report(done: int, total: int) -> None:
-            # In the event loop, waited for: the same ordering as on the asyncssh path (a
-            # caller may pause the transfer from its callback).
-            async def call() -> None:
-                cb(done, total)
-
-            asyncio.run_coroutine_threadsafe(call(), loop).result()
-
+    report = loop_progress(progress, loop)
     far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expect
            else helper_argv("get", remote, str(offset)))
     command = "exec " + shlex.join(far)
-    started: list[subprocess.Popen[bytes]] = []
-    result: concurrent.futures.Future[_Received] = concurrent.futures.Future()
-
-    def body() -> None:
-        try:
-            result.set_result(_drain([*argv, command], part, offset, h, tamper, report, started))
-        except BaseException as exc:
-            result.set_exception(exc)
-
-    # A thread of its own: a long transfer must not occupy a slot of the shared executor.
-    threading.Thread(target=body, name=f"get-{host.name}", daemon=True).start()
-    try:
-        got = await asyncio.wrap_future(result)
-    except asyncio.CancelledError:
-        for proc in started:
-            proc.kill()
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(asyncio.wrap_future(result))
-        raise
+    got = await in_client_thread(
+        f"get-{host.name}",
+        lambda started: _drain([*argv, command], part, offset, h, tamper, report, started))
     # In a thread: publishing fsyncs the file, GiBs perhaps not yet written back.
     return await asyncio.to_thread(_settle, host.name, remote, local, part, offset, h, got,
                                    expect)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -22,11 +23,17 @@ def check_digest(value: str) -> str:
     return value.removeprefix("sha256:")
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    """Digest and size of a file, read in 1 MiB chunks."""
+def sha256_file(path: Path | int) -> tuple[str, int]:
+    """Digest and size of a file (a path, or an open descriptor read from its start, which
+    stays open), read in 1 MiB chunks."""
     h = hashlib.sha256()
     size = 0
-    with path.open("rb") as f:
+    if isinstance(path, int):
+        source = os.fdopen(os.dup(path), "rb")
+        source.seek(0)
+    else:
+        source = path.open("rb")
+    with source as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
             size += len(chunk)

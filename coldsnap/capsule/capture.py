@@ -398,6 +398,15 @@ async def discard_capsule(s: CapsuleSession, capsule: CommittedCapsule) -> None:
         await s.call(s.client.images.remove, capsule.manifest.image_id, force=True)
 
 
+async def discard_capsule_by_name(s: CapsuleSession, unit_id: str, capture_id: str) -> None:
+    """What a commit of this unit for `capture_id` may have left (its tagged image, its files
+    on the host), known by name only: the commit was cancelled before it returned."""
+    repo, tag = capsule_reference(unit_id, capture_id)
+    with contextlib.suppress(docker.errors.DockerException):
+        await s.call(s.client.images.remove, f"{repo}:{tag}", force=True)
+    await remove_capsule_files(s.target.host, s.target.data_dir, capture_id, unit_id)
+
+
 async def capture_unit(
     s: CapsuleSession, spec: UnitSpec, capture_id: str, *, remove: bool = True,
     registry: str | None = None,

@@ -40,6 +40,7 @@ from coldsnap.capsule.runtime import (
     list_containers,
     put_runtime_file,
     remove_container,
+    seed_runtime_file,
     start_container,
 )
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
@@ -208,11 +209,21 @@ async def start_created_container(s: CapsuleSession, handle: UnitHandle) -> None
 
 
 async def start_restore_container(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str, *,
+    placement: Mapping[str, Any] | None = None,
 ) -> UnitHandle:
     """A fresh quiet container from the capsule, with the destination's devices and mounts:
-    `create_restore_container` + `start_created_container`."""
+    `create_restore_container` + `start_created_container`. A `placement` given here is
+    written before the container starts (one Docker call, no exec), where the engine reads
+    it on wake: `deliver_placement` later is then not needed."""
     handle = await create_restore_container(s, spec, capsule, images_dir)
+    if placement is not None:
+        try:
+            await seed_runtime_file(s, handle, PLACEMENT_FILE, placement_bytes(placement),
+                                    step="start-restore", error=RestoreFailed)
+        except BaseException:
+            await asyncio.shield(remove_container(s, handle.container_id))
+            raise
     await start_created_container(s, handle)
     return handle
 
@@ -294,9 +305,12 @@ async def deliver_placement(s: CapsuleSession, handle: UnitHandle,
     """Write the restore placement into the unit's runtime directory, where the engine reads
     it on wake (CRIU brought back the captured argv and environment, which name the old hosts).
     """
-    data = json.dumps(placement, sort_keys=True, indent=1).encode() + b"\n"
-    await put_runtime_file(s, handle, PLACEMENT_FILE, data, step="placement",
-                           error=RestoreFailed)
+    await put_runtime_file(s, handle, PLACEMENT_FILE, placement_bytes(placement),
+                           step="placement", error=RestoreFailed)
+
+
+def placement_bytes(placement: Mapping[str, Any]) -> bytes:
+    return json.dumps(placement, sort_keys=True, indent=1).encode() + b"\n"
 
 
 async def release(s: CapsuleSession, handle: UnitHandle) -> None:

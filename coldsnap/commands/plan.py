@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from coldsnap.commands.common import print_issues
-from coldsnap.commands.validate import add_request_argument, emit_json, read_request
+from coldsnap.commands.validate import add_request_argument, emit_json, request_or_issues
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_OK
 from coldsnap.formats.request import Request
 from coldsnap.topology import Topology, resolve
@@ -90,7 +90,7 @@ def plan_text(req: Request, topo: Topology) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = read_request(args)
+    result = request_or_issues(args)
     if isinstance(result, list):
         if args.json:
             emit_json({"valid": False, "errors": [i.to_json() for i in result]})

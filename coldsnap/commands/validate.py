@@ -42,7 +42,7 @@ def add_request_argument(parser: argparse.ArgumentParser) -> None:
                         help="print a JSON document on stdout instead of text")
 
 
-def read_request(args: argparse.Namespace) -> Request | list[ValidationIssue]:
+def request_or_issues(args: argparse.Namespace) -> Request | list[ValidationIssue]:
     """Load `args.request`; on failure return the issues instead of raising."""
     try:
         return load_request_source(args.request)
@@ -55,7 +55,7 @@ def emit_json(document: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = read_request(args)
+    result = request_or_issues(args)
     if isinstance(result, list):
         if args.json:
             emit_json({"valid": False, "errors": [i.to_json() for i in result]})

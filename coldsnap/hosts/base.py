@@ -120,9 +120,12 @@ class Host(Protocol):
         remote: str,
         *,
         progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
         """Copy a local file to `remote` atomically (temporary name, then rename), verifying
-        the sha256 on the far side; resumes a partial earlier transfer."""
+        the sha256 on the far side; resumes a partial earlier transfer. With `expected`,
+        the far copy must hash to it: a local file whose bytes hash otherwise is not
+        published, and the result names the digest it has."""
         ...
 
     async def get(
@@ -131,12 +134,12 @@ class Host(Protocol):
         local: Path,
         *,
         progress: ProgressCallback | None = None,
-        expect: str | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
         """Copy a remote file to `local` atomically, verifying the sha256 of both ends; resumes
-        a partial earlier transfer. With `expect` ("sha256:<hex>", known from when the file was
+        a partial earlier transfer. With `expected` ("sha256:<hex>", known from when the file was
         made on the host), the far side only reads the file, and bytes that do not hash to
-        `expect` fail the transfer as corrupt (a file changed since is caught too)."""
+        `expected` fail the transfer as corrupt (a file changed since is caught too)."""
         ...
 
     def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:

@@ -9,7 +9,7 @@ this side only hashes and writes (in a thread, hashlib and os.write without the 
 Same far side and protocol as the asyncssh path (the helper's `get` mode: "size SIZE", the
 bytes from OFFSET, the whole file's sha256), and the same resume: a `.coldsnap-part` file
 left beside `local` by an interrupted try is continued after its prefix. With the digest
-known beforehand (`expect`) the far side sends the same header and bytes from coreutils, and
+known beforehand (`expected`) the far side sends the same header and bytes from coreutils, and
 hashes nothing. Nothing goes over the pooled connection, so a get neither waits for nor
 holds one of its channel slots.
 """
@@ -49,6 +49,7 @@ from coldsnap.hosts.transfer_openssh import (
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
     PART_SUFFIX,
+    DigestMismatch,
     Retry,
     Tamper,
     classify,
@@ -189,7 +190,7 @@ async def get_once_openssh(
     local: Path,
     progress: ProgressCallback | None,
     tamper: Tamper | None,
-    expect: str | None = None,
+    expected: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
     part = local.with_name(local.name + PART_SUFFIX)
@@ -198,7 +199,7 @@ async def get_once_openssh(
          else hashlib.sha256())
 
     report = loop_progress(progress, loop)
-    far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expect
+    far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expected
            else helper_argv("get", remote, str(offset)))
     command = "exec " + shlex.join(far)
     got = await in_client_thread(
@@ -206,11 +207,11 @@ async def get_once_openssh(
         lambda started: _drain([*argv, command], part, offset, h, tamper, report, started))
     # In a thread: publishing fsyncs the file, GiBs perhaps not yet written back.
     return await asyncio.to_thread(_settle, host.name, remote, local, part, offset, h, got,
-                                   expect)
+                                   expected)
 
 
 def _settle(host: str, remote: str, local: Path, part: Path, offset: int, h: Any,
-            got: _Received, expect: str | None) -> TransferResult:
+            got: _Received, expected: str | None) -> TransferResult:
     """What the far side's exit status, the bytes received and the two digests add up to:
     the published file, or the error to retry or to give up on."""
     what = f"get {remote}"
@@ -224,15 +225,15 @@ def _settle(host: str, remote: str, local: Path, part: Path, offset: int, h: Any
             raise Retry(f"{what}: far side exited {got.status}: {got.err}")
         raise TransferError(host, f"{what}: far side exited {got.status}: {got.err}")
     # Known beforehand, the digest stands in for the trailer the far side did not send.
-    far = expect.removeprefix("sha256:") if expect else got.trailer
+    far = expected.removeprefix("sha256:") if expected else got.trailer
     if got.status != 0 or got.done != got.total or len(far) != 64:
         raise Retry(f"{what}: stream ended after {got.done} of {got.total} bytes "
                     f"(far side exited {got.status}: {got.err})")
     digest = h.hexdigest()
     if far != digest:
         part.unlink(missing_ok=True)
-        since = " or changed since it was hashed" if expect else ""
-        raise TransferError(host, f"{what}: corrupted in transit{since}: far side has "
+        since = " or changed since it was hashed" if expected else ""
+        raise DigestMismatch(host, f"{what}: corrupted in transit{since}: far side has "
                                   f"sha256:{far}, received sha256:{digest}")
     publish(part, local)
     return TransferResult(bytes=got.total, sha256=f"sha256:{digest}",
@@ -248,9 +249,9 @@ async def fetch_file(
     attempts: int = 6,
     tamper: Tamper | None = None,
     transport: Transport | None = None,
-    expect: str | None = None,
+    expected: str | None = None,
 ) -> TransferResult:
-    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expect`
+    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
     see `Host.get`.
 
     `transport` (default: the host's `SSHSettings.bulk_transport`) as for `put_file`:
@@ -260,8 +261,8 @@ async def fetch_file(
     local = Path(local)
     if not remote.startswith("/"):
         raise ValueError(f"remote path must be absolute: {remote!r}")
-    if expect is not None:
-        check_digest(expect)
+    if expected is not None:
+        check_digest(expected)
     local.parent.mkdir(parents=True, exist_ok=True)
     choice = transport or host.settings.bulk_transport
     ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
@@ -274,7 +275,7 @@ async def fetch_file(
         if use_openssh[0] and ssh_argv is not None:
             try:
                 return await get_once_openssh(host, ssh_argv, remote, local, progress, tamper,
-                                              expect)
+                                              expected)
             except OpenSSHClientFailed as exc:
                 if choice == "auto":
                     log.warning("OpenSSH client failed; continuing over asyncssh",
@@ -284,9 +285,9 @@ async def fetch_file(
         return await get_once_stream(host, remote, local, progress, tamper)
 
     got = await _with_resume(host, f"get {remote} -> {local}", attempts, once)
-    if expect is not None and got.sha256 != expect:
+    if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.
         await asyncio.to_thread(local.unlink)
-        raise TransferError(host.name, f"get {remote}: it changed since it was hashed: it has "
-                                       f"{got.sha256}, expected {expect}")
+        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it has "
+                                       f"{got.sha256}, expected {expected}")
     return got

@@ -23,12 +23,14 @@ from coldsnap.hosts.base import (
     TransferResult,
 )
 from coldsnap.hosts.durable import publish
+from coldsnap.hosts.remote_helper import stamp
 
 _CHUNK = 4 * 1024 * 1024
 PART_SUFFIX = ".coldsnap-part"
 
 
-def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) -> TransferResult:
+def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str,
+          expected: str | None = None) -> TransferResult:
     total = src.stat().st_size
     dst.parent.mkdir(parents=True, exist_ok=True)
     part = dst.with_name(dst.name + PART_SUFFIX)
@@ -51,6 +53,11 @@ def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str) ->
     if check.hexdigest() != h.hexdigest() or done != total:
         part.unlink(missing_ok=True)
         raise TransferError(name, f"copy of {src} to {dst} does not match its source")
+    if expected is not None and f"sha256:{h.hexdigest()}" != expected:
+        part.unlink(missing_ok=True)  # the source is not what the caller stored
+        return TransferResult(bytes=total, sha256=f"sha256:{h.hexdigest()}", sent_bytes=0)
+    with open(part, "rb") as f:
+        stamp(f.fileno(), h.hexdigest())
     publish(part, dst)
     return TransferResult(bytes=total, sha256=f"sha256:{h.hexdigest()}", sent_bytes=total)
 
@@ -106,19 +113,21 @@ class LocalHost:
         await proc.wait()
 
     async def put(
-        self, local: Path, remote: str, *, progress: ProgressCallback | None = None
+        self, local: Path, remote: str, *, progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
-        return await asyncio.to_thread(_copy, Path(local), Path(remote), progress, self.name)
+        return await asyncio.to_thread(_copy, Path(local), Path(remote), progress, self.name,
+                                       expected)
 
     async def get(
         self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-        expect: str | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
-        got = await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name)
-        if expect is not None and got.sha256 != expect:
-            await asyncio.to_thread(Path(local).unlink)
+        got = await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name,
+                                      expected)
+        if expected is not None and got.sha256 != expected:  # nothing was published
             raise TransferError(self.name, f"get {remote}: corrupted in transit or changed "
-                                           f"since: it has {got.sha256}, expected {expect}")
+                                           f"since: it has {got.sha256}, expected {expected}")
         return got
 
     @asynccontextmanager

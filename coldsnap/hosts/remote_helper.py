@@ -7,7 +7,8 @@ imports it for the exit codes, so both ends share one definition.
 
 Modes:
   put PART FINAL      partial state, then "OFFSET LENGTH", bytes, "HEX": write, verify, publish
-  stat PATH           "part SIZE HEX" of a file (0 and the empty digest when absent)
+  stat PATH           "part SIZE HEX" of a file (0 and the empty digest when absent), from
+                      its verified stamp when that still matches
   recv PART OFF LEN   bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
   commit SRC DST      rename a verified candidate into place
   get PATH OFFSET     "size SIZE", bytes from OFFSET, then "HEX" of the whole file
@@ -15,6 +16,13 @@ Modes:
 Published files are fsync'd, then renamed, then their directory is fsync'd; partial files and
 the directories made for them are private to the owner (0600, 0700): a CRIU image can hold
 secrets.
+
+A file published from bytes hashed on their way in carries a verified stamp: an extended
+attribute with its digest, size and mtime. `stat` answers from a stamp that still matches the
+file instead of reading GiBs again. A stamp lives on the inode, so a replaced file has none,
+and any write to the file moves its mtime, so a stamp of older bytes no longer matches. The
+controller's store keeps its objects' stamps the same way (this module is their one
+definition, as the helper can import nothing of the package).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ EXIT_OFFSET = 5  # a resume offset or a file size that no longer holds
 EXIT_BUSY = 75  # another transfer is writing the same partial file
 
 CH = 1 << 20
+STAMP_ATTR = "user.coldsnap.sha256"
 F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by older Pythons' fcntl module
 
 
@@ -60,9 +69,40 @@ def sync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish(f: Any, src: str, dst: str) -> None:
+def stamp_text(st: os.stat_result, hexdigest: str) -> bytes:
+    return f"{hexdigest} {st.st_size} {st.st_mtime_ns}".encode()
+
+
+def stamped_digest(fd: int) -> str | None:
+    """The hex digest that the file's verified stamp records, when the stamp still matches
+    the file's size and mtime; None without one (or where the filesystem keeps no xattrs)."""
+    try:
+        value = os.getxattr(fd, STAMP_ATTR)
+    except OSError:
+        return None
+    parts = value.split()
+    if len(parts) != 3 or len(parts[0]) != 64:
+        return None
+    hexdigest = parts[0].decode("ascii", "replace")
+    if any(c not in "0123456789abcdef" for c in hexdigest):
+        return None
+    if stamp_text(os.fstat(fd), hexdigest) != value:
+        return None
+    return hexdigest
+
+
+def stamp(fd: int, hexdigest: str) -> None:
+    """Record that the file's bytes, as they are now, hash to `hexdigest`. Best effort: a
+    filesystem without user xattrs only means the next check hashes the file again."""
+    with contextlib.suppress(OSError):
+        os.setxattr(fd, STAMP_ATTR, stamp_text(os.fstat(fd), hexdigest))
+
+
+def publish(f: Any, src: str, dst: str, hexdigest: str | None = None) -> None:
     f.flush()
     os.fsync(f.fileno())
+    if hexdigest is not None:
+        stamp(f.fileno(), hexdigest)
     f.close()
     os.replace(src, dst)
     sync_dir(dst)
@@ -135,7 +175,7 @@ def main(argv: list[str]) -> int:
         if want != got:
             os.unlink(part)
             die(EXIT_MISMATCH, f"digest mismatch: received sha256:{got}, sender has sha256:{want}")
-        publish(f, part, final)
+        publish(f, part, final, got)
         out.write(f"ok {offset + length} {got}\n".encode())
         out.flush()
     elif mode == "stat":
@@ -143,8 +183,12 @@ def main(argv: list[str]) -> int:
             out.write(f"part 0 {hashlib.sha256().hexdigest()}\n".encode())
         else:
             with open(argv[1], "rb", buffering=0) as f:
-                size, h = part_state(f, mv)
-            out.write(f"part {size} {h.hexdigest()}\n".encode())
+                known = stamped_digest(f.fileno())
+                if known is not None:
+                    out.write(f"part {os.fstat(f.fileno()).st_size} {known}\n".encode())
+                else:
+                    size, h = part_state(f, mv)
+                    out.write(f"part {size} {h.hexdigest()}\n".encode())
     elif mode == "recv":
         # The bytes come straight from an OpenSSH client; the sender learns our digest from
         # stdout and commits only the candidate named after the digest it computed itself.
@@ -153,7 +197,7 @@ def main(argv: list[str]) -> int:
         size, h = part_state(f, mv)
         h = receive(f, size, h, offset, length, sys.stdin.buffer, mv)
         got = h.hexdigest()
-        publish(f, part, part + "." + got)
+        publish(f, part, part + "." + got, got)
         out.write(f"got {offset + length} {got}\n".encode())
     elif mode == "commit":
         try:

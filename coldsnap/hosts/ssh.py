@@ -366,9 +366,8 @@ class SSHHost:
                         pid = int(first)
 
                     async def feed() -> None:
-                        # A command may end, and its channel close, before it reads its
-                        # input (a paused or loaded controller sees that often): its exit
-                        # status, or the lack of one, tells what happened, not this write.
+                        # The command may have ended before reading its input: its exit
+                        # status (or the lack of one) says what happened, not this write.
                         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                             if input:
                                 stream.stdin.write(input)
@@ -433,13 +432,13 @@ class SSHHost:
             log.warning("could not kill remote command", host=self.name, pid=pid,
                         error=_describe(exc))
 
-    async def put(self, local: Path, remote: str, *,
-                  progress: ProgressCallback | None = None) -> TransferResult:
-        return await put_file(self, local, remote, progress=progress)
+    async def put(self, local: Path, remote: str, *, progress: ProgressCallback | None = None,
+                  expected: str | None = None) -> TransferResult:
+        return await put_file(self, local, remote, progress=progress, expected=expected)
 
     async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-                  expect: str | None = None) -> TransferResult:
-        return await fetch_file(self, remote, local, progress=progress, expect=expect)
+                  expected: str | None = None) -> TransferResult:
+        return await fetch_file(self, remote, local, progress=progress, expected=expected)
 
     @asynccontextmanager
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
@@ -447,11 +446,7 @@ class SSHHost:
         to `remote_path` on the host as a direct-streamlocal channel of this connection.
 
         The forward is served by the running event loop, so a synchronous client of the
-        socket (the docker SDK) must be used from a thread (`asyncio.to_thread`)::
-
-            async with host.forward_unix_socket(entry.docker_socket) as path:
-                client = await asyncio.to_thread(docker.DockerClient, base_url=f"unix://{path}")
-        """
+        socket (the docker SDK) must be used from a thread (`asyncio.to_thread`)."""
         conn = await self.connection()
         tmp = tempfile.mkdtemp(prefix="coldsnap-fwd-")
         local = os.path.join(tmp, "sock")

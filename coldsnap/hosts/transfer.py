@@ -44,6 +44,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from coldsnap.digests import sha256_file
 from coldsnap.hosts.base import (
     HostAuthFailed,
     HostKeyRejected,
@@ -58,6 +59,7 @@ from coldsnap.hosts.transfer_protocol import (
     CHUNK,
     HELPER,
     PART_SUFFIX,
+    DigestMismatch,
     Retry,
     Tamper,
     remote_file_digest,
@@ -117,8 +119,15 @@ async def put_file(
     chunk: int = CHUNK,
     tamper: Tamper | None = None,
     transport: Transport | None = None,
+    expected: str | None = None,
 ) -> TransferResult:
     """Copy `local` to `remote` on the host; see the module docstring for the protocol.
+
+    With `expected` (the digest `local` is stored under), this side reads without hashing
+    and the far side's hash must equal `expected`: one hash proves the store's bytes and the
+    far copy at once. When it does not, `local` is hashed to tell which: bytes that changed
+    in the store are returned as they are (the caller sees the other digest, and nothing
+    was published), a far side that wrote other bytes is a TransferError.
 
     `transport` (default: the host's `SSHSettings.bulk_transport`): "openssh" moves the bytes
     through the system's OpenSSH client; "asyncssh" streams over the host's pooled
@@ -146,16 +155,26 @@ async def put_file(
         if use_openssh[0] and ssh_argv is not None:
             try:
                 return await put_once_openssh(host, ssh_argv, local, remote, total, progress,
-                                              tamper)
+                                              tamper, expected)
             except OpenSSHClientFailed as exc:
                 if choice == "auto":
                     log.warning("OpenSSH client failed; continuing over asyncssh",
                                 host=host.name, error=str(exc))
                     use_openssh[0] = False
                 raise
-        return await put_once_stream(host, local, remote, total, progress, chunk, tamper)
+        return await put_once_stream(host, local, remote, total, progress, chunk, tamper,
+                                     expected)
 
-    return await _with_resume(host, f"put {local} -> {remote}", attempts, once)
+    what = f"put {local} -> {remote}"
+    try:
+        return await _with_resume(host, what, attempts, once)
+    except DigestMismatch as exc:
+        if expected is None:
+            raise TransferError(host.name, f"corrupted in transit: {exc.message}") from None
+        actual, size = await asyncio.to_thread(sha256_file, local)
+        if actual != expected:
+            return TransferResult(bytes=size, sha256=actual, sent_bytes=0)
+        raise TransferError(host.name, f"corrupted in transit: {exc.message}") from None
 
 
 async def get_file(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
@@ -26,6 +27,7 @@ from coldsnap.hosts.transfer_protocol import (
     CHUNK,
     F_SETPIPE_SZ,
     PART_SUFFIX,
+    DigestMismatch,
     Retry,
     Tamper,
     classify,
@@ -78,12 +80,13 @@ def _pump(
     argv: list[str],
     local: Path,
     offset: int,
-    h: Any,
+    h: Any | None,
     tamper: Tamper | None,
     report: Callable[[int], None] | None,
     started: list[subprocess.Popen[bytes]],
 ) -> tuple[int, bytes, bytes, int]:
-    """Thread body: feed the file to an OpenSSH client, hashing each chunk as it goes."""
+    """Thread body: feed the file to an OpenSSH client, hashing each chunk as it goes (`h`),
+    or not at all when the far side's digest is checked against a known one."""
     proc = subprocess.Popen(
         argv,
         stdin=subprocess.PIPE,
@@ -104,7 +107,8 @@ def _pump(
         with open(local, "rb", buffering=0) as f:
             f.seek(offset)
             while n := f.readinto(buf):
-                h.update(view[:n])
+                if h is not None:
+                    h.update(view[:n])
                 data: Any = tamper(done, bytes(view[:n])) if tamper else view[:n]
                 written = 0
                 while written < n:
@@ -132,13 +136,15 @@ async def put_once_openssh(
     total: int,
     progress: ProgressCallback | None,
     tamper: Tamper | None,
+    expected: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
     part = remote + PART_SUFFIX
     state = parse_part((await host.run(helper_argv("stat", part))).stdout)
     if state is None:
         raise TransferError(host.name, f"put {remote}: unexpected answer to stat")
-    offset, h = await loop.run_in_executor(None, resume_offset, local, total, *state)
+    offset, prefix = await loop.run_in_executor(None, resume_offset, local, total, *state)
+    h = None if expected else prefix
     if progress:
         progress(offset, total)
 
@@ -185,14 +191,14 @@ async def put_once_openssh(
         raise TransferError(host.name, f"put {remote}: far side exited {status}: {message}")
     if done != total:
         raise TransferError(host.name, f"{local} changed size while sending")
-    digest = h.hexdigest()
+    digest = h.hexdigest() if h is not None else check_digest(expected or "")
     far = reply[2].decode()
     if far != digest:
         await host.run(["rm", "-f", f"{part}.{far}"], check=False)
-        raise TransferError(
+        raise DigestMismatch(
             host.name,
-            f"put {remote}: corrupted in transit: far side wrote sha256:{far}, "
-            f"sender has sha256:{digest}",
+            f"put {remote}: far side wrote sha256:{far}, "
+            f"{'expected' if h is None else 'sender has'} sha256:{digest}",
         )
     # Only the candidate named after *our* digest can be committed.
     await host.run(helper_argv("commit", f"{part}.{digest}", remote))

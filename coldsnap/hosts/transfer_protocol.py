@@ -33,6 +33,10 @@ class Retry(Exception):
     """A failure that a reconnect and a resumed attempt can cure."""
 
 
+class DigestMismatch(TransferError):
+    """The far side's bytes do not hash to what the sender has, or to the digest it expects."""
+
+
 def helper_argv(mode: str, *args: str) -> list[str]:
     return ["python3", "-c", HELPER, mode, *args]
 

@@ -11,6 +11,7 @@ from typing import Any, BinaryIO, NoReturn
 
 import structlog
 
+from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.durable import publish
 from coldsnap.hosts.remote_helper import EXIT_OFFSET
@@ -18,6 +19,7 @@ from coldsnap.hosts.streams import RemoteStream, StreamHost
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
     PART_SUFFIX,
+    DigestMismatch,
     Retry,
     Tamper,
     classify,
@@ -30,9 +32,9 @@ from coldsnap.hosts.transfer_protocol import (
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
 
-def _read_and_hash(f: BinaryIO, h: Any, n: int) -> bytes:
+def _read_and_hash(f: BinaryIO, h: Any | None, n: int) -> bytes:
     data = f.read(n)
-    if data:
+    if data and h is not None:
         h.update(data)
     return data
 
@@ -46,7 +48,7 @@ def _raise_for(host: StreamHost, what: str, status: int, err: bytes) -> NoReturn
     message = err.decode(errors="replace").strip()
     outcome = classify(status)
     if outcome == "corrupt":
-        raise TransferError(host.name, f"{what}: corrupted in transit: {message}")
+        raise DigestMismatch(host.name, f"{what}: {message}")
     if outcome == "retry":
         raise Retry(f"{what}: far side exited {status}: {message}")
     raise TransferError(host.name, f"{what}: far side exited {status}: {message}")
@@ -60,14 +62,18 @@ async def put_once_stream(
     progress: ProgressCallback | None,
     chunk: int,
     tamper: Tamper | None,
+    expected: str | None = None,
 ) -> TransferResult:
+    """With `expected`, nothing is hashed here: the far side checks its bytes against that
+    digest, which proves the same as comparing two hashes (SSH authenticates the stream)."""
     loop = asyncio.get_running_loop()
     part = remote + PART_SUFFIX
     async with host.open_stream(helper_argv("put", part, remote)) as s:
         state = parse_part(await s.stdout.readline())
         if state is None:
             await _fail_from(host, s, f"put {remote}: helper did not start")
-        offset, h = await loop.run_in_executor(None, resume_offset, local, total, *state)
+        offset, prefix = await loop.run_in_executor(None, resume_offset, local, total, *state)
+        h = None if expected else prefix
         if state[0] and not offset:
             log.info("partial file differs from ours; starting over", host=host.name,
                      remote=remote, partial_bytes=state[0])
@@ -98,7 +104,7 @@ async def put_once_stream(
                 await asyncio.wait([pending])
         if done != total:
             raise TransferError(host.name, f"{local} changed size while sending")
-        digest = h.hexdigest()
+        digest = h.hexdigest() if h is not None else check_digest(expected or "")
         s.stdin.write(digest.encode() + b"\n")
         s.stdin.write_eof()
         reply = await s.stdout.readline()

@@ -9,20 +9,17 @@ writes nothing to `output` or the store's artifact index.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import docker.errors
-
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
-    capsule_reference,
     checkpoint_gpus,
     commit,
     discard_capsule,
+    discard_capsule_by_name,
     dump,
     quiesce,
     remove_unit,
@@ -309,10 +306,7 @@ async def _discard_capsule(s: CapsuleSession, r: UnitRun, capture_id: str) -> No
     them was cancelled before it returned (then only their names are known)."""
     if r.capsule is not None:
         await discard_capsule(s, r.capsule)
-    repo, tag = capsule_reference(r.placed.unit_id, capture_id)
-    with contextlib.suppress(docker.errors.DockerException):
-        await s.call(s.client.images.remove, f"{repo}:{tag}", force=True)
-    await remove_capsule_files(s.target.host, s.target.data_dir, capture_id, r.placed.unit_id)
+    await discard_capsule_by_name(s, r.placed.unit_id, capture_id)
 
 
 async def _finish_units(ctx: OperationContext, runs: Sequence[UnitRun], keep_serving: bool) -> None:

@@ -6,7 +6,7 @@ capsule was committed or the payload collected), so:
   an earlier capture, or a capsule layer that did not change;
 - an object that several units of this capture hold (replicas of one model on several
   hosts) is pulled from one of them; the others wait for that pull;
-- the host only reads the file (`Host.get`'s `expect`): the bytes are hashed once, here,
+- the host only reads the file (`Host.get`'s `expected`): the bytes are hashed once, here,
   as they are written, and must come out as that digest.
 """
 
@@ -49,7 +49,7 @@ async def fetch_into_store(host: Host, remote: str, store: LocalStore, expected:
     """Pull one object from a host into the store, verified against the digest the host
     reported when the object was made."""
     with store.incoming() as tmp:
-        got = await host.get(remote, tmp, progress=progress, expect=expected)
+        got = await host.get(remote, tmp, progress=progress, expected=expected)
         if got.sha256 != expected:
             raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
                                 f"expected {expected}")

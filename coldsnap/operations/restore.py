@@ -30,7 +30,6 @@ from coldsnap.capsule.lifecycle import GpuRecord, write_gpu_record
 from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import (
     criu_restore,
-    deliver_placement,
     device_map,
     probe_criu,
     release,
@@ -352,12 +351,20 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     await phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous)
 
+    maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
+            for r in snap if r.capsule_meta is not None}
+    # Written into each container before it starts; a unit held warm gets its placement
+    # from the wake that releases it.
+    placements = ({} if warm else
+                  placement_documents(launch, topology, hosts.entries, maps))
+
     async def start(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
         images = image_set_dir(hosts.entries[r.placed.host].data_dir,
                                r.capsule_meta.criu_images)
         r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta,
-                                                 images)
+                                                 images,
+                                                 placement=placements.get(r.placed.unit_id))
 
     captured = {u.id: u for u in artifact.launch.units}
 
@@ -383,11 +390,6 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                            device_map(r.capsule_meta.captured_devices, r.placed.spec.devices))
 
     await phase(ctx, "gpu-restore", snap, gpus)
-    maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
-            for r in snap if r.capsule_meta is not None}
-    placements = placement_documents(launch, topology, hosts.entries, maps)
-    await phase(ctx, "placement", snap,
-                lambda r: deliver_placement(r.session, r.started, placements[r.placed.unit_id]))
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
         await phase(ctx, "replay", native, start_native)

@@ -110,9 +110,11 @@ async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStor
         raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
                             f"from the store")
     callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
-    sent = await host.put(local, remote, progress=callback)
+    # The far side's hash is checked against the object's digest, so the store's bytes are
+    # verified by the one hash that also proves the far copy.
+    sent = await host.put(local, remote, progress=callback, expected=obj.sha256)
     if sent.sha256 != obj.sha256:
-        # The store's bytes changed under us: the far copy is of no use and must not stay.
+        # The store's bytes changed under us: nothing was published, and nothing may stay.
         await host.run(["rm", "-f", "--", remote], check=False)
         raise ObjectCorrupt(f"object {obj.sha256} in the store hashed to {sent.sha256} while "
                             f"being sent to {host.name}")

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.hosts.durable import fsync_dir, publish
+from coldsnap.hosts.remote_helper import stamp, stamped_digest
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -103,6 +105,14 @@ def _owner_gone(name: str) -> bool:
     return False
 
 
+def _stamp_path(path: Path, object_digest: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        stamp(fd, object_digest.removeprefix("sha256:"))
+    finally:
+        os.close(fd)
+
+
 class LocalStore:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -124,16 +134,45 @@ class LocalStore:
         return self.object_path(object_digest).is_file()
 
     def verify(self, object_digest: str) -> Path:
-        """The object's path after re-hashing its bytes; every read goes through here."""
+        """The object's path once its bytes are known to hash to its name: from its verified
+        stamp (digest, size and mtime, in an xattr written when the bytes were last hashed)
+        when that still matches the file, else by hashing it again. A write to the file
+        moves its mtime, so the stamp of older bytes never vouches for newer ones; the bytes
+        that are then sent are hashed again in flight."""
         path = self.object_path(object_digest)
-        if not path.is_file():
-            raise ObjectMissing(f"object {object_digest} is not in the store at {self.root}")
-        actual, _ = sha256_file(path)
-        if actual != object_digest:
-            raise ObjectCorrupt(
-                f"object {object_digest} in {self.root} is corrupt: its bytes hash to {actual}"
-            )
-        return path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectMissing(
+                f"object {object_digest} is not in the store at {self.root}") from None
+        except OSError as exc:
+            raise ObjectCorrupt(f"object {object_digest} in {self.root} cannot be read: "
+                                f"{exc.strerror}") from None
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                raise ObjectMissing(f"object {object_digest} in {self.root} is not a file")
+            if stamped_digest(fd) == object_digest.removeprefix("sha256:"):
+                return path
+            actual, _ = sha256_file(fd)
+            if actual != object_digest:
+                raise ObjectCorrupt(
+                    f"object {object_digest} in {self.root} is corrupt: its bytes hash to "
+                    f"{actual}")
+            after = os.fstat(fd)
+            if (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns):
+                stamp(fd, actual.removeprefix("sha256:"))
+            return path
+        finally:
+            os.close(fd)
+
+    def _holds(self, object_digest: str) -> bool:
+        """Whether the store holds the object intact (a corrupt copy gets replaced)."""
+        try:
+            self.verify(object_digest)
+        except StoreError:
+            return False
+        return True
 
     @contextlib.contextmanager
     def incoming(self) -> Iterator[Path]:
@@ -184,9 +223,10 @@ class LocalStore:
         if expected is not None and actual != expected:
             raise ObjectCorrupt(f"received bytes hash to {actual}, expected {expected}")
         dest = self.object_path(actual)
-        if dest.is_file() and sha256_file(dest)[0] == actual:
+        if self._holds(actual):
             path.unlink()  # deduplicated: identical bytes are already stored
         else:
+            _stamp_path(path, actual)
             # Whoever wrote it (add_bytes did not fsync), it is on disk before it is named.
             publish(path, dest)
         return actual, size
@@ -200,6 +240,7 @@ class LocalStore:
         if dest.is_file() and dest.stat().st_size == size:
             path.unlink()  # deduplicated: verified again on every read anyway
         else:
+            _stamp_path(path, digest)
             os.replace(path, dest)
             fsync_dir(dest.parent)
         return digest, size

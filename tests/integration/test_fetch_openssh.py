@@ -59,7 +59,7 @@ async def test_get_through_the_openssh_client(
     seen: list[tuple[int, int]] = []
     dest = tmp_path / "back" / "obj.bin"
     r = await host.get(remote, dest, progress=lambda d, t: seen.append((d, t)),
-                       expect=digest_of(data) if known else None)
+                       expected=digest_of(data) if known else None)
     assert (r.bytes, r.sha256, r.sent_bytes) == (len(data), digest_of(data), len(data))
     assert dest.read_bytes() == data
     assert not dest.with_name(dest.name + PART_SUFFIX).exists()
@@ -74,9 +74,9 @@ async def test_empty_file(host: SSHHost, dev_hosts: Inventory, tmp_path: Path) -
     path = Path(dev_hosts.get("host-1").data_dir) / f"empty-{secrets.token_hex(4)}"
     path.write_bytes(b"")
     try:
-        for expect in (None, digest_of(b"")):
-            dest = tmp_path / f"empty-{expect is None}"
-            r = await fetch_file(host, str(path), dest, transport="openssh", expect=expect)
+        for expected in (None, digest_of(b"")):
+            dest = tmp_path / f"empty-{expected is None}"
+            r = await fetch_file(host, str(path), dest, transport="openssh", expected=expected)
             assert (r.bytes, r.sha256, dest.read_bytes()) == (0, digest_of(b""), b"")
     finally:
         path.unlink()
@@ -89,7 +89,7 @@ async def test_corrupted_get_is_detected(
     dest = tmp_path / "dest.bin"
     with pytest.raises(TransferError, match="corrupted in transit"):
         await fetch_file(host, remote, dest, transport="openssh", tamper=flip_byte_at(MIB),
-                         expect=digest_of(data) if known else None)
+                         expected=digest_of(data) if known else None)
     assert not dest.exists()
     assert not dest.with_name(dest.name + PART_SUFFIX).exists()
 
@@ -100,7 +100,7 @@ async def test_a_file_changed_since_it_was_hashed_is_refused(
     stale = digest_of(data[:-1] + bytes([data[-1] ^ 1]))
     dest = tmp_path / "dest.bin"
     with pytest.raises(TransferError, match="changed since it was hashed"):
-        await fetch_file(host, remote, dest, transport="openssh", expect=stale)
+        await fetch_file(host, remote, dest, transport="openssh", expected=stale)
     assert not dest.exists()
     assert not dest.with_name(dest.name + PART_SUFFIX).exists()
 
@@ -112,7 +112,7 @@ async def test_get_resumes_after_a_matching_partial(
     dest = tmp_path / "dest.bin"
     dest.with_name(dest.name + PART_SUFFIX).write_bytes(data[:3 * MIB + 7])
     r = await fetch_file(host, remote, dest, transport="openssh",
-                         expect=digest_of(data) if known else None)
+                         expected=digest_of(data) if known else None)
     assert (r.sha256, r.sent_bytes) == (digest_of(data), len(data) - (3 * MIB + 7))
     assert dest.read_bytes() == data
 
@@ -124,7 +124,7 @@ async def test_a_partial_longer_than_the_file_is_dropped(
     dest = tmp_path / "dest.bin"
     dest.with_name(dest.name + PART_SUFFIX).write_bytes(data + b"stale tail")
     r = await fetch_file(host, remote, dest, transport="openssh",
-                         expect=digest_of(data) if known else None)
+                         expected=digest_of(data) if known else None)
     assert (r.sha256, r.sent_bytes) == (digest_of(data), len(data))
     assert dest.read_bytes() == data
 
@@ -148,7 +148,7 @@ async def test_get_survives_sshd_restart_mid_transfer(
     try:
         dest = tmp_path / "back.bin"
         r = await fetch_file(host, str(path), dest, progress=progress, transport="openssh",
-                             expect=digest_of(data))
+                             expected=digest_of(data))
         assert state["stopped"]
         assert r.sha256 == digest_of(data) and dest.read_bytes() == data
         # Only what came after the kept prefix crossed the wire the second time.
@@ -169,7 +169,7 @@ async def test_auto_continues_over_asyncssh_when_the_openssh_client_fails(
     broken[broken.index("-p") + 1] = "1"
     monkeypatch.setattr(fetch_openssh, "openssh_argv", lambda entry, settings: broken)
     dest = tmp_path / "dest.bin"
-    r = await fetch_file(host, remote, dest, transport="auto", expect=digest_of(data))
+    r = await fetch_file(host, remote, dest, transport="auto", expected=digest_of(data))
     assert (r.sha256, dest.read_bytes()) == (digest_of(data), data)
     assert host.connects == 1  # the rest went over the pooled connection
     with pytest.raises(TransferError, match="gave up after 2 attempts"):

@@ -23,6 +23,7 @@ import yaml
 
 from coldsnap.capsule.docker_exec import exec_in_container
 from coldsnap.formats.capsule import CapsuleManifest, parse_capsule_manifest
+from coldsnap.store import LocalStore
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import DEV_CLUSTER
 from tests.integration.engine_view import engine_view_sync
@@ -405,6 +406,32 @@ def test_corrupted_object_detected_before_anything_starts(ops: Ops, tp2: dict[st
     finally:
         path.write_bytes(original)
     # The store is intact again and the artifact still restores.
+    assert _artifact(ops, tp2["capture_id"]) == tp2
+
+
+def test_an_object_changed_behind_its_stamp_is_caught_while_it_is_sent(
+        ops: Ops, tp2: dict[str, Any]) -> None:
+    """The store's verified stamp (digest, size, mtime) lets an unchanged object skip the
+    up-front hash; bytes changed with their mtime put back fool the stamp, not the transfer:
+    the far side's hash must equal the object's digest."""
+    ops.clear_staged()
+    payload = next(o for o in tp2["objects"] if o["role"] == "model-weight-payload")
+    path = ops.store / "objects" / "sha256" / payload["sha256"][7:]
+    original = path.read_bytes()
+    LocalStore(ops.store).verify(payload["sha256"])  # hashed and stamped, as a restore leaves it
+    before = path.stat()
+    try:
+        with path.open("r+b") as f:
+            f.seek(len(original) // 2)
+            f.write(bytes([original[len(original) // 2] ^ 1]))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        run = ops.coldsnapd("restore", "--artifact", tp2["capture_id"])
+        _refused(ops, run, payload["sha256"], "hashed to")
+        assert run.receipt["error"]["code"].endswith("staging"), run.receipt["error"]
+        for host in ops.hosts:
+            assert payload["sha256"] not in ops.staged(host)
+    finally:
+        path.write_bytes(original)
     assert _artifact(ops, tp2["capture_id"]) == tp2
 
 

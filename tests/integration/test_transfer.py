@@ -131,6 +131,33 @@ async def test_corrupted_put_is_detected_and_leaves_old_file(
     await host.run(["rm", "-rf", remote_dir])
 
 
+async def test_put_against_an_expected_digest_tells_a_changed_source_from_transit(
+    pool: HostPool, remote_dir: str, tmp_path: Path, transport: Transport
+) -> None:
+    """With `expected`, only the far side hashes. A far copy that differs is still found, and
+    blamed on the transit only when the source does hash to what was expected."""
+    host = pool.host("host-0")
+    src = tmp_path / "src.bin"
+    want = random_file(src, 4 * MIB)
+    dest = f"{remote_dir}/obj.bin"
+    with pytest.raises(TransferError, match="corrupted in transit"):
+        await put_file(host, src, dest, expected=want, tamper=flip_byte_at(2 * MIB + 3),
+                       transport=transport)
+    assert not await remote_exists(host, dest)
+    # The source changed after it was stored as `want`: reported as its real digest, and
+    # nothing published under a name that would claim `want`.
+    random_file(src, 4 * MIB)
+    result = await put_file(host, src, dest, expected=want, transport=transport)
+    assert result.sha256 == sha(src) != want and result.sent_bytes == 0
+    assert not await remote_exists(host, dest)
+    assert (await host.run(["ls", "-A", remote_dir])).stdout == b""
+    random_file(src, 4 * MIB)
+    good = sha(src)
+    result = await put_file(host, src, dest, expected=good, transport=transport)
+    assert result.sha256 == good == await remote_sha(host, dest)
+    await host.run(["rm", "-rf", remote_dir])
+
+
 async def test_corrupted_get_is_detected(pool: HostPool, remote_dir: str, tmp_path: Path) -> None:
     host = pool.host("host-0")
     src = tmp_path / "src.bin"

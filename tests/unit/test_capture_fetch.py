@@ -29,13 +29,13 @@ class CountingHost(LocalHost):
         self.held = asyncio.Event()
 
     async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-                  expect: str | None = None) -> TransferResult:
+                  expected: str | None = None) -> TransferResult:
         self.gets.append(remote)
         if len(self.gets) == self.waiting:
             self.held.set()
         if self.gate is not None:
             await self.gate.wait()
-        return await super().get(remote, local, progress=progress, expect=expect)
+        return await super().get(remote, local, progress=progress, expected=expected)
 
 
 def _file(path: Path, data: bytes) -> Wanted:

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.remote_helper import EXIT_BUSY, EXIT_MISMATCH, EXIT_OFFSET, EXIT_SHORT
+from coldsnap.hosts.remote_helper import (
+    EXIT_BUSY,
+    EXIT_MISMATCH,
+    EXIT_OFFSET,
+    EXIT_SHORT,
+    STAMP_ATTR,
+)
 from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.transfer_openssh import openssh_argv
 from coldsnap.hosts.transfer_protocol import PART_SUFFIX, classify, helper_argv, parse_part
@@ -71,3 +77,45 @@ def test_openssh_reads_no_configuration_and_forwards_nothing() -> None:
     assert "-a" in argv and "-x" in argv
     assert "StrictHostKeyChecking=yes" in argv and "UserKnownHostsFile=/k/known" in argv
     assert argv[-2:] == ["--", "198.18.0.9"]
+
+
+def _put(final: Path, payload: bytes) -> None:
+    digest = hashlib.sha256(payload).hexdigest()
+    out = run("put", str(final) + PART_SUFFIX, str(final),
+              data=f"0 {len(payload)}\n".encode() + payload + digest.encode() + b"\n")
+    assert out.returncode == 0, out.stderr
+
+
+def test_stat_answers_from_the_verified_stamp_while_it_matches_the_file(tmp_path: Path) -> None:
+    final = tmp_path / "obj"
+    payload = os.urandom(1 << 20)
+    _put(final, payload)
+    stamp = os.getxattr(final, STAMP_ATTR).split()
+    assert stamp[0] == hashlib.sha256(payload).hexdigest().encode()
+    # A stamp that names other bytes, for this very size and mtime, is believed: stat did
+    # not read the file.
+    other = hashlib.sha256(b"other").hexdigest()
+    os.setxattr(final, STAMP_ATTR, b" ".join([other.encode(), *stamp[1:]]))
+    assert parse_part(run("stat", str(final)).stdout) == (len(payload), other)
+
+
+def test_a_write_to_a_stamped_file_voids_its_stamp(tmp_path: Path) -> None:
+    final = tmp_path / "obj"
+    payload = os.urandom(1 << 20)
+    _put(final, payload)
+    changed = bytes([payload[0] ^ 1]) + payload[1:]
+    with final.open("r+b") as f:  # same inode, same size: only the mtime tells
+        f.write(changed[:1])
+    assert parse_part(run("stat", str(final)).stdout) == (
+        len(payload), hashlib.sha256(changed).hexdigest())
+
+
+def test_a_malformed_stamp_is_ignored(tmp_path: Path) -> None:
+    final = tmp_path / "obj"
+    payload = os.urandom(4096)
+    _put(final, payload)
+    size_mtime = os.getxattr(final, STAMP_ATTR).split()[1:]
+    for bad in (b"../../etc " + b" ".join(size_mtime), b"XYZ" * 22, b""):
+        os.setxattr(final, STAMP_ATTR, bad)
+        assert parse_part(run("stat", str(final)).stdout) == (
+            len(payload), hashlib.sha256(payload).hexdigest())

@@ -123,3 +123,37 @@ def test_capture_id_written_once(tmp_path: Path) -> None:
     store.put_artifact(_artifact("cap-a"))
     with pytest.raises(ArtifactExists):
         store.put_artifact(_artifact("cap-a"))
+
+
+def test_verify_trusts_a_matching_stamp_and_hashes_once_without_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import coldsnap.store.local as local
+    from coldsnap.hosts.remote_helper import STAMP_ATTR
+
+    store = LocalStore(tmp_path).ensure()
+    d, _ = store.add_bytes(b"weights" * 1000)
+    path = store.object_path(d)
+    assert os.getxattr(path, STAMP_ATTR).split()[0] == d.removeprefix("sha256:").encode()
+    hashed: list[object] = []
+    real = local.sha256_file
+
+    def counting(p: Path | int) -> tuple[str, int]:
+        hashed.append(p)
+        return real(p)
+
+    monkeypatch.setattr(local, "sha256_file", counting)
+    store.verify(d)
+    assert hashed == []  # stamped when stored: not read again
+    os.removexattr(path, STAMP_ATTR)
+    store.verify(d)
+    store.verify(d)
+    assert len(hashed) == 1  # hashed once, then stamped
+    # An in-place write moves the mtime: the stamp no longer vouches, the change is found.
+    with path.open("r+b") as f:
+        f.write(b"W")
+    with pytest.raises(ObjectCorrupt):
+        store.verify(d)
+    with pytest.raises(ObjectCorrupt):
+        store.verify(d)  # and a failed check stamps nothing

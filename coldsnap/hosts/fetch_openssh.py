@@ -288,6 +288,6 @@ async def fetch_file(
     if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.
         await asyncio.to_thread(local.unlink)
-        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it has "
-                                       f"{got.sha256}, expected {expected}")
+        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it "
+                                        f"has {got.sha256}, expected {expected}")
     return got

@@ -68,11 +68,14 @@ async def in_client_thread(name: str, body: Callable[[Started], T]) -> T:
             result.set_exception(exc)
 
     threading.Thread(target=run, name=name, daemon=True).start()
+    # Shielded: cancelling a wrapped future cancels `result` itself, and then nothing would
+    # wait for the thread (nor could it hand back its outcome).
+    waiter = asyncio.wrap_future(result)
     try:
-        return await asyncio.wrap_future(result)
+        return await asyncio.shield(waiter)
     except asyncio.CancelledError:
         for proc in started:
             proc.kill()
         with contextlib.suppress(BaseException):
-            await asyncio.shield(asyncio.wrap_future(result))
+            await asyncio.shield(waiter)
         raise

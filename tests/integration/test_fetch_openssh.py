@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+import subprocess
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -175,3 +176,37 @@ async def test_auto_continues_over_asyncssh_when_the_openssh_client_fails(
     with pytest.raises(TransferError, match="gave up after 2 attempts"):
         await fetch_file(host, remote, tmp_path / "other.bin", transport="openssh",
                          attempts=2)
+
+
+# The transfer's thread must hand back its outcome to a cancelled get, not raise on its own.
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_cancelled_get_kills_its_openssh_client(
+        host: SSHHost, dev_hosts: Inventory, tmp_path: Path) -> None:
+    size = 48 * MIB
+    path = Path(dev_hosts.get("host-1").data_dir) / f"cancel-{secrets.token_hex(4)}.bin"
+    path.write_bytes(os.urandom(size))
+    holding = asyncio.Event()
+
+    def progress(done: int, total: int) -> None:
+        if done >= 8 * MIB:
+            holding.set()
+
+    try:
+        task = asyncio.ensure_future(fetch_file(host, str(path), tmp_path / "back.bin",
+                                                progress=progress, transport="openssh"))
+        await holding.wait()
+        assert _clients_of(path)  # mid-way, the client is there
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _clients_of(path)
+        assert not (tmp_path / "back.bin").exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _clients_of(path: Path) -> list[str]:
+    """The OpenSSH clients on this machine whose remote command names `path`."""
+    found = subprocess.run(["pgrep", "-f", f"^[^ ]*ssh .*{path.name}"], capture_output=True,
+                           text=True, check=False)
+    return found.stdout.split()

@@ -4,7 +4,8 @@ Pure. The caller gathers the host's facts (through the host probe) and, under th
 kernel policy, runs the capsule-pinned `criu check` itself; this module only decides.
 
 Public API:
-- `GpuFact(uuid, name, compute_capability)`, `HostFacts(arch, kernel, driver_version, gpus)`.
+- `GpuFact(uuid, name, compute_capability)`, `HostFacts(arch, kernel, driver_version, gpus, boot_id,
+  docker, docker_instance)`.
 - `check_admission(unit, facts, *, devices, snapshot_driver_min, enforce_captured_driver_floor
   =True, kernel_policy="capability", base="compatibility.units[i]") -> Admission`.
   `devices` are the restore unit's device selectors (slot i -> devices[i]); a selector is a GPU
@@ -44,6 +45,11 @@ class HostFacts:
     kernel: str
     driver_version: str
     gpus: Sequence[GpuFact] = ()
+    # Not admission inputs: they say which boot of the host and which dockerd instance the
+    # facts came from, so that a remembered CRIU probe is only reused on the same ones.
+    boot_id: str | None = None
+    docker: str | None = None
+    docker_instance: str | None = None
 
 
 @dataclass(slots=True)

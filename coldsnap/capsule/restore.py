@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import secrets
 import time
@@ -98,6 +99,11 @@ _CLONE3_SET_TID = "clone3_set_tid is supported"
 _NS_LAST_PID = "ns_last_pid sysctl is inaccessible"
 # One probe's own container, whatever else it is labelled with.
 _LABEL_PROBE = "org.coldsnap.probe"
+# What the probe runs and with which privileges: a remembered probe is only as good as the
+# recipe that passed, so a change of either makes every remembered one stale.
+PROBE_RECIPE = "sha256:" + hashlib.sha256(json.dumps(
+    [_PROBE, "network_mode=none", sorted(CRIU_CAPABILITIES), sorted(CRIU_SECURITY_OPT)]
+).encode()).hexdigest()
 
 
 def criu_check_passed(output: str) -> bool:
@@ -160,12 +166,19 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
     if code not in (0, 1) or not criu_check_passed(output):
         raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
                    CriuProbeFailed)
-    version = criu_version(output)
-    if kernel is not None and version is not None:
-        why = criu_inet_refusal(kernel, version)
+    probe = CriuProbe(s.host, image, output, criu_version(output))
+    check_criu_version(s, probe, unit=unit, kernel=kernel)
+    return probe
+
+
+def check_criu_version(s: CapsuleSession, probe: CriuProbe, *, unit: str = "-",
+                       kernel: str | None = None) -> None:
+    """The CRIU version floor for TCP-serving engines on the host's `kernel`, for a probe
+    that just passed or one remembered from an earlier restore."""
+    if kernel is not None and probe.version is not None:
+        why = criu_inet_refusal(kernel, probe.version)
         if why:
-            raise fail(s, unit, step, why, CriuProbeFailed)
-    return CriuProbe(s.host, image, output, version)
+            raise fail(s, unit, "criu-probe", why, CriuProbeFailed)
 
 
 async def _remove_probe(s: CapsuleSession, tags: Mapping[str, str], *,

@@ -32,12 +32,15 @@ if TYPE_CHECKING:
 PROBE_SH = r"""
 echo "@@arch $(uname -m)"
 echo "@@kernel $(uname -r)"
+b=; { read -r b </proc/sys/kernel/random/boot_id; } 2>/dev/null
+echo "@@boot-id $b"
 p=$1
 while [ -n "$p" ] && [ ! -e "$p" ]; do p=${p%/*}; done
 [ -n "$p" ] || p=/
 echo "@@free-path $p"
 echo "@@free $(stat -f -c '%a %S' -- "$p")"
 if [ -n "$2" ]; then
+  echo "@@docker-instance $(stat -L -c '%i %Z' -- "$2" 2>/dev/null)"
   if command -v curl >/dev/null 2>&1; then
     echo "@@docker-http"
     curl -sS --max-time 10 --unix-socket "$2" -w '
@@ -119,6 +122,13 @@ def _sections(text: str) -> dict[str, list[str]]:
     return out
 
 
+def _first(sections: dict[str, list[str]], name: str) -> str | None:
+    """A one-line section's text; None when it is absent or empty (a host without
+    /proc/sys/kernel/random/boot_id, a socket stat could not read)."""
+    lines = sections.get(name) or [""]
+    return lines[0].strip() or None
+
+
 def _docker(sections: dict[str, list[str]], socket: str, notes: list[str]) -> str | None:
     failed = "docker-failed" in sections
     if "docker-http" in sections:
@@ -145,8 +155,8 @@ def _docker(sections: dict[str, list[str]], socket: str, notes: list[str]) -> st
 
 
 def parse_probe_output(text: str, data_dir: str, docker_socket: str | None) -> dict[str, Any]:
-    """The probe command's answer as facts: arch, kernel, data_dir_free_bytes, docker,
-    nvidia_driver, gpus (NVML's, when it ran), notes."""
+    """The probe command's answer as facts: arch, kernel, boot_id, data_dir_free_bytes,
+    docker, docker_instance, nvidia_driver, gpus (NVML's, when it ran), notes."""
     sec = _sections(text)
     try:
         arch, kernel = sec["arch"][0].strip(), sec["kernel"][0].strip()
@@ -158,6 +168,8 @@ def parse_probe_output(text: str, data_dir: str, docker_socket: str | None) -> d
     if path != data_dir:
         notes.append("data_dir does not exist yet; free space is that of " + path)
     facts: dict[str, Any] = {"arch": arch, "kernel": kernel, "notes": notes,
+                             "boot_id": _first(sec, "boot-id"),
+                             "docker_instance": _first(sec, "docker-instance"),
                              "data_dir_free_bytes": avail * frsize, "nvidia_driver": None,
                              "gpus": [],
                              "docker": _docker(sec, docker_socket, notes) if docker_socket
@@ -194,7 +206,11 @@ class HostProbe:
     error: str | None = None
     arch: str | None = None
     kernel: str | None = None
+    # This boot of the host's kernel, and its dockerd's socket as "inode ctime" (a restarted
+    # dockerd makes a new one): what a remembered CRIU probe is valid for (probe_cache).
+    boot_id: str | None = None
     docker: str | None = None
+    docker_instance: str | None = None
     nvidia_driver: str | None = None
     gpus: list[ProbedGpu] = field(default_factory=list)
     simulated: bool = False
@@ -209,7 +225,9 @@ class HostProbe:
         return HostFacts(arch=self.arch or "", kernel=self.kernel or "",
                          driver_version=self.nvidia_driver or "",
                          gpus=tuple(GpuFact(g.uuid, g.name, g.compute_capability)
-                                    for g in self.gpus))
+                                    for g in self.gpus),
+                         boot_id=self.boot_id, docker=self.docker,
+                         docker_instance=self.docker_instance)
 
 
 @functools.cache
@@ -274,7 +292,9 @@ async def probe_host(
         reachable=True,
         arch=raw["arch"],
         kernel=raw["kernel"],
+        boot_id=raw["boot_id"],
         docker=raw["docker"],
+        docker_instance=raw["docker_instance"],
         nvidia_driver=driver,
         gpus=gpus,
         simulated=entry.simulated,

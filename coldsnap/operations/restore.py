@@ -1,11 +1,13 @@
 """`coldsnapd restore`: an artifact brought back on its captured hosts or on others.
 
 Order: identity check (restore request vs captured launch) -> every needed object verified in
-the store -> destination facts and admission per unit -> owner-scoped staging -> capsule load
-and CRIU probe per unit -> (prepare-only stops here) -> every unit restored with its GPUs still
-checkpointed -> barrier -> every worker's GPUs restored with the UUID map and unlocked ->
-every unit released -> the validation prompt per service. Any failure after the first
-container started removes every container this restore started.
+the store -> destination facts and admission per unit -> owner-scoped staging, and meanwhile
+capsule load and CRIU probe per unit whose capsule comes from the registry (after staging for
+one loaded from its staged layers; a probe that passed on the same boot of the host is not run
+again: coldsnap.operations.probe_cache) -> (prepare-only stops here) -> every unit restored
+with its GPUs still checkpointed -> barrier -> every worker's GPUs restored with the UUID map
+and unlocked -> every unit released -> the validation prompt per service. Any failure after
+the first container started removes every container this restore started.
 
 Replacing an earlier instance (reconcile-replace): a unit already serving on its destination
 host for the same workload (the request's `workload.cluster_id`; without one, the same
@@ -18,9 +20,9 @@ one is restored again from the snapshot its own container carries, as it was res
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from coldsnap.admission import HostFacts, check_admission
 from coldsnap.capsule.capture import start_unit, wait_ready
@@ -31,7 +33,6 @@ from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import (
     criu_restore,
     device_map,
-    probe_criu,
     release,
     restore_gpus,
     start_restore_container,
@@ -67,6 +68,7 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
+from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
     ReplacingRun,
     previous_identity,
@@ -94,6 +96,8 @@ from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
 Fallback = Literal["none", "replay"]
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass
@@ -207,13 +211,23 @@ async def restore(
             await check_staging_space(
                 {n: hosts.host(n) for n in per_host},
                 {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
-        with ctx.span("restore.stage"):
-            outcome.staging = await _stage(hosts, store, per_host, runs, ctx)
-        for st in outcome.staging:
-            ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
+        async def staged() -> list[HostStaging]:
+            with ctx.span("restore.stage"):
+                done = await _stage(hosts, store, per_host, runs, ctx)
+            for st in done:
+                ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
+            return done
 
-        await _load_and_probe(ctx, hosts, artifact, runs, facts,
-                              kernel_policy=policy.compatibility.kernel, fallback=fallback)
+        def admit(some: list[RestoreRun]) -> Awaitable[None]:
+            return _load_and_probe(ctx, hosts, artifact, some, facts, ProbeCache(store.root),
+                                   kernel_policy=policy.compatibility.kernel,
+                                   fallback=fallback)
+
+        # A capsule pulled from the registry needs nothing staged: its load and probe run
+        # while the objects travel. One loaded from its staged layers waits for them.
+        pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
+        outcome.staging, _ = await _both(staged(), admit(pulled))
+        await admit([r for r in runs if r not in pulled])
         outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
         for r in runs:
             if r.replay_reason:
@@ -284,11 +298,25 @@ async def _stage(hosts: HostSet, store: LocalStore,
     return [r for r in results if isinstance(r, HostStaging)]
 
 
+async def _both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
+    """Run both to their end whatever either does (each cleans up after itself, also when
+    cancelled, and a rollback must not start while one still runs); then raise the first
+    one's failure, else the second's."""
+    a, b = await asyncio.gather(first, second, return_exceptions=True)
+    if isinstance(a, BaseException):
+        raise a
+    if isinstance(b, BaseException):
+        raise b
+    return a, b
+
+
 async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artifact,
-                          runs: list[RestoreRun], facts: dict[str, HostFacts], *,
-                          kernel_policy: str, fallback: Fallback) -> None:
-    """Load each capsule on its destination and run its pinned CRIU's probe there. A failing
-    probe makes the unit's snapshot inadmissible: refused, or replayed with --fallback."""
+                          runs: list[RestoreRun], facts: dict[str, HostFacts],
+                          probes: ProbeCache, *, kernel_policy: str, fallback: Fallback) -> None:
+    """Load each capsule on its destination and run its pinned CRIU's probe there, unless the
+    same probe passed on the same boot of that host already (`probe_cache`; its span says
+    `cached`). A failing probe makes the unit's snapshot inadmissible: refused, or replayed
+    with --fallback."""
 
     async def one(r: RestoreRun) -> None:
         assert r.capsule_meta is not None
@@ -299,11 +327,16 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
         staged = remote_object_path(data_dir, layers[0].sha256) if layers else None
         await load_capsule(r.session, r.capsule_meta, staged)
         if kernel_policy == "capability":
+            host, image = r.placed.host, r.capsule_meta.image_id
+            key = probe_key(hosts.entries[host], facts[host], image)
+            known = probes.lookup(key) if key is not None else None
             try:
-                await probe_criu(r.session, r.capsule_meta.image_id, unit=r.placed.unit_id,
-                                 kernel=facts[r.placed.host].kernel,
-                                 labels={LABEL_OPERATION: ctx.operation_id,
-                                         LABEL_UNIT: r.placed.unit_id})
+                with ctx.span("restore.criu-probe", host=host, unit=r.placed.unit_id,
+                              cached=known is not None):
+                    await admit_criu(r.session, probes, key, known, image,
+                                     unit=r.placed.unit_id, kernel=facts[host].kernel,
+                                     labels={LABEL_OPERATION: ctx.operation_id,
+                                             LABEL_UNIT: r.placed.unit_id})
             except CapsuleError as exc:
                 if fallback != "replay":
                     raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coldsnap.operations.probe_cache import PROBES_DIR
 from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.conftest import REPO
 from tests.integration.engine_view import engine_view_sync
@@ -196,25 +198,41 @@ def _criu_dirs(ops: Ops, host: str, operation: str) -> list[Path]:
     return found + (sorted(images.glob(f".*.{operation}.partial")) if images.is_dir() else [])
 
 
-def test_sigterm_while_staging_removes_the_unfinished_image_assembly(
-        ops: Ops, artifact: str, clean: None) -> None:
+def _restore_cancelled_at(ops: Ops, artifact: str, span: str, suffix: str) -> dict[str, Any]:
+    """A restore onto cleared hosts, SIGTERMed once `span` started on host-3; it must leave
+    neither an image assembly nor any container of its own (a probe's included) behind."""
     ops.clear_staged()
-    request = ops.request("tp2-two-hosts-restore-moved", suffix="sigterm-stage",
-                          artifact=artifact)
+    request = ops.request("tp2-two-hosts-restore-moved", suffix=suffix, artifact=artifact)
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.stage-host", "host-3")
+    run.wait_for(span, "host-3")
     run.signal(signal.SIGTERM)
     status, err, receipt = run.finish()
     assert status == 143, err
     assert receipt["error"]["code"] == "cancelled"
     for host in ("host-2", "host-3"):
         assert _criu_dirs(ops, host, receipt["operation_id"]) == [], host
+    # The capsule's load and probe run while staging: a probe container goes too.
+    assert labelled(ops, receipt["operation_id"]) == {}
     assert ops.running_units() == {}
+    return receipt
+
+
+def test_sigterm_while_staging_removes_the_unfinished_image_assembly(
+        ops: Ops, artifact: str, clean: None) -> None:
+    _restore_cancelled_at(ops, artifact, "restore.stage-host", "sigterm-stage")
     # Staged again from scratch, the images are whole: the restore serves.
     again = ops.request("tp2-two-hosts-restore-moved", suffix="after-stage",
                         artifact=artifact)
     ops.coldsnapd("restore", "--request", str(again)).ok()
     assert _complete(ops, "host-2", 8000) == EXPECTED
+
+
+def test_sigterm_during_the_criu_probe_removes_its_container_and_the_staging(
+        ops: Ops, artifact: str, clean: None) -> None:
+    shutil.rmtree(ops.store / PROBES_DIR, ignore_errors=True)  # so that the probe runs
+    receipt = _restore_cancelled_at(ops, artifact, "restore.criu-probe", "sigterm-probe")
+    probes = [s for s in receipt["timing"]["spans"] if s["name"] == "restore.criu-probe"]
+    assert probes and not any(s["attributes"]["cached"] for s in probes)
 
 
 def test_gc_removes_what_a_killed_capture_left_in_the_data_dirs(

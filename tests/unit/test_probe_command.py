@@ -52,6 +52,10 @@ def docker_socket(tmp_path: Path) -> Iterator[str]:
                               json.dumps({"Version": "26.1.5", "ApiVersion": "1.45"}).encode())
 
 
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
 def _entry(data_dir: Path, socket: str | None, *, simulated: bool = True) -> HostEntry:
     return HostEntry(name="h", address="127.0.0.1", data_dir=str(data_dir),
                      docker_socket=socket, simulated=simulated,
@@ -68,13 +72,20 @@ async def test_a_simulated_host_gets_its_facts_from_sh_stat_and_curl(tmp_path: P
     assert f.data_dir_free_bytes is not None
     assert abs(f.data_dir_free_bytes - st.f_bavail * st.f_frsize) < 256 << 20
     assert f.notes == [] and f.nvidia_driver == "610.43.02"
+    # Which boot and which dockerd the facts came from: what a remembered CRIU probe needs.
+    assert f.boot_id == _boot_id()
+    st_sock = os.stat(docker_socket)
+    assert f.docker_instance == f"{st_sock.st_ino} {int(st_sock.st_ctime)}"
+    facts = f.admission_facts()
+    assert (facts.boot_id, facts.docker, facts.docker_instance) == (
+        f.boot_id, "26.1.5", f.docker_instance)
 
 
 async def test_a_missing_data_dir_and_a_dead_docker_socket_are_notes(tmp_path: Path) -> None:
     entry = _entry(tmp_path / "not" / "yet", str(tmp_path / "no.sock"))
     f = await probe_host(LocalHost(), entry)
     assert f.reachable and f.error is None
-    assert f.docker is None
+    assert f.docker is None and f.docker_instance is None
     assert f"data_dir does not exist yet; free space is that of {tmp_path}" in f.notes
     assert any(n.startswith(f"docker: cannot query {tmp_path / 'no.sock'}") for n in f.notes)
 

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coldsnap.hosts.base import Host, ProgressCallback
+from coldsnap.hosts.base import Host, HostError, ProgressCallback
 from coldsnap.store import LocalStore, ObjectCorrupt
 
 # Transfers from one unit's host at once: each pays a fixed cost (a connection, a process
@@ -58,6 +58,21 @@ async def fetch_into_store(host: Host, remote: str, store: LocalStore, expected:
         return await asyncio.to_thread(store.commit_hashed, tmp, expected)
 
 
+async def _pulled_elsewhere(running: asyncio.Task[tuple[str, int]], host: str,
+                            w: Wanted) -> tuple[str, int]:
+    """The outcome of the pull of the same digest that another unit owns. Shielded: this
+    unit stopping must not stop that pull. When the owner stops it (its own failure), this
+    unit fails with a reason, not with a cancellation it never received."""
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise HostError(host, f"{w.label}: the pull of {w.sha256} from another host, which "
+                              "this host's copy was waiting for, was stopped") from None
+
+
 class Fetcher:
     """The pulls of one capture, shared by its units: each digest is pulled once."""
 
@@ -82,9 +97,7 @@ class Fetcher:
             running = self._pulls.get(w.sha256)
             if running is not None:
                 stats.present += 1
-                # Shielded: this unit failing must not cancel the pull another unit owns
-                # (cancelling the owner, as a cancelled capture does, stops it).
-                return await asyncio.shield(running)
+                return await _pulled_elsewhere(running, host.name, w)
             if self.store.has(w.sha256):
                 # Verified again on every read, as every object in the store is.
                 stats.present += 1
@@ -97,8 +110,16 @@ class Fetcher:
             return digest, size
 
         # Largest first: the long transfer starts at once, the small ones fill the slots.
-        ordered = sorted(wanted, key=lambda w: -w.bytes)
-        return dict(await asyncio.gather(*(one(w) for w in ordered)))
+        tasks = [asyncio.ensure_future(one(w)) for w in sorted(wanted, key=lambda w: -w.bytes)]
+        try:
+            return dict(await asyncio.gather(*tasks))
+        except BaseException:
+            # One failed (or the capture is cancelled): the unit's other transfers stop
+            # here rather than run on behind the rollback.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _pull(self, host: Host, w: Wanted, slots: asyncio.Semaphore,
                     progress: Callable[[str], ProgressCallback | None] | None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.base import HostError, ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.local import LocalHost
 from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
 from coldsnap.store import LocalStore
@@ -91,3 +91,55 @@ async def test_an_object_that_changed_since_it_was_hashed_is_refused(tmp_path: P
         await Fetcher(store).pull_all(LocalHost("h0"), [wanted])
     assert not store.has(wanted.sha256)
     assert list(store.tmp_dir.iterdir()) == []
+
+
+class GatedHost(LocalHost):
+    """LocalHost whose gets of some paths wait for their own gate; records each get that
+    started and each that was cancelled."""
+
+    def __init__(self, name: str, gates: dict[str, asyncio.Event]) -> None:
+        super().__init__(name)
+        self.gates = gates
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
+                  expected: str | None = None) -> TransferResult:
+        self.started.append(remote)
+        self.arrived.set()
+        try:
+            if remote in self.gates:
+                await self.gates[remote].wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(remote)
+            raise
+        return await super().get(remote, local, progress=progress, expected=expected)
+
+
+async def test_a_failed_pull_stops_the_units_others_and_fails_who_waited_for_them(
+        tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store").ensure()
+    model = os.urandom(300_000)
+    shared0 = _file(tmp_path / "h0" / "payload", model)
+    missing = Wanted(str(tmp_path / "h0" / "gone"), "sha256:" + "0" * 64, 10, "gone")
+    shared1 = _file(tmp_path / "h1" / "payload", model)
+    own1 = _file(tmp_path / "h1" / "image", os.urandom(100))
+    never, fail_now = asyncio.Event(), asyncio.Event()
+    h0 = GatedHost("h0", {shared0.path: never, missing.path: fail_now})
+    h1 = GatedHost("h1", {own1.path: never})
+    fetcher = Fetcher(store)
+
+    first = asyncio.ensure_future(fetcher.pull_all(h0, [shared0, missing]))
+    await h0.arrived.wait()
+    second = asyncio.ensure_future(fetcher.pull_all(h1, [shared1, own1]))
+    await h1.arrived.wait()  # its payload is waiting for h0's pull of the same digest
+    fail_now.set()  # h0's other object turns out missing
+
+    with pytest.raises(FileNotFoundError):
+        await first
+    assert h0.cancelled == [shared0.path]  # stopped, not left running behind the failure
+    with pytest.raises(HostError, match="was stopped"):
+        await second
+    assert h1.cancelled == [own1.path]
+    assert not store.has(shared0.sha256)

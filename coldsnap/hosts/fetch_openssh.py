@@ -64,11 +64,13 @@ _REPORT_BYTES = 8 * CHUNK  # progress reported at most this often
 _WRITEBACK_BYTES = 64 * CHUNK  # written but not yet flushed, before a flush starts
 
 # With the digest known beforehand the far side only reads: the helper's header, then the
-# bytes from OFFSET ($2) by dd (1 MiB writes), no trailer and no hashing on the host.
+# bytes from OFFSET ($2), no trailer and no hashing on the host. cat for a whole file; GNU
+# dd (1 MiB blocks, a byte offset) only to resume.
 _SEND_KNOWN = (
     f's=$(stat -L -c %s -- "$1") || exit {EXIT_USAGE}; '
     f'[ "$2" -le "$s" ] || {{ echo "offset $2 beyond size $s" >&2; exit {EXIT_OFFSET}; }}; '
     'printf "size %s\\n" "$s"; '
+    '[ "$2" -eq 0 ] && exec cat -- "$1"; '
     'exec dd if="$1" bs=1M skip="$2" iflag=skip_bytes status=none'
 )
 

@@ -10,6 +10,9 @@ host) and measures, all in one run:
   cold_start_seconds          the engine started from nothing: container start -> healthy
                               (the capture's start and wait-ready phases)
   capture_seconds             the whole `coldsnapd capture`
+  capture_after_ready_seconds the capture less its start and wait-ready phases (the engine's
+                              own cold start, which a capture cannot avoid): what capturing
+                              costs beyond launching the engine
   restore_cold_host_seconds   `coldsnapd restore` with nothing staged on the hosts (their
                               data_dir objects and the capsule images removed first)
   bytes_staged_cold           what that restore put into the hosts' data_dir objects (a
@@ -266,9 +269,11 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
     criu_bytes = sum(m["criu_images_bytes"] if "criu_images_bytes" in m else
                      sum(f["size"] for f in m["criu_images"]["files"]) for m in units.values())
     rtt = statistics.median(rtts)
+    after_ready = cap["duration_seconds"] - cold_start
     return {
         "cold_start_seconds": round(cold_start, 3),
         "capture_seconds": round(cap["duration_seconds"], 3),
+        "capture_after_ready_seconds": round(after_ready, 3),
         "restore_cold_host_seconds": round(cold["duration_seconds"], 3),
         "restore_warm_host_seconds": round(warm["duration_seconds"], 3),
         "bytes_staged_cold": bytes_staged,
@@ -281,13 +286,17 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
         "payload_bytes": payload_bytes,
         "weights_released": all(m.get("weights_released") for m in units.values()),
         "ratios": {
-            # targets: <= 1.3, <= 1.0 (1.5 x raw restore + validation), <= 1.5, <= 1.1, >= 3
+            # targets: <= 1.3, <= 1.0 (1.5 x raw restore + validation), <= 1.5, <= 1.1, >= 3;
+            # capture_after_ready_... has none: it shows the capture's cost beyond the engine's
+            # cold start
             "restore_cold_host_vs_scp_plus_raw_restore": round(
                 cold["duration_seconds"] / (scp_out + raw_restore), 3),
             "restore_warm_host_vs_1_5_raw_restore_plus_validation": round(
                 warm["duration_seconds"] / (1.5 * raw_restore + rtt), 3),
             "capture_vs_raw_dump_plus_scp_to_control": round(
                 cap["duration_seconds"] / (raw_dump + scp_back), 3),
+            "capture_after_ready_vs_raw_dump_plus_scp_to_control": round(
+                after_ready / (raw_dump + scp_back), 3),
             "bytes_staged_vs_criu_images_plus_payloads": round(
                 bytes_staged / (criu_bytes + payload_bytes), 3),
             "cold_start_vs_restore_warm_host": round(cold_start / warm["duration_seconds"], 3),

@@ -27,7 +27,12 @@ def prepare(args: argparse.Namespace, request: Request | None) -> Prepared:
     store = open_store(args).ensure()
 
     async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
-        stored = await capture(request, hosts, store, ctx)
+        out = await capture(request, hosts, store, ctx)
+        for f in out.fetched:
+            sys.stderr.write(f"{f.host}: fetched {f.fetched} object(s), "
+                             f"{human_bytes(f.fetched_bytes)}; {f.present} already in the "
+                             "store\n")
+        stored = out.stored
         size = sum(o.bytes for o in stored.artifact.objects)
         sys.stderr.write(f"captured {stored.capture_id} ({stored.digest[:19]}): "
                          f"{len(stored.artifact.capsule.images)} capsule(s), "

@@ -134,8 +134,12 @@ class Host(Protocol):
         local: Path,
         *,
         progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
-        """Copy a remote file to `local` atomically, verifying the sha256 of both ends."""
+        """Copy a remote file to `local` atomically, verifying the sha256 of both ends; resumes
+        a partial earlier transfer. With `expected` ("sha256:<hex>", known from when the file was
+        made on the host), the far side only reads the file, and bytes that do not hash to
+        `expected` fail the transfer as corrupt (a file changed since is caught too)."""
         ...
 
     def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:

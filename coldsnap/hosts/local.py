@@ -120,9 +120,15 @@ class LocalHost:
                                        expected)
 
     async def get(
-        self, remote: str, local: Path, *, progress: ProgressCallback | None = None
+        self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
+        expected: str | None = None,
     ) -> TransferResult:
-        return await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name)
+        got = await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name,
+                                      expected)
+        if expected is not None and got.sha256 != expected:  # nothing was published
+            raise TransferError(self.name, f"get {remote}: corrupted in transit or changed "
+                                           f"since: it has {got.sha256}, expected {expected}")
+        return got
 
     @asynccontextmanager
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:

@@ -44,10 +44,11 @@ from coldsnap.hosts.base import (
     TcpStream,
     TransferResult,
 )
+from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.streams import RemoteStream, exit_status
-from coldsnap.hosts.transfer import get_file, put_file
+from coldsnap.hosts.transfer import put_file
 
 log = structlog.get_logger("coldsnap.hosts")
 
@@ -425,23 +426,19 @@ class SSHHost:
         try:
             async with asyncio.timeout(self.settings.connect_timeout):
                 conn = await self.connection()
-                await conn.run(
-                    shlex.join(["sh", "-c", _KILL_GROUP, "coldsnap-kill", str(pid)]),
-                    check=False,
-                )
+                await conn.run(shlex.join(["sh", "-c", _KILL_GROUP, "coldsnap-kill", str(pid)]),
+                               check=False)
         except (TimeoutError, OSError, asyncssh.Error, HostError) as exc:
-            log.warning(
-                "could not kill remote command", host=self.name, pid=pid, error=_describe(exc)
-            )
+            log.warning("could not kill remote command", host=self.name, pid=pid,
+                        error=_describe(exc))
 
     async def put(self, local: Path, remote: str, *, progress: ProgressCallback | None = None,
                   expected: str | None = None) -> TransferResult:
         return await put_file(self, local, remote, progress=progress, expected=expected)
 
-    async def get(
-        self, remote: str, local: Path, *, progress: ProgressCallback | None = None
-    ) -> TransferResult:
-        return await get_file(self, remote, local, progress=progress)
+    async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
+                  expected: str | None = None) -> TransferResult:
+        return await fetch_file(self, remote, local, progress=progress, expected=expected)
 
     @asynccontextmanager
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:

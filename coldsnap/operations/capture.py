@@ -9,14 +9,13 @@ writes nothing to `output` or the store's artifact index.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.capture import (
-    CapsuleObject,
     checkpoint_gpus,
     commit,
     discard_capsule,
@@ -55,23 +54,27 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
-from coldsnap.hosts.base import Host, ProgressCallback
+from coldsnap.hosts.base import ProgressCallback
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
     Undone,
 )
+from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
 from coldsnap.operations.hostset import HostSet, is_transient
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
-from coldsnap.store import LocalStore, ObjectCorrupt, StoredArtifact
+from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
-# Objects of one unit pulled from its host at once.
-_FETCHING = 3
+
+@dataclass(frozen=True)
+class CaptureOutcome:
+    stored: StoredArtifact
+    fetched: list[HostFetch]  # per host: what was pulled, what the store held already
 
 
 def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
@@ -89,26 +92,12 @@ def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
     )
 
 
-async def _fetch(host: Host, remote: str, store: LocalStore, expected: str,
-                 progress: ProgressCallback | None) -> tuple[str, int]:
-    """Pull one object from a host into the store, verified against the digest the host
-    reported when the object was made."""
-    with store.incoming() as tmp:
-        got = await host.get(remote, tmp, progress=progress)
-        if got.sha256 != expected:
-            raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
-                                f"expected {expected}")
-        # The transfer hashed the bytes as it wrote them: no second pass over a GiB, and
-        # none on the event loop, where it would stall every other host's transfer.
-        return await asyncio.to_thread(store.commit_hashed, tmp, expected)
-
-
 async def capture(
     request: Request,
     hosts: HostSet,
     store: LocalStore,
     ctx: OperationContext,
-) -> StoredArtifact:
+) -> CaptureOutcome:
     """Run a capture request to a committed artifact, or raise OperationFailed."""
     output = Path(request.output) if request.output else None
     if output is not None and output.exists():
@@ -151,7 +140,7 @@ async def _capture_units(
     ctx: OperationContext,
     output: Path | None,
     keep_serving: bool,
-) -> StoredArtifact:
+) -> CaptureOutcome:
     async def start(r: UnitRun) -> None:
         r.handle = await start_unit(r.session, r.placed.spec)
 
@@ -180,27 +169,26 @@ async def _capture_units(
     objects: list[ArtifactObject] = []
     replay: list[ReplayPlanEntry] = []
 
+    fetcher = Fetcher(store)
+
     async def fetch(r: UnitRun) -> None:
         assert r.capsule is not None and r.workers is not None
         host = hosts.host(r.placed.host)
         unit_owner = str(Owner.unit(r.placed.unit_id))
+
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
-        # A few at once: each transfer pays a fixed cost (a channel, the helper starting on
-        # the host) that overlapping hides.
-        slots = asyncio.Semaphore(_FETCHING)
-
-        async def one(obj: CapsuleObject) -> ArtifactObject:
-            async with slots:
-                digest, size = await _fetch(host, obj.file.path, store, obj.file.sha256,
-                                            progress(f"{obj.role} of {unit_owner}"))
-            path = (f"capsules/{r.placed.unit_id}.tar" if obj.role == ROLE_CAPSULE
-                    else criu_image_path(digest))
-            return ArtifactObject(role=obj.role, owner=unit_owner, path=path, bytes=size,
-                                  sha256=digest)
-
-        objects.extend(await asyncio.gather(*(one(o) for o in r.capsule.objects)))
+        wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}")
+                  for o in r.capsule.objects]
+        wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
+                          f"payload of {Owner.worker(w.worker_id)}") for w in r.workers]
+        sizes = await fetcher.pull_all(host, wanted, progress)
+        for o in r.capsule.objects:
+            path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE
+                    else criu_image_path(o.file.sha256))
+            objects.append(ArtifactObject(role=o.role, owner=unit_owner, path=path,
+                                          bytes=sizes[o.file.sha256], sha256=o.file.sha256))
         manifest = canonical_json(r.capsule.manifest.to_json())
         m_digest, m_size = store.add_bytes(manifest)
         objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,
@@ -208,15 +196,9 @@ async def _capture_units(
                                       sha256=m_digest))
         for w in r.workers:
             owner = str(Owner.worker(w.worker_id))
-            if store.has(w.payload.sha256):
-                # The same model payload, already pulled by an earlier capture: the host
-                # hashed it, so nothing needs to move.
-                p_digest, p_size = w.payload.sha256, w.payload.bytes
-            else:
-                p_digest, p_size = await _fetch(host, w.payload.path, store, w.payload.sha256,
-                                                progress(f"payload of {owner}"))
+            p_digest = w.payload.sha256
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
-                                          path=payload_path(p_digest), bytes=p_size,
+                                          path=payload_path(p_digest), bytes=sizes[p_digest],
                                           sha256=p_digest))
             r_digest, r_size = store.add_bytes(w.replay_plan_json)
             objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
@@ -279,7 +261,7 @@ async def _capture_units(
             except OSError as exc:
                 store.remove_artifact(artifact.capture_id)
                 raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
-    return stored
+    return CaptureOutcome(stored, fetcher.summary())
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],

@@ -258,7 +258,8 @@ async def test_get_survives_sshd_restart_mid_transfer(
         await host.put(src, remote)
         progress, state = _outage(cluster, "host-2", at=16 * MIB, back_after=1.0)
         dest = tmp_path / "back.bin"
-        r = await host.get(remote, dest, progress=progress)
+        # The asyncssh path (host.get takes the OpenSSH client; test_fetch_openssh covers it).
+        r = await get_file(host, remote, dest, progress=progress)
         assert state["stopped"]
         assert host.connects == 2
         assert (r.sha256, sha(dest)) == (digest, digest)

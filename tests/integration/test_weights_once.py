@@ -7,6 +7,7 @@ match fails the wake and the restore rolls back."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def models(ops: Ops) -> Path:
     return out
 
 
+# What each capture's run reported on stderr, by capture id.
+_REPORTS: dict[str, str] = {}
+
+
 def _capture(ops: Ops, models: Path, suffix: str, mode: str) -> dict[str, Any]:
     path = ops.request("tp2-two-hosts", suffix=suffix)
     doc = yaml.safe_load(path.read_text())
@@ -51,6 +56,7 @@ def _capture(ops: Ops, models: Path, suffix: str, mode: str) -> dict[str, Any]:
     assert run.receipt is not None
     artifact: dict[str, Any] = json.loads(
         (ops.store / "artifacts" / f"{run.receipt['result']['artifact']}.json").read_text())
+    _REPORTS[artifact["capture_id"]] = run.stderr
     return artifact
 
 
@@ -100,6 +106,30 @@ def test_auto_capture_leaves_the_weights_out_of_the_criu_images(
         assert _criu_bytes(m) < SHARD_BYTES, m
         assert _criu_bytes(inside[unit]) - _criu_bytes(m) > 0.9 * SHARD_BYTES
     # The same model payload has the same digest whichever capture took it.
+    assert _payloads(released) == _payloads(kept)
+
+
+def _fetched(artifact: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Per host, as the capture reported it: (objects fetched, objects already in the store)."""
+    found = re.findall(r"^(host-\d+): fetched (\d+) object\(s\), [^;]+; (\d+) already in "
+                       r"the store$", _REPORTS[artifact["capture_id"]], re.MULTILINE)
+    return {host: (int(fetched), int(present)) for host, fetched, present in found}
+
+
+def _unit_images(artifact: dict[str, Any], unit: str) -> int:
+    """The unit's distinct objects made at commit (its CRIU images, a capsule tar)."""
+    return len({o["sha256"] for o in artifact["objects"]
+                if o["owner"] == unit and o["role"] in ("criu-image", "oci-capsule")})
+
+
+def test_a_second_capture_of_the_same_model_does_not_fetch_its_payload(
+        ops: Ops, released: dict[str, Any], kept: dict[str, Any]) -> None:
+    # The payload's digest is known (hashed on the host at collect) before any byte moves:
+    # the second capture of the same model pulls its new images and not the payload again.
+    first, second = _fetched(released), _fetched(kept)
+    for host, unit in (("host-0", "unit/unit-0"), ("host-1", "unit/unit-1")):
+        assert first[host] == (_unit_images(released, unit) + 1, 0), _REPORTS
+        assert second[host] == (_unit_images(kept, unit), 1), _REPORTS
     assert _payloads(released) == _payloads(kept)
 
 

@@ -1,0 +1,81 @@
+"""Running an OpenSSH client transfer from asyncio: the client and the loop that feeds or
+drains it live in a thread of their own, progress goes back through the event loop, and a
+cancellation kills the client and waits for the thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import fcntl
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.transfer_protocol import CHUNK, F_SETPIPE_SZ
+
+T = TypeVar("T")
+
+Started = list[subprocess.Popen[bytes]]  # the clients a thread started, for a cancellation
+
+
+def loop_progress(progress: ProgressCallback | None,
+                  loop: asyncio.AbstractEventLoop) -> ProgressCallback | None:
+    """`progress` for a thread: each call runs in the event loop and is waited for, so the
+    caller sees the same ordering as on the asyncssh path (and may pause the transfer)."""
+    if progress is None:
+        return None
+    cb = progress
+
+    def report(done: int, total: int) -> None:
+        async def call() -> None:
+            cb(done, total)
+
+        asyncio.run_coroutine_threadsafe(call(), loop).result()
+
+    return report
+
+
+def start_client(argv: list[str], started: Started, *, feeds: bool) -> subprocess.Popen[bytes]:
+    """The OpenSSH client for one transfer (its own session, so that a signal to ours does
+    not reach it first), recorded in `started`; the pipe it moves the bytes through made
+    deeper, so that ssh stays busy while the thread hashes. `feeds`: the bytes go in through
+    its stdin (put), else they come out of its stdout (get)."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if feeds else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    started.append(proc)
+    pipe = proc.stdin if feeds else proc.stdout
+    assert pipe is not None
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, CHUNK)
+    return proc
+
+
+async def in_client_thread(name: str, body: Callable[[Started], T]) -> T:
+    """`body(started)` in a thread of its own (a long transfer must not occupy a slot of the
+    shared executor); on cancellation every client in `started` is killed and the thread
+    waited for before the cancellation goes on."""
+    started: Started = []
+    result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(body(started))
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    # Shielded: cancelling a wrapped future cancels `result` itself, and then nothing would
+    # wait for the thread (nor could it hand back its outcome).
+    waiter = asyncio.wrap_future(result)
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        for proc in started:
+            proc.kill()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(waiter)
+        raise

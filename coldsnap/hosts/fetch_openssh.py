@@ -1,0 +1,295 @@
+"""The OpenSSH bulk path of `get`: the bytes come back through the system's OpenSSH client,
+held to the same trust decisions as the pooled asyncssh connection (`openssh_argv`).
+
+Why: a capture pulls GiBs from several hosts at once into one controller process. Over
+asyncssh every byte of every host is decrypted and reassembled by Python on that process's
+one event loop; the OpenSSH client decrypts in C, in a process of its own per transfer, and
+this side only hashes and writes (in a thread, hashlib and os.write without the GIL).
+
+Same far side and protocol as the asyncssh path (the helper's `get` mode: "size SIZE", the
+bytes from OFFSET, the whole file's sha256), and the same resume: a `.coldsnap-part` file
+left beside `local` by an interrupted try is continued after its prefix. With the digest
+known beforehand (`expected`) the far side sends the same header and bytes from coreutils, and
+hashes nothing. Nothing goes over the pooled connection, so a get neither waits for nor
+holds one of its channel slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import os
+import shlex
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from coldsnap.digests import check_digest
+from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.client_thread import (
+    Started,
+    in_client_thread,
+    loop_progress,
+    start_client,
+)
+from coldsnap.hosts.durable import publish
+from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE
+from coldsnap.hosts.streams import StreamHost
+from coldsnap.hosts.transfer import Transport, _with_resume
+from coldsnap.hosts.transfer_openssh import (
+    SSH_CLIENT_FAILED,
+    OpenSSHClientFailed,
+    openssh_argv,
+)
+from coldsnap.hosts.transfer_protocol import (
+    CHUNK,
+    PART_SUFFIX,
+    DigestMismatch,
+    Retry,
+    Tamper,
+    classify,
+    hash_file_prefix,
+    helper_argv,
+)
+from coldsnap.hosts.transfer_stream import get_once_stream
+
+log = structlog.get_logger("coldsnap.hosts.transfer")
+
+_REPORT_BYTES = 8 * CHUNK  # progress reported at most this often
+_WRITEBACK_BYTES = 64 * CHUNK  # written but not yet flushed, before a flush starts
+
+# With the digest known beforehand the far side only reads: the helper's header, then the
+# bytes from OFFSET ($2), no trailer and no hashing on the host. cat for a whole file; GNU
+# dd (1 MiB blocks, a byte offset) only to resume.
+_SEND_KNOWN = (
+    f's=$(stat -L -c %s -- "$1") || exit {EXIT_USAGE}; '
+    f'[ "$2" -le "$s" ] || {{ echo "offset $2 beyond size $s" >&2; exit {EXIT_OFFSET}; }}; '
+    'printf "size %s\\n" "$s"; '
+    '[ "$2" -eq 0 ] && exec cat -- "$1"; '
+    'exec dd if="$1" bs=1M skip="$2" iflag=skip_bytes status=none'
+)
+
+
+@dataclass
+class _Received:
+    status: int  # the OpenSSH client's exit status (the far side's, or 255 for its own)
+    total: int | None  # the file's size from the far side's header; None without one
+    done: int  # bytes of the file now in the partial file
+    trailer: str  # the far side's sha256 of the whole file ("" when it never came)
+    err: str
+
+
+def _read_header(out: io.BufferedReader) -> int | None:
+    words = out.readline().split()
+    if len(words) != 2 or words[0] != b"size" or not words[1].isdigit():
+        return None
+    return int(words[1])
+
+
+class _Writeback:
+    """Flushes what has been written so far from a thread of its own, while the transfer goes
+    on: the fsync that publishes the file then finds little left to write, instead of a GiB
+    that the page cache held back until the very end."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.flushed = 0
+        self._thread: threading.Thread | None = None
+
+    def written(self, done: int) -> None:
+        busy = self._thread is not None and self._thread.is_alive()
+        if not busy and done - self.flushed >= _WRITEBACK_BYTES:
+            self.flushed = done
+            self._thread = threading.Thread(target=self._flush, daemon=True)
+            self._thread.start()
+
+    def _flush(self) -> None:
+        with contextlib.suppress(OSError):  # the final fsync reports what matters
+            os.fdatasync(self.fd)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
+             report: ProgressCallback | None) -> tuple[int | None, int, bytes]:
+    """The far side's answer into the partial file: (size from its header, bytes of the file
+    now in the partial file, its trailing sha256)."""
+    total = _read_header(out)
+    if total is None:
+        return None, offset, b""
+    done = reported = offset
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    writeback = _Writeback(fd)
+    try:
+        while done < total:
+            n = out.readinto(view[:min(CHUNK, total - done)])
+            if not n:
+                break  # cut short: the exit status says why; the prefix stays for a resume
+            data: Any = tamper(done, bytes(view[:n])) if tamper else view[:n]
+            h.update(data)
+            written = 0
+            while written < n:
+                written += os.write(fd, data[written:n])
+            done += n
+            writeback.written(done)
+            # Every few MiB: each report waits for the event loop, which other hosts'
+            # transfers keep busy.
+            if report and (done - reported >= _REPORT_BYTES or done == total):
+                reported = done
+                report(done, total)
+    finally:
+        writeback.join()
+        os.close(fd)
+    return total, done, out.readline().strip()
+
+
+def _drain(
+    argv: list[str],
+    part: Path,
+    offset: int,
+    h: Any,
+    tamper: Tamper | None,
+    report: ProgressCallback | None,
+    started: Started,
+) -> _Received:
+    """Thread body: read the far side's answer from an OpenSSH client into the partial file,
+    hashing each chunk as it is written."""
+    proc = start_client(argv, started, feeds=False)
+    assert isinstance(proc.stdout, io.BufferedReader) and proc.stderr is not None
+    out, err_pipe = proc.stdout, proc.stderr
+    # stderr is drained beside stdout: a chatty far side must not block on a full pipe.
+    errors: list[bytes] = []
+    reader = threading.Thread(target=lambda: errors.append(err_pipe.read()), daemon=True)
+    reader.start()
+    try:
+        total, done, trailer = _receive(out, part, offset, h, tamper, report)
+        out.read()  # whatever else comes, so that the client can exit
+    except BaseException:
+        proc.kill()  # a local failure (a full disk): the client must not block on its pipe
+        raise
+    finally:
+        status = proc.wait()
+        reader.join()
+        out.close()
+        err_pipe.close()
+    return _Received(status, total, done, trailer.decode(errors="replace"),
+                     b"".join(errors).decode(errors="replace").strip())
+
+
+async def get_once_openssh(
+    host: StreamHost,
+    argv: list[str],
+    remote: str,
+    local: Path,
+    progress: ProgressCallback | None,
+    tamper: Tamper | None,
+    expected: str | None = None,
+) -> TransferResult:
+    loop = asyncio.get_running_loop()
+    part = local.with_name(local.name + PART_SUFFIX)
+    offset = part.stat().st_size if part.exists() else 0
+    h = (await loop.run_in_executor(None, hash_file_prefix, part, offset) if offset
+         else hashlib.sha256())
+
+    report = loop_progress(progress, loop)
+    far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expected
+           else helper_argv("get", remote, str(offset)))
+    command = "exec " + shlex.join(far)
+    got = await in_client_thread(
+        f"get-{host.name}",
+        lambda started: _drain([*argv, command], part, offset, h, tamper, report, started))
+    # In a thread: publishing fsyncs the file, GiBs perhaps not yet written back.
+    return await asyncio.to_thread(_settle, host.name, remote, local, part, offset, h, got,
+                                   expected)
+
+
+def _settle(host: str, remote: str, local: Path, part: Path, offset: int, h: Any,
+            got: _Received, expected: str | None) -> TransferResult:
+    """What the far side's exit status, the bytes received and the two digests add up to:
+    the published file, or the error to retry or to give up on."""
+    what = f"get {remote}"
+    if got.status == SSH_CLIENT_FAILED:
+        raise OpenSSHClientFailed(f"ssh: {got.err or 'connection failed'}")
+    if got.total is None:
+        if got.status == EXIT_OFFSET:
+            part.unlink(missing_ok=True)  # the remote file shrank: our prefix is stale
+            raise Retry("remote file is shorter than our partial copy")
+        if classify(got.status) == "retry":
+            raise Retry(f"{what}: far side exited {got.status}: {got.err}")
+        raise TransferError(host, f"{what}: far side exited {got.status}: {got.err}")
+    # Known beforehand, the digest stands in for the trailer the far side did not send.
+    far = expected.removeprefix("sha256:") if expected else got.trailer
+    if got.status != 0 or got.done != got.total or len(far) != 64:
+        raise Retry(f"{what}: stream ended after {got.done} of {got.total} bytes "
+                    f"(far side exited {got.status}: {got.err})")
+    digest = h.hexdigest()
+    if far != digest:
+        part.unlink(missing_ok=True)
+        since = " or changed since it was hashed" if expected else ""
+        raise DigestMismatch(host, f"{what}: corrupted in transit{since}: far side has "
+                                  f"sha256:{far}, received sha256:{digest}")
+    publish(part, local)
+    return TransferResult(bytes=got.total, sha256=f"sha256:{digest}",
+                          sent_bytes=got.total - offset)
+
+
+async def fetch_file(
+    host: StreamHost,
+    remote: str,
+    local: Path,
+    *,
+    progress: ProgressCallback | None = None,
+    attempts: int = 6,
+    tamper: Tamper | None = None,
+    transport: Transport | None = None,
+    expected: str | None = None,
+) -> TransferResult:
+    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
+    see `Host.get`.
+
+    `transport` (default: the host's `SSHSettings.bulk_transport`) as for `put_file`:
+    "openssh" through the system's OpenSSH client, "asyncssh" over the pooled connection,
+    "auto" OpenSSH when it can reach the host, and asyncssh for the rest of the transfer once
+    the OpenSSH client itself fails (exit 255). Both paths continue the same partial file."""
+    local = Path(local)
+    if not remote.startswith("/"):
+        raise ValueError(f"remote path must be absolute: {remote!r}")
+    if expected is not None:
+        check_digest(expected)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    choice = transport or host.settings.bulk_transport
+    ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
+    if choice == "openssh" and ssh_argv is None:
+        raise TransferError(host.name, "the OpenSSH transport cannot reach this host "
+                                       "(no `ssh` client, or an inventory proxy_jump)")
+    use_openssh = [ssh_argv is not None]
+
+    async def once() -> TransferResult:
+        if use_openssh[0] and ssh_argv is not None:
+            try:
+                return await get_once_openssh(host, ssh_argv, remote, local, progress, tamper,
+                                              expected)
+            except OpenSSHClientFailed as exc:
+                if choice == "auto":
+                    log.warning("OpenSSH client failed; continuing over asyncssh",
+                                host=host.name, error=str(exc))
+                    use_openssh[0] = False
+                raise
+        return await get_once_stream(host, remote, local, progress, tamper)
+
+    got = await _with_resume(host, f"get {remote} -> {local}", attempts, once)
+    if expected is not None and got.sha256 != expected:
+        # Only the asyncssh path gets here: both ends agree on a file that changed since.
+        await asyncio.to_thread(local.unlink)
+        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it "
+                                        f"has {got.sha256}, expected {expected}")
+    return got

@@ -1,0 +1,129 @@
+"""A capture's objects pulled from its hosts into the store, each at most once.
+
+Every object's digest is known before its first byte moves (the host hashed it when the
+capsule was committed or the payload collected), so:
+- an object the store holds already is not pulled again: the same model payload taken by
+  an earlier capture, or a capsule layer that did not change;
+- an object that several units of this capture hold (replicas of one model on several
+  hosts) is pulled from one of them; the others wait for that pull;
+- the host only reads the file (`Host.get`'s `expected`): the bytes are hashed once, here,
+  as they are written, and must come out as that digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coldsnap.hosts.base import Host, HostError, ProgressCallback
+from coldsnap.store import LocalStore, ObjectCorrupt
+
+# Transfers from one unit's host at once: each pays a fixed cost (a connection, a process
+# starting on the host) that overlapping hides, and the largest starts first.
+FETCHING = 3
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One object to pull: where it lies on its host and what it must hash to."""
+
+    path: str
+    sha256: str
+    bytes: int
+    label: str  # for progress: "criu-image of unit/u0", "payload of worker/w1"
+
+
+@dataclass
+class HostFetch:
+    """What a capture pulled from one host, for its report."""
+
+    host: str
+    fetched: int = 0
+    fetched_bytes: int = 0
+    present: int = 0  # in the store already, or pulled from another host by this capture
+
+
+async def fetch_into_store(host: Host, remote: str, store: LocalStore, expected: str,
+                           progress: ProgressCallback | None) -> tuple[str, int]:
+    """Pull one object from a host into the store, verified against the digest the host
+    reported when the object was made."""
+    with store.incoming() as tmp:
+        got = await host.get(remote, tmp, progress=progress, expected=expected)
+        if got.sha256 != expected:
+            raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
+                                f"expected {expected}")
+        # The transfer hashed the bytes as it wrote them: no second pass over a GiB, and
+        # none on the event loop, where it would stall every other host's transfer.
+        return await asyncio.to_thread(store.commit_hashed, tmp, expected)
+
+
+async def _pulled_elsewhere(running: asyncio.Task[tuple[str, int]], host: str,
+                            w: Wanted) -> tuple[str, int]:
+    """The outcome of the pull of the same digest that another unit owns. Shielded: this
+    unit stopping must not stop that pull. When the owner stops it (its own failure), this
+    unit fails with a reason, not with a cancellation it never received."""
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise HostError(host, f"{w.label}: the pull of {w.sha256} from another host, which "
+                              "this host's copy was waiting for, was stopped") from None
+
+
+class Fetcher:
+    """The pulls of one capture, shared by its units: each digest is pulled once."""
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+        self._pulls: dict[str, asyncio.Task[tuple[str, int]]] = {}
+        self._by_host: dict[str, HostFetch] = {}
+
+    def summary(self) -> list[HostFetch]:
+        return [self._by_host[h] for h in sorted(self._by_host)]
+
+    async def pull_all(
+        self, host: Host, wanted: list[Wanted],
+        progress: Callable[[str], ProgressCallback | None] | None = None,
+    ) -> dict[str, int]:
+        """Every wanted object of one host in the store; {digest: bytes}. `progress` gives
+        the callback for an object's label."""
+        stats = self._by_host.setdefault(host.name, HostFetch(host.name))
+        slots = asyncio.Semaphore(FETCHING)
+
+        async def one(w: Wanted) -> tuple[str, int]:
+            running = self._pulls.get(w.sha256)
+            if running is not None:
+                stats.present += 1
+                return await _pulled_elsewhere(running, host.name, w)
+            if self.store.has(w.sha256):
+                # Verified again on every read, as every object in the store is.
+                stats.present += 1
+                return w.sha256, w.bytes
+            task = asyncio.ensure_future(self._pull(host, w, slots, progress))
+            self._pulls[w.sha256] = task
+            digest, size = await task
+            stats.fetched += 1
+            stats.fetched_bytes += size
+            return digest, size
+
+        # Largest first: the long transfer starts at once, the small ones fill the slots.
+        tasks = [asyncio.ensure_future(one(w)) for w in sorted(wanted, key=lambda w: -w.bytes)]
+        try:
+            return dict(await asyncio.gather(*tasks))
+        except BaseException:
+            # One failed (or the capture is cancelled): the unit's other transfers stop
+            # here rather than run on behind the rollback.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _pull(self, host: Host, w: Wanted, slots: asyncio.Semaphore,
+                    progress: Callable[[str], ProgressCallback | None] | None,
+                    ) -> tuple[str, int]:
+        async with slots:
+            return await fetch_into_store(host, w.path, self.store, w.sha256,
+                                          progress(w.label) if progress else None)

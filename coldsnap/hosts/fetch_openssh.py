@@ -40,11 +40,10 @@ from coldsnap.hosts.client_thread import (
 from coldsnap.hosts.durable import publish
 from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE
 from coldsnap.hosts.streams import StreamHost
-from coldsnap.hosts.transfer import Transport, _with_resume
+from coldsnap.hosts.transfer import Transport, over_chosen_transport
 from coldsnap.hosts.transfer_openssh import (
     SSH_CLIENT_FAILED,
     OpenSSHClientFailed,
-    openssh_argv,
 )
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
@@ -256,37 +255,17 @@ async def fetch_file(
     """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
     see `Host.get`.
 
-    `transport` (default: the host's `SSHSettings.bulk_transport`) as for `put_file`:
-    "openssh" through the system's OpenSSH client, "asyncssh" over the pooled connection,
-    "auto" OpenSSH when it can reach the host, and asyncssh for the rest of the transfer once
-    the OpenSSH client itself fails (exit 255). Both paths continue the same partial file."""
+    `transport`: see `coldsnap.hosts.transfer.over_chosen_transport`."""
     local = Path(local)
     if not remote.startswith("/"):
         raise ValueError(f"remote path must be absolute: {remote!r}")
     if expected is not None:
         check_digest(expected)
     local.parent.mkdir(parents=True, exist_ok=True)
-    choice = transport or host.settings.bulk_transport
-    ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
-    if choice == "openssh" and ssh_argv is None:
-        raise TransferError(host.name, "the OpenSSH transport cannot reach this host "
-                                       "(no `ssh` client, or an inventory proxy_jump)")
-    use_openssh = [ssh_argv is not None]
-
-    async def once() -> TransferResult:
-        if use_openssh[0] and ssh_argv is not None:
-            try:
-                return await get_once_openssh(host, ssh_argv, remote, local, progress, tamper,
-                                              expected)
-            except OpenSSHClientFailed as exc:
-                if choice == "auto":
-                    log.warning("OpenSSH client failed; continuing over asyncssh",
-                                host=host.name, error=str(exc))
-                    use_openssh[0] = False
-                raise
-        return await get_once_stream(host, remote, local, progress, tamper)
-
-    got = await _with_resume(host, f"get {remote} -> {local}", attempts, once)
+    got = await over_chosen_transport(
+        host, f"get {remote} -> {local}", attempts, transport,
+        lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected),
+        lambda: get_once_stream(host, remote, local, progress, tamper))
     if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.
         await asyncio.to_thread(local.unlink)

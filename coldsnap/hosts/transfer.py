@@ -109,6 +109,41 @@ async def _with_resume(host: StreamHost, what: str, attempts: int,
     raise AssertionError("unreachable")
 
 
+async def over_chosen_transport(
+    host: StreamHost,
+    what: str,
+    attempts: int,
+    transport: Transport | None,
+    openssh_once: Callable[[list[str]], Awaitable[TransferResult]],
+    stream_once: Callable[[], Awaitable[TransferResult]],
+) -> TransferResult:
+    """Run a resumable transfer on the transport chosen for this host (`transport`, default
+    the host's `SSHSettings.bulk_transport`): "openssh" through the system's OpenSSH client,
+    "asyncssh" over the pooled connection, "auto" OpenSSH when it can reach the host and
+    asyncssh for the rest of the transfer once the OpenSSH client itself fails (exit 255).
+    Both paths continue the same partial file."""
+    choice = transport or host.settings.bulk_transport
+    ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
+    if choice == "openssh" and ssh_argv is None:
+        raise TransferError(host.name, "the OpenSSH transport cannot reach this host "
+                                       "(no `ssh` client, or an inventory proxy_jump)")
+    use_openssh = [ssh_argv is not None]
+
+    async def once() -> TransferResult:
+        if use_openssh[0] and ssh_argv is not None:
+            try:
+                return await openssh_once(ssh_argv)
+            except OpenSSHClientFailed as exc:
+                if choice == "auto":
+                    log.warning("OpenSSH client failed; continuing over asyncssh",
+                                host=host.name, error=str(exc))
+                    use_openssh[0] = False
+                raise
+        return await stream_once()
+
+    return await _with_resume(host, what, attempts, once)
+
+
 async def put_file(
     host: StreamHost,
     local: Path,
@@ -129,10 +164,7 @@ async def put_file(
     in the store are returned as they are (the caller sees the other digest, and nothing
     was published), a far side that wrote other bytes is a TransferError.
 
-    `transport` (default: the host's `SSHSettings.bulk_transport`): "openssh" moves the bytes
-    through the system's OpenSSH client; "asyncssh" streams over the host's pooled
-    connection; "auto" takes OpenSSH when it can be used for this host, and falls back to
-    asyncssh for the rest of the transfer when the OpenSSH client itself fails (exit 255).
+    `transport`: see `over_chosen_transport`.
     """
     local = Path(local)
     if not remote.startswith("/"):
@@ -141,33 +173,14 @@ async def put_file(
         total = local.stat().st_size
     except OSError as exc:
         raise TransferError(host.name, f"cannot read {local}: {exc.strerror}") from None
-    choice = transport or host.settings.bulk_transport
-    ssh_argv = openssh_argv(host.entry, host.settings) if choice != "asyncssh" else None
-    if choice == "openssh" and ssh_argv is None:
-        raise TransferError(
-            host.name,
-            "the OpenSSH transport cannot reach this host "
-            "(no `ssh` client, or an inventory proxy_jump)",
-        )
-    use_openssh = [ssh_argv is not None]
-
-    async def once() -> TransferResult:
-        if use_openssh[0] and ssh_argv is not None:
-            try:
-                return await put_once_openssh(host, ssh_argv, local, remote, total, progress,
-                                              tamper, expected)
-            except OpenSSHClientFailed as exc:
-                if choice == "auto":
-                    log.warning("OpenSSH client failed; continuing over asyncssh",
-                                host=host.name, error=str(exc))
-                    use_openssh[0] = False
-                raise
-        return await put_once_stream(host, local, remote, total, progress, chunk, tamper,
-                                     expected)
-
     what = f"put {local} -> {remote}"
     try:
-        return await _with_resume(host, what, attempts, once)
+        return await over_chosen_transport(
+            host, what, attempts, transport,
+            lambda argv: put_once_openssh(host, argv, local, remote, total, progress, tamper,
+                                          expected),
+            lambda: put_once_stream(host, local, remote, total, progress, chunk, tamper,
+                                    expected))
     except DigestMismatch as exc:
         if expected is None:
             raise TransferError(host.name, f"corrupted in transit: {exc.message}") from None
@@ -202,6 +215,7 @@ __all__ = [
     "Transport",
     "get_file",
     "openssh_argv",
+    "over_chosen_transport",
     "put_file",
     "remote_file_digest",
 ]

@@ -6,26 +6,22 @@ Control steps (partial state, commit) still go over the pooled connection."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import fcntl
 import os
 import shlex
 import shutil
-import subprocess
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
+from coldsnap.hosts.client_thread import Started, in_client_thread, loop_progress, start_client
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.streams import StreamHost
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
-    F_SETPIPE_SZ,
     PART_SUFFIX,
     DigestMismatch,
     Retry,
@@ -38,6 +34,7 @@ from coldsnap.hosts.transfer_protocol import (
 
 # The OpenSSH client itself failed (connection, configuration, authentication).
 SSH_CLIENT_FAILED = 255
+_REPORT_EVERY = 8 * CHUNK
 
 
 class OpenSSHClientFailed(Retry):
@@ -82,25 +79,16 @@ def _pump(
     offset: int,
     h: Any | None,
     tamper: Tamper | None,
-    report: Callable[[int], None] | None,
-    started: list[subprocess.Popen[bytes]],
+    report: Callable[[int, int], None] | None,
+    total: int,
+    started: Started,
 ) -> tuple[int, bytes, bytes, int]:
     """Thread body: feed the file to an OpenSSH client, hashing each chunk as it goes (`h`),
     or not at all when the far side's digest is checked against a known one."""
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    started.append(proc)
+    proc = start_client(argv, started, feeds=True)
     assert proc.stdin is not None
     fd = proc.stdin.fileno()
-    with contextlib.suppress(OSError):
-        # As on the far side: a deeper pipe keeps ssh busy while we read and hash.
-        fcntl.fcntl(fd, F_SETPIPE_SZ, CHUNK)
-    done = offset
+    done = reported = offset
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     try:
@@ -114,8 +102,10 @@ def _pump(
                 while written < n:
                     written += os.write(fd, data[written:n])
                 done += n
-                if report:
-                    report(done)
+                # Each report waits for the event loop: every few MiB is enough for a bar.
+                if report and (done - reported >= _REPORT_EVERY or done == total):
+                    report(done, total)
+                    reported = done
     except BrokenPipeError:
         pass  # the far side or the connection went away; its exit status says which
     finally:
@@ -148,38 +138,12 @@ async def put_once_openssh(
     if progress:
         progress(offset, total)
 
-    report: Callable[[int], None] | None = None
-    if progress:
-        cb = progress
-
-        def report(done: int) -> None:
-            # Run the callback in the event loop and wait for it, so the caller sees the
-            # same ordering as on the asyncssh path (and may pause the transfer).
-            async def call() -> None:
-                cb(done, total)
-
-            asyncio.run_coroutine_threadsafe(call(), loop).result()
-
     command = "exec " + shlex.join(helper_argv("recv", part, str(offset), str(total - offset)))
-    started: list[subprocess.Popen[bytes]] = []
-    result: concurrent.futures.Future[tuple[int, bytes, bytes, int]] = concurrent.futures.Future()
-
-    def body() -> None:
-        try:
-            result.set_result(_pump([*argv, command], local, offset, h, tamper, report, started))
-        except BaseException as exc:
-            result.set_exception(exc)
-
-    # A thread of its own: a long transfer must not occupy a slot of the shared executor.
-    threading.Thread(target=body, name=f"put-{host.name}", daemon=True).start()
-    try:
-        status, out, err, done = await asyncio.wrap_future(result)
-    except asyncio.CancelledError:
-        for proc in started:
-            proc.kill()
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(asyncio.wrap_future(result))
-        raise
+    report = loop_progress(progress, loop)
+    status, out, err, done = await in_client_thread(
+        f"put-{host.name}",
+        lambda started: _pump([*argv, command], local, offset, h, tamper, report, total,
+                              started))
     message = err.decode(errors="replace").strip()
     reply = out.split()
     if status == SSH_CLIENT_FAILED:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import coldsnap.hosts.fetch_openssh as fetch_openssh
+import coldsnap.hosts.transfer as transfer
 from coldsnap.hosts.base import TransferError
 from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import Inventory
@@ -163,12 +163,12 @@ async def test_auto_continues_over_asyncssh_when_the_openssh_client_fails(
         host: SSHHost, remote_file: tuple[str, bytes], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     remote, data = remote_file
-    working = fetch_openssh.openssh_argv(host.entry, host.settings)
+    working = transfer.openssh_argv(host.entry, host.settings)
     assert working is not None
     # The same client, sent to a port where nothing listens: it exits 255.
     broken = list(working)
     broken[broken.index("-p") + 1] = "1"
-    monkeypatch.setattr(fetch_openssh, "openssh_argv", lambda entry, settings: broken)
+    monkeypatch.setattr(transfer, "openssh_argv", lambda entry, settings: broken)
     dest = tmp_path / "dest.bin"
     r = await fetch_file(host, remote, dest, transport="auto", expected=digest_of(data))
     assert (r.sha256, dest.read_bytes()) == (digest_of(data), data)

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+import subprocess
 import threading
 from pathlib import Path
 
@@ -283,3 +284,33 @@ async def test_concurrent_puts_to_many_hosts(
     for n in names:
         assert await remote_sha(pool.host(n), dests[n]) == digest
         await pool.host(n).run(["rm", "-f", dests[n]])
+
+
+# The transfer's thread must hand back its outcome to a cancelled put, not raise on its own.
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_cancelled_put_kills_its_openssh_client(
+        pool: HostPool, remote_dir: str, tmp_path: Path) -> None:
+    host = pool.host("host-0")
+    src = tmp_path / f"cancel-{secrets.token_hex(4)}.bin"
+    random_file(src, 48 * MIB)
+    holding = asyncio.Event()
+
+    def progress(done: int, total: int) -> None:
+        if done >= 8 * MIB:
+            holding.set()
+
+    def clients() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", f"^[^ ]*ssh .*{remote_dir}"],
+                               capture_output=True, text=True, check=False)
+        return found.stdout.split()
+
+    task = asyncio.ensure_future(put_file(host, src, f"{remote_dir}/obj.bin",
+                                          progress=progress, transport="openssh"))
+    await holding.wait()
+    assert clients()  # mid-way, the client is there
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not clients()
+    assert not await remote_exists(host, f"{remote_dir}/obj.bin")
+    await host.run(["rm", "-rf", remote_dir])

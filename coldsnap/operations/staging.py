@@ -147,6 +147,10 @@ async def stage_host(
     sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
     staged_criu: list[str] = []
 
+    async def plain_object(obj: ArtifactObject) -> None:
+        async with sending:
+            await _send(host, data_dir, obj, store, progress, result)
+
     async def criu_object(obj: ArtifactObject) -> None:
         async with sending:
             remote = await _send(host, data_dir, obj, store, progress, result)
@@ -161,17 +165,18 @@ async def stage_host(
         await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
-        for obj in objects:
-            if obj.role != ROLE_CRIU_IMAGE:
-                await _send(host, data_dir, obj, store, progress, result)
-            elif obj.sha256 not in wanted:
-                result.skipped.append(obj.sha256)  # its image set is on the host already
-        # A failed transfer or placement cancels the others at once.
+        # Every object in one group, largest first: a GiB payload starts at once and the
+        # small CRIU chunks (each paying a few round trips) go beside it, not after it. A
+        # failed transfer or placement cancels the others at once.
         try:
             async with asyncio.TaskGroup() as group:
-                for obj in objects:
-                    if obj.role == ROLE_CRIU_IMAGE and obj.sha256 in wanted:
+                for obj in sorted(objects, key=lambda o: -o.bytes):
+                    if obj.role != ROLE_CRIU_IMAGE:
+                        group.create_task(plain_object(obj))
+                    elif obj.sha256 in wanted:
                         group.create_task(criu_object(obj))
+                    else:
+                        result.skipped.append(obj.sha256)  # its set is on the host already
         except BaseExceptionGroup as group_error:
             raise group_error.exceptions[0] from None
         for key, image_set in todo.items():

@@ -151,16 +151,17 @@ def test_a_corrupt_staged_object_is_caught_by_its_digest_and_sent_again(
 
 def test_criu_restore_failing_on_one_unit_rolls_back_every_unit(
         ops: Ops, artifact: str, clean: None) -> None:
-    """The page images go missing on host-3 after staging verified them (once the units are
-    being admitted), so that CRIU itself fails there; the next restore finds the published
-    set incomplete and sends it again."""
+    """The page images go missing on host-3 after staging verified them (once the restore
+    containers are being started, the client held still meanwhile), so that CRIU itself
+    fails there; the next restore finds the published set incomplete and sends it again."""
     request = ops.request(MOVED, suffix="criu-fails", artifact=artifact)
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.admit", "host-3")
-    pages = _published_pages(ops, "host-3")
-    assert pages, "no CRIU page image published on host-3"
-    for page in pages:
-        page.unlink()
+    run.wait_for("restore.start-restore", "host-3")
+    with paused(run):
+        pages = _published_pages(ops, "host-3")
+        assert pages, "no CRIU page image published on host-3"
+        for page in pages:
+            page.unlink()
     outcome = finish(run)
     message = failed(outcome, "-failed", "unit-1")
     assert message.endswith("rollback: unit-0 on host-2 removed; unit-1 on host-3 "

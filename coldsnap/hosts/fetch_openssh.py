@@ -262,10 +262,16 @@ async def fetch_file(
     if expected is not None:
         check_digest(expected)
     local.parent.mkdir(parents=True, exist_ok=True)
+    size = None
+    if (transport or host.settings.bulk_transport) == "auto":
+        # One round trip decides whether the file repays an OpenSSH client's start.
+        found = await host.run(["stat", "-L", "-c", "%s", "--", remote], check=False)
+        if found.exit_status == 0 and found.stdout.strip().isdigit():
+            size = int(found.stdout)
     got = await over_chosen_transport(
         host, f"get {remote} -> {local}", attempts, transport,
         lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected),
-        lambda: get_once_stream(host, remote, local, progress, tamper))
+        lambda: get_once_stream(host, remote, local, progress, tamper), size=size)
     if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.
         await asyncio.to_thread(local.unlink)

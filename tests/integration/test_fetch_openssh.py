@@ -59,8 +59,8 @@ async def test_get_through_the_openssh_client(
     remote, data = remote_file
     seen: list[tuple[int, int]] = []
     dest = tmp_path / "back" / "obj.bin"
-    r = await host.get(remote, dest, progress=lambda d, t: seen.append((d, t)),
-                       expected=digest_of(data) if known else None)
+    r = await fetch_file(host, remote, dest, progress=lambda d, t: seen.append((d, t)),
+                         expected=digest_of(data) if known else None, transport="openssh")
     assert (r.bytes, r.sha256, r.sent_bytes) == (len(data), digest_of(data), len(data))
     assert dest.read_bytes() == data
     assert not dest.with_name(dest.name + PART_SUFFIX).exists()
@@ -169,6 +169,7 @@ async def test_auto_continues_over_asyncssh_when_the_openssh_client_fails(
     broken = list(working)
     broken[broken.index("-p") + 1] = "1"
     monkeypatch.setattr(transfer, "openssh_argv", lambda entry, settings: broken)
+    monkeypatch.setattr(transfer, "AUTO_OPENSSH_MIN_BYTES", 0)  # a small file takes it too
     dest = tmp_path / "dest.bin"
     r = await fetch_file(host, remote, dest, transport="auto", expected=digest_of(data))
     assert (r.sha256, dest.read_bytes()) == (digest_of(data), data)

@@ -9,9 +9,11 @@ import secrets
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import coldsnap.hosts.transfer as transfer
 from coldsnap.hosts.base import TransferError
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
@@ -313,4 +315,26 @@ async def test_a_cancelled_put_kills_its_openssh_client(
         await task
     assert not clients()
     assert not await remote_exists(host, f"{remote_dir}/obj.bin")
+    await host.run(["rm", "-rf", remote_dir])
+
+
+async def test_auto_takes_the_openssh_client_only_for_files_that_repay_its_start(
+        pool: HostPool, remote_dir: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    host = pool.host("host-0")
+    src = tmp_path / "src.bin"
+    digest = random_file(src, 2 * MIB)
+    clients: list[str] = []
+    real = transfer.put_once_openssh
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        clients.append(str(args[2]))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(transfer, "put_once_openssh", counted)
+    r = await put_file(host, src, f"{remote_dir}/small", transport="auto", expected=digest)
+    assert r.sha256 == digest and clients == []  # over the pooled connection
+    monkeypatch.setattr(transfer, "AUTO_OPENSSH_MIN_BYTES", MIB)
+    r = await put_file(host, src, f"{remote_dir}/big", transport="auto", expected=digest)
+    assert r.sha256 == digest and clients == [str(src)]
     await host.run(["rm", "-rf", remote_dir])

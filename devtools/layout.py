@@ -94,6 +94,14 @@ class HostNet:
         return f"{NETNS_PREFIX}{self.slot}"
 
     @property
+    def mac(self) -> str:
+        """The host end's MAC address, fixed per slot (locally administered): a host made
+        again on the same address answers with the same MAC, so the control node's neighbour
+        entry for it stays right. With a new random MAC each time, packets went to the old
+        one until that entry failed, stalling the first connections by 10-20 s."""
+        return f"02:c5:d0:00:{self.slot >> 8:02x}:{self.slot & 0xFF:02x}"
+
+    @property
     def netns_path(self) -> str:
         return f"/var/run/netns/{self.netns}"
 

@@ -159,7 +159,7 @@ def ensure_host_net(net: HostNet, state: Path) -> None:
         if ns_end is not None:
             _del_link(net.veth_ns, net.netns)
         ip("link", "add", net.veth_root, "type", "veth", "peer", "name", net.veth_ns,
-           "netns", net.netns)
+           "address", net.mac, "netns", net.netns)
         _no_ipv6(net.veth_root)
         _no_ipv6(net.veth_ns, net.netns)
     ip("link", "set", net.veth_root, "master", BRIDGE)

@@ -75,6 +75,12 @@ def test_each_host_answers_ssh_at_its_own_address_from_its_namespace(
             ["ip", "netns", "exec", hn.netns, "ss", "-Hltn", f"sport = :{entry.port}"],
             capture_output=True, text=True, check=True).stdout
         assert f"{entry.address}:{entry.port}" in listeners
+        # Its MAC is its slot's: a cluster made again is reached at once, not after the
+        # control node's neighbour entry for the old MAC has failed.
+        ns_end = json.loads(subprocess.run(
+            ["ip", "-n", hn.netns, "-j", "link", "show", "dev", hn.veth_ns],
+            capture_output=True, text=True, check=True).stdout)
+        assert ns_end[0]["address"] == hn.mac
 
 
 async def test_commands_over_ssh_run_in_the_hosts_namespace(

@@ -416,3 +416,11 @@ def test_a_running_cluster_too_small_is_an_error_not_reshaped(
             session.dev_cluster(1, docker=True, layout=layout):
         pass
     assert calls == []
+
+
+def test_each_slot_has_its_own_fixed_mac() -> None:
+    macs = {HostNet(i, base=b).mac for b in (0, 16, 240) for i in range(12)
+            if b + i <= 252}
+    assert len(macs) == 3 * 12
+    assert HostNet(3, base=96).mac == HostNet(3, base=96).mac == "02:c5:d0:00:00:63"
+    assert all(int(m.split(":")[0], 16) & 0b10 for m in macs)  # locally administered

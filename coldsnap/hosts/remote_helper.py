@@ -9,6 +9,7 @@ Modes:
   put PART FINAL      partial state, then "OFFSET LENGTH", bytes, "HEX": write, verify, publish
   stat PATH           "part SIZE HEX" of a file (0 and the empty digest when absent), from
                       its verified stamp when that still matches
+  stats PATH...       the same for each path, one line each, "absent" for no regular file
   recv PART OFF LEN   bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
   commit SRC DST      rename a verified candidate into place
   get PATH OFFSET     "size SIZE", bytes from OFFSET, then "HEX" of the whole file
@@ -31,6 +32,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import stat
 import sys
 import threading
 from typing import Any, NoReturn
@@ -202,6 +204,23 @@ def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
     return h
 
 
+def file_state(path: str, mv: memoryview, absent: str) -> bytes:
+    """"part SIZE HEX" of a regular file, from its verified stamp when that still matches;
+    `absent` when there is none."""
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed below)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return (absent + "\n").encode()
+    with f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return (absent + "\n").encode()
+        known = stamped_digest(f.fileno())
+        if known is not None:
+            return f"part {os.fstat(f.fileno()).st_size} {known}\n".encode()
+        size, h = part_state(f, mv)
+        return f"part {size} {h.hexdigest()}\n".encode()
+
+
 def main(argv: list[str]) -> int:
     out = sys.stdout.buffer
     mv = memoryview(bytearray(CH))
@@ -227,16 +246,10 @@ def main(argv: list[str]) -> int:
         out.write(f"ok {offset + length} {got}\n".encode())
         out.flush()
     elif mode == "stat":
-        if not os.path.exists(argv[1]):
-            out.write(f"part 0 {hashlib.sha256().hexdigest()}\n".encode())
-        else:
-            with open(argv[1], "rb", buffering=0) as f:
-                known = stamped_digest(f.fileno())
-                if known is not None:
-                    out.write(f"part {os.fstat(f.fileno()).st_size} {known}\n".encode())
-                else:
-                    size, h = part_state(f, mv)
-                    out.write(f"part {size} {h.hexdigest()}\n".encode())
+        out.write(file_state(argv[1], mv, absent=f"part 0 {hashlib.sha256().hexdigest()}"))
+    elif mode == "stats":
+        for path in argv[1:]:
+            out.write(file_state(path, mv, absent="absent"))
     elif mode == "recv":
         # The bytes come straight from an OpenSSH client; the sender learns our digest from
         # stdout and commits only the candidate named after the digest it computed itself.

@@ -4,7 +4,7 @@ how an exit status is classified, and the resume handshake's offset decision."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -98,3 +98,28 @@ async def remote_file_digest(host: Host, path: str, *,
     if state is None:
         raise TransferError(host.name, f"unexpected answer hashing {path}")
     return state[0], "sha256:" + state[1]
+
+
+async def remote_digests(host: Host, paths: Sequence[str], *,
+                         timeout: float = DEFAULT_RUN_TIMEOUT  # noqa: ASYNC109
+                         ) -> dict[str, tuple[int, str] | None]:
+    """(size, "sha256:<hex>") of each file on the host, None for each that is not there, in
+    one call: a stamped file answers from its stamp, any other is hashed there (`timeout`
+    bounds that)."""
+    if not paths:
+        return {}
+    result = await host.run(helper_argv("stats", *paths), timeout=timeout)
+    lines = result.stdout.splitlines()
+    if len(lines) != len(paths):
+        raise TransferError(host.name, f"unexpected answer checking {len(paths)} files: "
+                                       f"{len(lines)} lines")
+    found: dict[str, tuple[int, str] | None] = {}
+    for path, line in zip(paths, lines, strict=True):
+        if line == b"absent":
+            found[path] = None
+            continue
+        state = parse_part(line)
+        if state is None:
+            raise TransferError(host.name, f"unexpected answer checking {path}")
+        found[path] = state[0], "sha256:" + state[1]
+    return found

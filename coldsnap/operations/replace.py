@@ -80,8 +80,9 @@ async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, Capsu
 
 
 async def stop_previous(r: ReplacingRun) -> None:
-    """Just before the new unit starts: the earlier instance holds the unit's ports and GPUs.
-    Stopped, not removed, so that a rollback can bring it back."""
+    """While the new unit's container starts, before CRIU restores its engine: the earlier
+    instance holds the unit's ports and GPUs. Stopped, not removed, so that a rollback can
+    bring it back."""
     for old in r.previous:
         if old.running:
             await stop_container(r.session, old.id, unit=r.placed.unit_id,

@@ -382,8 +382,6 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
 
-    await phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous)
-
     maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
             for r in snap if r.capsule_meta is not None}
     # Written into each container before it starts; a unit held warm gets its placement
@@ -410,7 +408,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 
-    await phase(ctx, "start-restore", snap, start)
+    # The earlier instances stop while the new containers start: until CRIU brings the
+    # engine back (next phase), a new container runs only its init, which holds no port and
+    # no GPU memory.
+    await _both(phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous),
+                phase(ctx, "start-restore", snap, start))
     await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, r.started))
     if warm:
         await phase(ctx, "hold-warm", snap, hold_warm)

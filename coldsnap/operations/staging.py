@@ -34,7 +34,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX, remote_file_digest
+from coldsnap.hosts.transfer_protocol import PART_SUFFIX, remote_digests
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 
@@ -92,17 +92,21 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
     return plan
 
 
-async def remote_has(host: Host, path: str, object_digest: str) -> bool:
-    found = await remote_file_digest(host, path)
-    return found is not None and found[1] == object_digest
+async def _held(host: Host, data_dir: str, objects: Sequence[ArtifactObject]) -> set[str]:
+    """Digests of the objects the host already holds intact, asked in one call."""
+    paths = {remote_object_path(data_dir, o.sha256): o.sha256 for o in objects}
+    # Unstamped copies are hashed there: give that time, as for a transfer of the bytes.
+    limit = 120.0 + sum(o.bytes for o in objects) / (50 << 20)
+    found = await remote_digests(host, list(paths), timeout=limit)
+    return {d for p, d in paths.items() if (f := found.get(p)) is not None and f[1] == d}
 
 
 async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStore,
                 progress: Callable[[str], ProgressCallback | None] | None,
-                result: HostStaging) -> str:
+                result: HostStaging, held: set[str]) -> str:
     """The object's staged copy on the host, sent unless it is there and hashes right."""
     remote = remote_object_path(data_dir, obj.sha256)
-    if await remote_has(host, remote, obj.sha256):
+    if obj.sha256 in held:
         result.skipped.append(obj.sha256)
         return remote
     local = store.object_path(obj.sha256)
@@ -149,11 +153,11 @@ async def stage_host(
 
     async def plain_object(obj: ArtifactObject) -> None:
         async with sending:
-            await _send(host, data_dir, obj, store, progress, result)
+            await _send(host, data_dir, obj, store, progress, result, held)
 
     async def criu_object(obj: ArtifactObject) -> None:
         async with sending:
-            remote = await _send(host, data_dir, obj, store, progress, result)
+            remote = await _send(host, data_dir, obj, store, progress, result, held)
         staged_criu.append(remote)
         for key, image_set in todo.items():
             if any(o.sha256 == obj.sha256 for o in image_set.objects):
@@ -163,6 +167,8 @@ async def stage_host(
     try:
         # Staged objects (CRIU memory dumps among them) are private to the owner.
         await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
+        held = await _held(host, data_dir, [o for o in objects if o.role != ROLE_CRIU_IMAGE
+                                            or o.sha256 in wanted])
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
         # Every object in one group, largest first: a GiB payload starts at once and the
@@ -206,7 +212,6 @@ __all__ = [
     "TransferError",
     "discard_partial_objects",
     "objects_by_host",
-    "remote_has",
     "remote_object_path",
     "stage_host",
 ]

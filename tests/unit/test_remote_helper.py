@@ -119,3 +119,19 @@ def test_a_malformed_stamp_is_ignored(tmp_path: Path) -> None:
         os.setxattr(final, STAMP_ATTR, bad)
         assert parse_part(run("stat", str(final)).stdout) == (
             len(payload), hashlib.sha256(payload).hexdigest())
+
+
+def test_stats_answers_for_many_files_in_one_call(tmp_path: Path) -> None:
+    stamped, plain = tmp_path / "stamped", tmp_path / "plain"
+    payload = os.urandom(1 << 16)
+    _put(stamped, payload)
+    plain.write_bytes(b"plain")
+    other = hashlib.sha256(b"other").hexdigest()
+    size_mtime = os.getxattr(stamped, STAMP_ATTR).split()[1:]
+    os.setxattr(stamped, STAMP_ATTR, b" ".join([other.encode(), *size_mtime]))
+    out = run("stats", str(stamped), str(tmp_path / "missing"), str(plain), str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert parse_part(lines[0]) == (len(payload), other)  # from the stamp, not read
+    assert lines[1] == lines[3] == b"absent"  # no file; a directory is no object either
+    assert parse_part(lines[2]) == (5, hashlib.sha256(b"plain").hexdigest())

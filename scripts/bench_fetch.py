@@ -32,7 +32,6 @@ from bench_common import REPO, cluster_inventory, emit, log
 from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
-from coldsnap.hosts.transfer import get_file
 from coldsnap.hosts.transfer_protocol import remote_file_digest
 
 DEST = REPO / ".cache" / "bench" / "fetch"
@@ -60,7 +59,7 @@ async def coldsnapd_get(e: HostEntry, remote: str, digest: str, how: str) -> Non
     local = DEST / f"{e.name}.bin"
     try:
         if how == "asyncssh":
-            got = await get_file(host, remote, local)
+            got = await fetch_file(host, remote, local, transport="asyncssh")
         else:
             got = await fetch_file(host, remote, local, transport="openssh", expected=digest)
     finally:

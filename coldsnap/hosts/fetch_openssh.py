@@ -17,7 +17,6 @@ holds one of its channel slots.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import io
 import os
@@ -38,7 +37,7 @@ from coldsnap.hosts.client_thread import (
     start_client,
 )
 from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE
+from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE, Writeback
 from coldsnap.hosts.streams import StreamHost
 from coldsnap.hosts.transfer import Transport, over_chosen_transport
 from coldsnap.hosts.transfer_openssh import (
@@ -60,7 +59,6 @@ from coldsnap.hosts.transfer_stream import get_once_stream
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
 _REPORT_BYTES = 8 * CHUNK  # progress reported at most this often
-_WRITEBACK_BYTES = 64 * CHUNK  # written but not yet flushed, before a flush starts
 
 # With the digest known beforehand the far side only reads: the helper's header, then the
 # bytes from OFFSET ($2), no trailer and no hashing on the host. cat for a whole file; GNU
@@ -90,32 +88,6 @@ def _read_header(out: io.BufferedReader) -> int | None:
     return int(words[1])
 
 
-class _Writeback:
-    """Flushes what has been written so far from a thread of its own, while the transfer goes
-    on: the fsync that publishes the file then finds little left to write, instead of a GiB
-    that the page cache held back until the very end."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.flushed = 0
-        self._thread: threading.Thread | None = None
-
-    def written(self, done: int) -> None:
-        busy = self._thread is not None and self._thread.is_alive()
-        if not busy and done - self.flushed >= _WRITEBACK_BYTES:
-            self.flushed = done
-            self._thread = threading.Thread(target=self._flush, daemon=True)
-            self._thread.start()
-
-    def _flush(self) -> None:
-        with contextlib.suppress(OSError):  # the final fsync reports what matters
-            os.fdatasync(self.fd)
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-
-
 def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
              report: ProgressCallback | None) -> tuple[int | None, int, bytes]:
     """The far side's answer into the partial file: (size from its header, bytes of the file
@@ -127,7 +99,7 @@ def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Ta
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    writeback = _Writeback(fd)
+    writeback = Writeback(fd)
     try:
         while done < total:
             n = out.readinto(view[:min(CHUNK, total - done)])

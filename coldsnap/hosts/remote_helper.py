@@ -130,45 +130,34 @@ def part_state(f: Any, mv: memoryview) -> tuple[int, Any]:
     return size, h
 
 
-class Flusher:
-    """Writes back what has been received while more arrives, from a thread of its own, so
-    that the fsync which publishes the file finds little left to write (a GiB left dirty
-    to the end costs that fsync most of a second)."""
+WRITEBACK_BYTES = 64 << 20  # written but not yet flushed, before a flush starts
 
-    STEP = 64 << 20
+
+class Writeback:
+    """Flushes what has been written so far from a thread of its own while the transfer goes
+    on, so that the fsync which publishes the file finds little left to write (a GiB left
+    dirty to the end costs that fsync most of a second). The controller's get uses it too."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.written = 0
         self.flushed = 0
-        self.done = False
-        self.cv = threading.Condition()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
 
-    def wrote(self, n: int) -> None:
-        self.written += n
-        if self.written - self.flushed >= self.STEP:
-            with self.cv:
-                self.cv.notify()
+    def written(self, done: int) -> None:
+        """`done` bytes are written so far."""
+        busy = self.thread is not None and self.thread.is_alive()
+        if not busy and done - self.flushed >= WRITEBACK_BYTES:
+            self.flushed = done
+            self.thread = threading.Thread(target=self.flush, daemon=True)
+            self.thread.start()
 
-    def run(self) -> None:
-        while True:
-            with self.cv:
-                while not self.done and self.written - self.flushed < self.STEP:
-                    self.cv.wait()
-                if self.done:
-                    return
-                target = self.written
-            with contextlib.suppress(OSError):
-                os.fdatasync(self.fd)
-            self.flushed = target
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):  # the final fsync reports what matters
+            os.fdatasync(self.fd)
 
-    def stop(self) -> None:
-        with self.cv:
-            self.done = True
-            self.cv.notify()
-        self.thread.join()
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
 
 
 def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
@@ -182,14 +171,14 @@ def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
         # A deeper pipe lets sshd keep delivering while we hash and write.
         fcntl.fcntl(inp.fileno(), F_SETPIPE_SZ, CH)
     left = length
-    flusher = Flusher(f.fileno())
+    writeback = Writeback(f.fileno())
     try:
         while left:
             # readinto1: take what has arrived instead of waiting for a full buffer, so
             # receiving, hashing and writing interleave in small steps.
             k = inp.readinto1(mv[:min(CH, left)])
             if not k:
-                flusher.stop()
+                writeback.join()
                 f.close()
                 die(EXIT_SHORT, f"short: stream ended after {length - left} of {length} "
                                 "bytes; partial kept")
@@ -198,9 +187,9 @@ def receive(f: Any, size: int, h: Any, offset: int, length: int, inp: Any,
             while w < k:
                 w += f.write(mv[w:k])
             left -= k
-            flusher.wrote(k)
+            writeback.written(length - left)
     finally:
-        flusher.stop()
+        writeback.join()
     return h
 
 

@@ -64,7 +64,7 @@ from coldsnap.hosts.transfer_protocol import (
     Tamper,
     remote_file_digest,
 )
-from coldsnap.hosts.transfer_stream import get_once_stream, put_once_stream
+from coldsnap.hosts.transfer_stream import put_once_stream
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
@@ -202,30 +202,11 @@ async def put_file(
         raise TransferError(host.name, f"corrupted in transit: {exc.message}") from None
 
 
-async def get_file(
-    host: StreamHost,
-    remote: str,
-    local: Path,
-    *,
-    progress: ProgressCallback | None = None,
-    attempts: int = 6,
-    tamper: Tamper | None = None,
-) -> TransferResult:
-    """Copy `remote` on the host to `local`; see the module docstring for the protocol."""
-    local = Path(local)
-    if not remote.startswith("/"):
-        raise ValueError(f"remote path must be absolute: {remote!r}")
-    local.parent.mkdir(parents=True, exist_ok=True)
-    return await _with_resume(host, f"get {remote} -> {local}", attempts,
-                              lambda: get_once_stream(host, remote, local, progress, tamper))
-
-
 __all__ = [
     "CHUNK",
     "HELPER",
     "PART_SUFFIX",
     "Transport",
-    "get_file",
     "openssh_argv",
     "over_chosen_transport",
     "put_file",

@@ -88,16 +88,10 @@ def resume_offset(local: Path, total: int, part_size: int, part_hex: str) -> tup
 
 async def remote_file_digest(host: Host, path: str, *,
                              timeout: float = DEFAULT_RUN_TIMEOUT) -> tuple[int, str] | None:  # noqa: ASYNC109
-    """(size, "sha256:<hex>") of a file on the host, hashed there by the helper (OpenSSL's
-    speed, not coreutils'); None when the file does not exist. `timeout` bounds the hashing
-    (a large file needs more than the default)."""
-    result = await host.run(["test", "-f", path], check=False)
-    if result.exit_status != 0:
-        return None
-    state = parse_part((await host.run(helper_argv("stat", path), timeout=timeout)).stdout)
-    if state is None:
-        raise TransferError(host.name, f"unexpected answer hashing {path}")
-    return state[0], "sha256:" + state[1]
+    """(size, "sha256:<hex>") of a regular file on the host, from its verified stamp or
+    hashed there by the helper (OpenSSL's speed, not coreutils'); None when there is none.
+    `timeout` bounds the hashing (a large file needs more than the default)."""
+    return (await remote_digests(host, [path], timeout=timeout))[path]
 
 
 async def remote_digests(host: Host, paths: Sequence[str], *,

@@ -419,12 +419,8 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         await remove_previous(ctx, runs)
         return []
 
-    async def gpus(r: RestoreRun) -> None:
-        assert r.capsule_meta is not None
-        await restore_gpus(r.session, r.started,
-                           device_map(r.capsule_meta.captured_devices, r.placed.spec.devices))
-
-    await phase(ctx, "gpu-restore", snap, gpus)
+    await phase(ctx, "gpu-restore", snap,
+                lambda r: restore_gpus(r.session, r.started, maps[r.placed.unit_id]))
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
         await phase(ctx, "replay", native, start_native)

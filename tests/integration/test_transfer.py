@@ -15,10 +15,11 @@ import pytest
 
 import coldsnap.hosts.transfer as transfer
 from coldsnap.hosts.base import TransferError
+from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.ssh import SSHHost, SSHSettings
-from coldsnap.hosts.transfer import PART_SUFFIX, Transport, get_file, put_file
+from coldsnap.hosts.transfer import PART_SUFFIX, Transport, put_file
 
 from .conftest import ClusterControl
 
@@ -168,7 +169,8 @@ async def test_corrupted_get_is_detected(pool: HostPool, remote_dir: str, tmp_pa
     await host.put(src, f"{remote_dir}/obj.bin")
     dest = tmp_path / "dest.bin"
     with pytest.raises(TransferError, match="corrupted in transit"):
-        await get_file(host, f"{remote_dir}/obj.bin", dest, tamper=flip_byte_at(MIB))
+        await fetch_file(host, f"{remote_dir}/obj.bin", dest, tamper=flip_byte_at(MIB),
+                         transport="asyncssh")
     assert not dest.exists()
     assert not dest.with_name(dest.name + PART_SUFFIX).exists()
     await host.run(["rm", "-rf", remote_dir])
@@ -262,7 +264,7 @@ async def test_get_survives_sshd_restart_mid_transfer(
         progress, state = _outage(cluster, "host-2", at=16 * MIB, back_after=1.0)
         dest = tmp_path / "back.bin"
         # The asyncssh path (host.get takes the OpenSSH client; test_fetch_openssh covers it).
-        r = await get_file(host, remote, dest, progress=progress)
+        r = await fetch_file(host, remote, dest, progress=progress, transport="asyncssh")
         assert state["stopped"]
         assert host.connects == 2
         assert (r.sha256, sha(dest)) == (digest, digest)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import shlex
 import shutil
@@ -45,6 +44,11 @@ from coldsnap.hosts.base import (
     TransferResult,
 )
 from coldsnap.hosts.fetch_openssh import fetch_file
+from coldsnap.hosts.host_keys import (
+    TrustingClient,
+    host_key_error,
+    load_known_hosts,
+)
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.streams import RemoteStream, exit_status
@@ -57,6 +61,7 @@ log = structlog.get_logger("coldsnap.hosts")
 _PID_WRAPPER = 'echo "$$" && exec "$@"'
 _KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0'
 
+
 def _transient(exc: BaseException) -> bool:
     """Connection-level failures worth another try; auth and host-key refusals are final."""
     if isinstance(exc, asyncssh.HostKeyNotVerifiable | asyncssh.PermissionDenied):
@@ -66,61 +71,6 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, asyncssh.KeyExchangeFailed | asyncssh.ProtocolNotSupported):
         return False
     return isinstance(exc, OSError | TimeoutError | asyncssh.DisconnectError)
-
-
-def known_hosts_pattern(address: str, port: int) -> str:
-    return address if port == 22 else f"[{address}]:{port}"
-
-
-class _Client(asyncssh.SSHClient):
-    """Tracks connection loss and implements the explicit `accept-new` host key policy."""
-
-    def __init__(self, host: SSHHost) -> None:
-        self._host = host
-        self.lost = False
-        self.key_problem: str | None = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-
-    def validate_host_public_key(
-        self, host: str, addr: str, port: int, key: asyncssh.SSHKey
-    ) -> bool:
-        # asyncssh calls this only for a key that known_hosts does not already trust.
-        entry = self._host.entry
-        path = entry.known_hosts
-        try:
-            with open(path, "a+") as fh:
-                # The lock serialises concurrent first contacts (several coldsnapd processes
-                # or hosts sharing one file); the file is only ever appended to.
-                fcntl.flock(fh, fcntl.LOCK_EX)
-                fh.seek(0)
-                current = asyncssh.import_known_hosts(fh.read())
-                trusted = asyncssh.match_known_hosts(current, entry.address, addr, port)[0]
-                if trusted:
-                    if key in trusted:
-                        return True  # another process accepted it a moment ago
-                    self.key_problem = "changed"
-                    return False
-                if entry.host_key_policy != "accept-new":
-                    self.key_problem = "unknown"
-                    return False
-                algo, b64 = key.export_public_key("openssh").decode().split()[:2]
-                fh.seek(0, os.SEEK_END)
-                fh.write(f"{known_hosts_pattern(entry.address, entry.port)} {algo} {b64}\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-                log.warning(
-                    "host key accepted on first contact",
-                    host=entry.name,
-                    key_type=algo,
-                    fingerprint=key.get_fingerprint(),
-                    known_hosts=str(path),
-                )
-                return True
-        except OSError as exc:
-            self.key_problem = f"cannot read/append {path}: {exc.strerror or exc}"
-            return False
 
 
 class SSHHost:
@@ -140,7 +90,7 @@ class SSHHost:
         self._channels = asyncio.Semaphore(self.settings.max_channels)
         self._jump_host = jump_host
         self._conn: asyncssh.SSHClientConnection | None = None
-        self._client: _Client | None = None
+        self._client: TrustingClient | None = None
         self._conn_lock = asyncio.Lock()
         self.connects = 0  # how many connections were made (tests and metrics)
 
@@ -213,39 +163,11 @@ class SSHHost:
         )
 
     def _key_error(self, exc: asyncssh.HostKeyNotVerifiable) -> HostKeyRejected:
-        problem = self._client.key_problem if self._client else None
-        kh = self.entry.known_hosts
-        target = known_hosts_pattern(self.entry.address, self.entry.port)
-        if problem == "changed":
-            msg = (
-                f"host key of {target} DIFFERS from the one recorded in {kh}: refusing to "
-                "connect (possible man-in-the-middle, or the host was reinstalled; remove the "
-                "old entry by hand if the change is expected)"
-            )
-        elif problem == "unknown" or problem is None:
-            msg = (
-                f"host key of {target} is unknown to {kh}: refusing to connect (add the key "
-                "to known_hosts, or set `host_key_policy: accept-new` for a first contact)"
-            )
-        else:
-            msg = f"host key of {target} could not be checked: {problem}"
-        return HostKeyRejected(self.name, msg)
+        return host_key_error(self.name, self.entry,
+                              self._client.key_problem if self._client else None)
 
     def _load_known_hosts(self) -> asyncssh.SSHKnownHosts:
-        path = self.entry.known_hosts
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            if self.entry.host_key_policy != "accept-new":
-                raise HostKeyRejected(
-                    self.name,
-                    f"known_hosts file {path} does not exist; with strict host keys nothing "
-                    "can be trusted (create it, or use `host_key_policy: accept-new`)",
-                ) from None
-            text = ""
-        except OSError as exc:
-            raise HostKeyRejected(self.name, f"cannot read {path}: {exc}") from None
-        return asyncssh.import_known_hosts(text)
+        return load_known_hosts(self.name, self.entry)
 
     async def _tunnel(self) -> Any:
         jump = self.entry.proxy_jump
@@ -257,10 +179,10 @@ class SSHHost:
         # Not an inventory host: asyncssh parses [user@]host[:port] and applies ~/.ssh/config.
         return jump
 
-    async def _connect_once(self) -> tuple[asyncssh.SSHClientConnection, _Client]:
+    async def _connect_once(self) -> tuple[asyncssh.SSHClientConnection, TrustingClient]:
         e, s = self.entry, self.settings
         known_hosts = self._load_known_hosts()
-        client = _Client(self)
+        client = TrustingClient(self.entry)
         self._client = client
         keys: Any = [str(e.identity_file)] if e.identity_file else ()
         tunnel = await self._tunnel()
@@ -331,12 +253,35 @@ class SSHHost:
                     ) from None
         raise AssertionError("unreachable")
 
+    async def _open_owned(self, command: str, *, kill: bool) -> RemoteStream:
+        """`_open`, never leaving a command running unseen: cancelled while the channel
+        opens (the host may have started the command already), the open is still waited
+        for, then the command killed through its PID line (`kill`) or its channel closed."""
+        opening = asyncio.ensure_future(self._open(command))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._reap(opening, kill=kill))
+            raise
+
+    async def _reap(self, opening: asyncio.Future[RemoteStream], *, kill: bool) -> None:
+        try:
+            async with asyncio.timeout(self.settings.connect_timeout):
+                stream = await opening
+        except (TimeoutError, OSError, asyncssh.Error, HostError):
+            opening.cancel()
+            return
+        if kill:
+            await self._kill(None, stream)
+        else:
+            stream.channel.close()
+
     @asynccontextmanager
     async def open_stream(self, argv: Sequence[str]) -> AsyncIterator[RemoteStream]:
         """Run argv with raw stdin/stdout streams (the transfer layer's building block).
         Holds one of the host's channel slots while open."""
         async with self._channels:
-            stream = await self._open("exec " + shlex.join(argv))
+            stream = await self._open_owned("exec " + shlex.join(argv), kill=False)
             try:
                 yield stream
             finally:
@@ -357,7 +302,7 @@ class SSHHost:
             raise ValueError("empty argv")
         command = "exec " + shlex.join(["sh", "-c", _PID_WRAPPER, "coldsnap-run", *args])
         async with self._channels:
-            stream = await self._open(command)
+            stream = await self._open_owned(command, kill=True)
             pid: int | None = None
             try:
                 async with asyncio.timeout(timeout):

@@ -20,9 +20,10 @@ from coldsnap.hosts.base import (
     HostKeyRejected,
     HostUnreachable,
 )
+from coldsnap.hosts.host_keys import known_hosts_pattern
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.pool import HostPool
-from coldsnap.hosts.ssh import SSHHost, SSHSettings, known_hosts_pattern
+from coldsnap.hosts.ssh import SSHHost, SSHSettings
 from coldsnap.hosts.streams import RemoteStream
 
 from .conftest import ClusterControl
@@ -108,6 +109,34 @@ async def test_a_command_that_ends_before_its_stdin_is_closed_still_reports_its_
     assert (r.exit_status, r.stdout) == (4, b"done\n")
     r = await host.run(["echo", "unread input"], input=b"x" * 4096)
     assert r.stdout == b"unread input\n"
+
+
+async def test_a_command_cancelled_while_its_channel_opens_is_killed_on_the_host(
+        pool: HostPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host may start a command before this side learns that its channel is open; a
+    cancellation in that gap must not leave the command running unseen."""
+    host = pool.host("host-0")
+    assert isinstance(host, SSHHost)
+    opened = host._open
+    started = asyncio.Event()
+    marker = token()
+
+    async def open_slowly(command: str) -> RemoteStream:
+        stream = await opened(command)
+        if command.endswith(f" sleep {marker}"):  # only this one; pgrep's open as usual
+            started.set()
+            await asyncio.sleep(2)  # the confirmation still on its way
+        return stream
+
+    monkeypatch.setattr(host, "_open", open_slowly)
+    task = asyncio.ensure_future(host.run(["sleep", marker]))
+    await started.wait()
+    await wait_for_pids(host, f"sleep {marker}")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.undo()
+    assert await pids_matching(host, f"sleep {marker}") == []
 
 
 async def test_failed_command_is_not_retried(pool: HostPool, dev_hosts: Inventory) -> None:

@@ -8,8 +8,9 @@ import asyncssh
 import pytest
 
 from coldsnap.hosts.base import HostAuthFailed, HostKeyRejected
+from coldsnap.hosts.host_keys import known_hosts_pattern
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.ssh import SSHSettings, _transient, known_hosts_pattern
+from coldsnap.hosts.ssh import SSHSettings, _transient
 from coldsnap.hosts.transfer import openssh_argv
 
 

@@ -60,6 +60,7 @@ log = structlog.get_logger("coldsnap.hosts")
 # sshd makes every session its own process group, so killing "-PID" takes children too.
 _PID_WRAPPER = 'echo "$$" && exec "$@"'
 _KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0'
+_STREAM_END_S = 5.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -273,8 +274,15 @@ class SSHHost:
             return
         if kill:
             await self._kill(None, stream)
-        else:
-            stream.channel.close()
+            return
+        # A stream's command has no PID line: its input ends, and it gets a moment to notice
+        # (a transfer helper then exits, keeping what it wrote) before the channel goes.
+        with contextlib.suppress(OSError, asyncssh.Error):
+            stream.stdin.write_eof()
+        with contextlib.suppress(TimeoutError, OSError, asyncssh.Error):
+            async with asyncio.timeout(_STREAM_END_S):
+                await stream.channel.wait_closed()
+        stream.channel.close()
 
     @asynccontextmanager
     async def open_stream(self, argv: Sequence[str]) -> AsyncIterator[RemoteStream]:

@@ -4,11 +4,13 @@ side's helper hashing while it writes (see coldsnap.hosts.transfer for the proto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
+import asyncssh
 import structlog
 
 from coldsnap.digests import check_digest
@@ -69,46 +71,72 @@ async def put_once_stream(
     loop = asyncio.get_running_loop()
     part = remote + PART_SUFFIX
     async with host.open_stream(helper_argv("put", part, remote)) as s:
-        state = parse_part(await s.stdout.readline())
-        if state is None:
-            await _fail_from(host, s, f"put {remote}: helper did not start")
-        offset, prefix = await loop.run_in_executor(None, resume_offset, local, total, *state)
-        h = None if expected else prefix
-        if state[0] and not offset:
-            log.info("partial file differs from ours; starting over", host=host.name,
-                     remote=remote, partial_bytes=state[0])
-        s.stdin.write(f"{offset} {total - offset}\n".encode())
-        if progress:
-            progress(offset, total)
-        done = offset
-        with await asyncio.to_thread(open, local, "rb") as f:
-            f.seek(offset)
-            # Read-and-hash of the next chunk (in a thread, GIL released by hashlib) overlaps
-            # the encryption and sending of the current one.
-            pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
-            try:
-                while True:
-                    data = await pending
-                    if not data:
-                        break
-                    pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
-                    if tamper:
-                        data = tamper(done, data)
-                    s.stdin.write(data)
-                    await s.stdin.drain()
-                    done += len(data)
-                    if progress:
-                        progress(done, total)
-            finally:
-                # The prefetch thread must be done with the file before it is closed.
-                await asyncio.wait([pending])
-        if done != total:
-            raise TransferError(host.name, f"{local} changed size while sending")
-        digest = h.hexdigest() if h is not None else check_digest(expected or "")
-        s.stdin.write(digest.encode() + b"\n")
+        try:
+            return await _put_over(host, s, local, remote, total, progress, chunk, tamper,
+                                   expected, loop)
+        except BaseException:
+            # The far side keeps its partial file: let it end first, so that a caller that
+            # cleans up after a failure finds that file there, not created a moment later.
+            await asyncio.shield(_end_far_side(s))
+            raise
+
+
+# How long a put's far side gets to end once its stdin is closed (it only has to notice the
+# end of its input).
+_FAR_SIDE_END_S = 10.0
+
+
+async def _end_far_side(s: RemoteStream) -> None:
+    with contextlib.suppress(OSError, asyncssh.Error):
         s.stdin.write_eof()
-        reply = await s.stdout.readline()
-        status, err = await s.finish()
+    with contextlib.suppress(TimeoutError, OSError, asyncssh.Error):
+        async with asyncio.timeout(_FAR_SIDE_END_S):
+            await s.channel.wait_closed()
+
+
+async def _put_over(host: StreamHost, s: RemoteStream, local: Path, remote: str, total: int,
+                    progress: ProgressCallback | None, chunk: int, tamper: Tamper | None,
+                    expected: str | None, loop: asyncio.AbstractEventLoop) -> TransferResult:
+    state = parse_part(await s.stdout.readline())
+    if state is None:
+        await _fail_from(host, s, f"put {remote}: helper did not start")
+    offset, prefix = await loop.run_in_executor(None, resume_offset, local, total, *state)
+    h = None if expected else prefix
+    if state[0] and not offset:
+        log.info("partial file differs from ours; starting over", host=host.name,
+                 remote=remote, partial_bytes=state[0])
+    s.stdin.write(f"{offset} {total - offset}\n".encode())
+    if progress:
+        progress(offset, total)
+    done = offset
+    with await asyncio.to_thread(open, local, "rb") as f:
+        f.seek(offset)
+        # Read-and-hash of the next chunk (in a thread, GIL released by hashlib) overlaps
+        # the encryption and sending of the current one.
+        pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
+        try:
+            while True:
+                data = await pending
+                if not data:
+                    break
+                pending = loop.run_in_executor(None, _read_and_hash, f, h, chunk)
+                if tamper:
+                    data = tamper(done, data)
+                s.stdin.write(data)
+                await s.stdin.drain()
+                done += len(data)
+                if progress:
+                    progress(done, total)
+        finally:
+            # The prefetch thread must be done with the file before it is closed.
+            await asyncio.wait([pending])
+    if done != total:
+        raise TransferError(host.name, f"{local} changed size while sending")
+    digest = h.hexdigest() if h is not None else check_digest(expected or "")
+    s.stdin.write(digest.encode() + b"\n")
+    s.stdin.write_eof()
+    reply = await s.stdout.readline()
+    status, err = await s.finish()
     if status == 0 and reply.split()[:1] == [b"ok"]:
         far_hex = reply.split()[2].decode()
         if far_hex != digest:

@@ -125,6 +125,8 @@ def test_disjoint_captures_run_together_and_the_same_units_wait(
         ops: Ops, service: Served) -> None:
     first = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="par-a")))
     first.wait_for("capture.start", "host-0")
+    # Submitted at once, while the first surely runs (a small capture is over in seconds).
+    same = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="par-c")))
     # Same units, refused rather than queued: nothing recorded, its id stays free.
     refused_request = ops.request("tp2-two-hosts", suffix="par-d")
     refused = ops.coldsnapd("capture", "--request", str(refused_request), "--no-wait")
@@ -133,7 +135,6 @@ def test_disjoint_captures_run_together_and_the_same_units_wait(
     assert service.call("GET", "/v1/jobs/tp2-two-hosts-capture-par-d")[0] == 404
 
     other = start(ops, "capture", "--request", str(_capture_on_hosts_2_and_3(ops, "par-b")))
-    same = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="par-c")))
     results = [s.finish(timeout=600) for s in (first, other, same)]
     for status, err, _ in results:
         assert status == 0, err[-3000:]

@@ -1,8 +1,9 @@
 """Restore steps for one unit on one host, plus the CRIU capability probe.
 
 Order for one unit: probe_criu -> load_capsule (coldsnap.capsule.oci) -> start_restore_container
-(its CRIU images assembled on the host first: coldsnap.capsule.images) -> criu_restore
-(restored, GPUs still checkpointed, intake still closed) -> restore_gpus -> release -> validate.
+(its CRIU images assembled on the host first: coldsnap.capsule.images) -> seed_placement ->
+criu_restore (restored, intake still closed; its GPUs restored and unlocked in the same exec
+when given the device map, else still checkpointed until restore_gpus) -> release -> validate.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from coldsnap.capsule.errors import (
 )
 from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.runtime import (
+    CUDA_CHECKPOINT,
     HARMLESS_CRIU_ERRORS,
     LABEL_ROLE,
     UnitHandle,
@@ -222,61 +224,100 @@ async def start_created_container(s: CapsuleSession, handle: UnitHandle) -> None
 
 
 async def start_restore_container(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str, *,
-    placement: Mapping[str, Any] | None = None,
+    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str
 ) -> UnitHandle:
     """A fresh quiet container from the capsule, with the destination's devices and mounts:
-    `create_restore_container` + `start_created_container`. A `placement` given here is
-    written before the container starts (one Docker call, no exec), where the engine reads
-    it on wake: `deliver_placement` later is then not needed."""
+    `create_restore_container` + `start_created_container`."""
     handle = await create_restore_container(s, spec, capsule, images_dir)
-    if placement is not None:
-        try:
-            await seed_runtime_file(s, handle, PLACEMENT_FILE, placement_bytes(placement),
-                                    step="start-restore", error=RestoreFailed)
-        except BaseException:
-            await asyncio.shield(remove_container(s, handle.container_id))
-            raise
     await start_created_container(s, handle)
     return handle
 
 
+async def seed_placement(s: CapsuleSession, handle: UnitHandle,
+                         placement: Mapping[str, Any]) -> None:
+    """Write the restore placement into the unit's runtime directory before the engine is
+    back: one Docker call and no exec, as only the container's init runs there yet, which
+    never reads it. The engine reads it on wake; `deliver_placement` is for an engine that
+    already runs."""
+    await seed_runtime_file(s, handle, PLACEMENT_FILE, placement_bytes(placement),
+                            step="placement", error=RestoreFailed)
+
+
+# The exec's arguments: $1 the images (mounted read-only), $2 CRIU's work directory (its logs,
+# the lazy-pages socket), $3 the PIDs that must run afterwards, $4 cuda-checkpoint, $5 the
+# workers whose GPU state is restored in the same exec (empty: left checkpointed), and the
+# rest the --device-map arguments.
+_ARGS = 'images=$1 work=$2 pids=$3 cuda=$4 workers=$5\nshift 5\n'
+# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
+_PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$work"\n'
 # Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
 # the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
 # runs again before all of its memory is read back. The daemon's stdio goes to a file: with
-# the exec's pipes it would hold the exec open until it exits. The images ($1) are mounted
-# read-only: logs and the daemon's socket go to the work directory ($2).
+# the exec's pipes it would hold the exec open until it exits.
 _LAZY_RESTORE = """set -e
-setsid criu lazy-pages -D "$1" -W "$2" -o lazy-pages.log </dev/null >>"$2/lazy-pages.out" 2>&1 &
+setsid criu lazy-pages -D "$images" -W "$work" -o lazy-pages.log </dev/null \\
+  >>"$work/lazy-pages.out" 2>&1 &
 i=0
-until [ -S "$2/lazy-pages.socket" ]; do
+until [ -S "$work/lazy-pages.socket" ]; do
   i=$((i + 1)); [ "$i" -le 1000 ] || { echo "lazy-pages daemon did not start" >&2; exit 97; }
   sleep 0.01
 done
-criu restore -D "$1" -W "$2" -d --lazy-pages -o restore.log
+criu restore -D "$images" -W "$work" -d --lazy-pages -o restore.log
+set +e
 """
-_FULL_RESTORE = 'criu restore -D "$1" -W "$2" -d -o restore.log || exit $?\n'
-# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
-_PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$2"\n'
-_CHECK_PIDS = 'shift 2; for p; do test -d "/proc/$p" || echo "missing $p"; done\n'
+_FULL_RESTORE = 'criu restore -D "$images" -W "$work" -d -o restore.log || exit $?\n'
+_CHECK_PIDS = """gone=
+for p in $pids; do test -d "/proc/$p" || { echo "missing $p"; gone=1; }; done
+[ -z "$gone" ] || exit 0
+"""
+# Each worker's GPU state restored with the device map, then unlocked: all workers at once,
+# each one's output in a file of its own; a failed one is named ("gpu-failed PID") with the
+# tail of its output. In the restore's exec because an exec is a round trip to dockerd, and
+# nothing needs every unit's tree back before any unit's GPUs.
+_GPU_RESTORE = """running=
+for p in $workers; do
+  { "$cuda" --action restore --pid "$p" "$@" && "$cuda" --action unlock --pid "$p"; } \\
+    >"$work/gpu-$p.out" 2>&1 &
+  running="$running $!:$p"
+done
+rc=0
+for job in $running; do
+  wait "${job%%:*}" && continue
+  rc=98; echo "gpu-failed ${job#*:}"; tail -c 400 "$work/gpu-${job#*:}.out"; echo
+done
+exit $rc
+"""
+_GPU_FAILED = 98
 
 
-async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
-                       lazy: bool = True) -> RestoreResult:
+async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = True,
+                       gpus: Mapping[str, str] | None = None) -> RestoreResult:
     """CRIU restore of the engine tree inside the fresh container. Afterwards the tree runs
-    with its original PIDs but its GPUs are still checkpointed and its intake closed.
+    with its original PIDs and its intake closed; its GPUs are still checkpointed, unless
+    `gpus` (captured device -> destination device) is given: then each worker's GPU state is
+    restored with that map and unlocked in the same exec (`restore_gpus`, without the second
+    round trip).
 
     `lazy` (default) restores with userfaultfd-backed lazy pages; `criu check --feature
     uffd-noncoop` in the capsule says whether the kernel allows it."""
     step = "criu-restore"
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
+    workers = dict(handle.worker_pids) if gpus is not None else {}
     t0 = time.monotonic()
-    # Restore and the PID check in one exec: each exec costs tens of milliseconds.
-    script = _PREPARE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
-    out = await s.exec(container, ["sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR,
-                                   *[str(p) for p in want]], timeout_s=LONG_DOCKER_CALL)
+    # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
+    script = (_ARGS + _PREPARE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
+              + (_GPU_RESTORE if workers else ""))
+    out = await s.exec(container, [
+        "sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
+        CUDA_CHECKPOINT, " ".join(map(str, workers.values())), *device_map_args(gpus)],
+        timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
+    failed = {int(ln.split()[1]) for ln in out.stdout.splitlines()
+              if ln.startswith("gpu-failed ") and ln.split()[1].isdigit()}
+    if out.exit_code == _GPU_FAILED and failed:
+        names = ", ".join(f"worker {w} (pid {p})" for w, p in workers.items() if p in failed)
+        raise fail(s, handle.unit, "gpu-restore", f"{names}: {out.tail(800)}", RestoreFailed)
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/restore.log")
         raise fail(s, handle.unit, step, f"criu restore exited {out.exit_code}:\n{why}",
@@ -286,7 +327,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *,
         raise fail(s, handle.unit, step, f"restored, but processes {missing} are not running",
                    RestoreFailed)
     log.info("capsule.restored", host=s.host, unit=handle.unit, step=step,
-             seconds=round(seconds, 3))
+             seconds=round(seconds, 3), gpus=bool(workers))
     return RestoreResult(handle.unit, seconds)
 
 
@@ -374,10 +415,10 @@ async def restore_unit(
     await load_capsule(s, capsule, staged_layers)
     handle = await start_restore_container(s, spec, capsule, images_dir)
     try:
-        await criu_restore(s, handle)
-        await restore_gpus(s, handle, device_map(capsule.captured_devices, spec.devices))
         if placement is not None:
-            await deliver_placement(s, handle, placement)
+            await seed_placement(s, handle, placement)
+        await criu_restore(s, handle,
+                           gpus=device_map(capsule.captured_devices, spec.devices))
         await release(s, handle)
         result = await validate(s, handle)
     except BaseException:

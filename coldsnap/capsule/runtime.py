@@ -185,8 +185,9 @@ async def _put_archive(s: CapsuleSession, handle: UnitHandle, container: Any, pa
 
 async def seed_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, data: bytes, *,
                             step: str, error: type[CapsuleError]) -> None:
-    """Write RUNTIME_DIR/`name` into a container that is created but not started: nothing
-    runs there to see half a file, so one call does (no temporary name, no rename)."""
+    """Write RUNTIME_DIR/`name` into a container where nothing that reads it runs yet
+    (created, or running only its init before CRIU brings the engine back): nobody can see
+    half a file, so one call does (no temporary name, no rename)."""
     container = await s.container(handle.container_id, handle.unit, step)
     await _put_archive(s, handle, container, f"{RUNTIME_DIR}/{name}", data, step=step,
                        error=error)

@@ -82,11 +82,12 @@ async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, Capsu
 async def stop_previous(r: ReplacingRun) -> None:
     """While the new unit's container starts, before CRIU restores its engine: the earlier
     instance holds the unit's ports and GPUs. Stopped, not removed, so that a rollback can
-    bring it back."""
+    bring it back. No grace period: its engine's state is never used again (`revive` restores
+    it from its snapshot), and until it has died the new engine cannot have its ports."""
     for old in r.previous:
         if old.running:
             await stop_container(r.session, old.id, unit=r.placed.unit_id,
-                                 step="stop-previous")
+                                 step="stop-previous", grace_s=0)
             r.stopped.append(old)
 
 

@@ -4,10 +4,11 @@ Order: identity check (restore request vs captured launch) -> every needed objec
 the store -> destination facts and admission per unit -> owner-scoped staging, and meanwhile
 capsule load and CRIU probe per unit whose capsule comes from the registry (after staging for
 one loaded from its staged layers; a probe that passed on the same boot of the host is not run
-again: coldsnap.operations.probe_cache) -> (prepare-only stops here) -> every unit restored
-with its GPUs still checkpointed -> barrier -> every worker's GPUs restored with the UUID map
-and unlocked -> every unit released -> the validation prompt per service. Any failure after
-the first container started removes every container this restore started.
+again: coldsnap.operations.probe_cache) -> (prepare-only stops here) -> every unit's container
+started -> every unit restored by CRIU, each worker's GPUs restored with the UUID map and
+unlocked in the same exec, its placement written meanwhile -> barrier -> every unit released
+-> the validation prompt per service. Any failure after the first container started removes
+every container this restore started.
 
 Replacing an earlier instance (reconcile-replace): a unit already serving on its destination
 host for the same workload (the request's `workload.cluster_id`; without one, the same
@@ -34,7 +35,7 @@ from coldsnap.capsule.restore import (
     criu_restore,
     device_map,
     release,
-    restore_gpus,
+    seed_placement,
     start_restore_container,
     validate,
 )
@@ -384,8 +385,8 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
             for r in snap if r.capsule_meta is not None}
-    # Written into each container before it starts; a unit held warm gets its placement
-    # from the wake that releases it.
+    # Seeded into each container before its engine is back; a unit held warm gets its
+    # placement from the wake that releases it, and keeps its GPUs checkpointed until then.
     placements = ({} if warm else
                   placement_documents(launch, topology, hosts.entries, maps))
 
@@ -394,8 +395,15 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         images = image_set_dir(hosts.entries[r.placed.host].data_dir,
                                r.capsule_meta.criu_images)
         r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta,
-                                                 images,
-                                                 placement=placements.get(r.placed.unit_id))
+                                                 images)
+
+    async def restore_engine(r: RestoreRun) -> None:
+        # The placement is written while CRIU runs: the engine reads it only on wake.
+        placement = placements.get(r.placed.unit_id)
+        await _both(criu_restore(r.session, r.started,
+                                 gpus=None if warm else maps[r.placed.unit_id]),
+                    seed_placement(r.session, r.started, placement) if placement is not None
+                    else asyncio.sleep(0))
 
     captured = {u.id: u for u in artifact.launch.units}
 
@@ -413,14 +421,14 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     # no GPU memory.
     await _both(phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous),
                 phase(ctx, "start-restore", snap, start))
-    await phase(ctx, "criu-restore", snap, lambda r: criu_restore(r.session, r.started))
+    # With its GPU state restored onto the destination's devices and unlocked in the same
+    # exec (not for a unit held warm): no unit's GPUs wait for another unit's tree.
+    await phase(ctx, "criu-restore", snap, restore_engine)
     if warm:
         await phase(ctx, "hold-warm", snap, hold_warm)
         await remove_previous(ctx, runs)
         return []
 
-    await phase(ctx, "gpu-restore", snap,
-                lambda r: restore_gpus(r.session, r.started, maps[r.placed.unit_id]))
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
         await phase(ctx, "replay", native, start_native)

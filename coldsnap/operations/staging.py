@@ -141,11 +141,21 @@ async def stage_host(
     The CRIU objects of `image_sets` (the host's units') are assembled into their published
     image directories on the way; an assembly left unfinished is removed."""
     result = HostStaging(host.name, list(objects))
-    todo: dict[str, CriuImageSet] = {}
-    for image_set in image_sets:
-        if image_set.digest not in todo and not await image_set_ready(host, data_dir,
-                                                                       image_set):
-            todo[image_set.digest] = image_set
+    sets = {st.digest: st for st in image_sets}
+    # What the host holds (its published image sets, its staged objects) and the objects
+    # directory, asked at once: three round trips that need nothing from one another.
+    try:
+        async with asyncio.TaskGroup() as group:
+            # Staged objects (CRIU memory dumps among them) are private to the owner.
+            group.create_task(host.run(["mkdir", "-m", "0700", "-p", "--",
+                                        objects_dir(data_dir)]))
+            asking = group.create_task(_held(host, data_dir, objects))
+            ready = {d: group.create_task(image_set_ready(host, data_dir, st))
+                     for d, st in sets.items()}
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None
+    held = asking.result()
+    todo = {d: st for d, st in sets.items() if not ready[d].result()}
     wanted = {o.sha256 for st in todo.values() for o in st.objects}
     parts: dict[str, str] = {}
     sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
@@ -165,10 +175,6 @@ async def stage_host(
                     await place_object(host, parts[key], remote, image_set, obj.sha256)
 
     try:
-        # Staged objects (CRIU memory dumps among them) are private to the owner.
-        await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
-        held = await _held(host, data_dir, [o for o in objects if o.role != ROLE_CRIU_IMAGE
-                                            or o.sha256 in wanted])
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
         # Every object in one group, largest first: a GiB payload starts at once and the

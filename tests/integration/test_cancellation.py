@@ -161,7 +161,7 @@ def test_sigterm_during_capture_returns_every_unit_to_serving(
     assert len(kept) == 2 and all("returned unit-" in r and "to serving" in r for r in kept)
 
 
-@pytest.mark.parametrize("phase", ["restore.start-restore", "restore.gpu-restore"])
+@pytest.mark.parametrize("phase", ["restore.start-restore", "restore.criu-restore"])
 def test_sigterm_during_restore_after_staging_removes_every_unit(
         ops: Ops, artifact: str, clean: None, phase: str) -> None:
     request = ops.request("tp2-two-hosts-restore-moved", suffix=f"sigterm-{phase[8:]}",
@@ -262,7 +262,7 @@ def test_a_second_sigint_does_not_interrupt_the_rollback(
                           artifact=artifact)
     dockerd = int((ops.inventory.parent / "host-3" / "docker" / "docker.pid").read_text())
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.gpu-restore", "host-3")
+    run.wait_for("restore.criu-restore", "host-3")
     os.kill(dockerd, signal.SIGSTOP)
     try:
         run.signal(signal.SIGINT)
@@ -287,7 +287,7 @@ def test_gc_removes_a_killed_restores_units_and_spares_a_running_operation(
     # A restore killed with SIGKILL mid-way: nothing of it could clean up.
     killed = start(ops, "restore", "--request", str(ops.request(
         "tp2-two-hosts-restore-moved", suffix="killed", artifact=artifact)))
-    killed.wait_for("restore.gpu-restore", "host-3")
+    killed.wait_for("restore.criu-restore", "host-3")
     killed.signal(signal.SIGKILL)
     killed.proc.communicate(timeout=60)
     dead_id = json.loads(killed.events.read_text().splitlines()[0])["operation_id"]
@@ -295,7 +295,7 @@ def test_gc_removes_a_killed_restores_units_and_spares_a_running_operation(
 
     # Another restore, on the captured hosts, held still (SIGSTOP) while its units exist.
     running = start(ops, "restore", "--artifact", artifact)
-    running.wait_for("restore.gpu-restore", "host-1")
+    running.wait_for("restore.criu-restore", "host-1")
     running.signal(signal.SIGSTOP)
     try:
         live_id = json.loads(running.events.read_text().splitlines()[0])["operation_id"]

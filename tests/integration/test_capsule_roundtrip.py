@@ -11,6 +11,7 @@ import docker.errors
 import pytest
 
 from coldsnap.capsule import (
+    RestoreFailed,
     checkpoint_gpus,
     collect_worker_objects,
     commit,
@@ -171,7 +172,18 @@ async def test_capture_on_host0_restore_on_host1(
             await s1.call(s1.client.images.remove, manifest.image_id, force=True)
         assert await load_capsule(s1, manifest, staged.layers) == manifest.image_id
         r = await start_restore_container(s1, spec1, manifest, staged.images_dir)
-        await criu_restore(s1, r, lazy=lazy)
+        if workers == 2:
+            # The GPU steps in the restore's own exec, with a device this host lacks: they
+            # fail naming each worker and leave the tree restored, GPUs still checkpointed.
+            absent = {d: f"GPU-absent-{i}" for i, d in enumerate(manifest.captured_devices)}
+            with pytest.raises(RestoreFailed) as failed:
+                await criu_restore(s1, r, lazy=lazy, gpus=absent)
+            assert failed.value.step == "gpu-restore", failed.value
+            assert all(f"worker {w} (pid {p})" in failed.value.detail
+                       for w, p in manifest.worker_pids.items()), failed.value.detail
+            assert "not present" in failed.value.detail, failed.value.detail
+        else:
+            await criu_restore(s1, r, lazy=lazy)
         c1 = await s1.container(r.container_id, unit_id, "test")
         lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_WORK_DIR}/lazy-pages.log"])
         assert lazy_log.ok == lazy, "lazy restore runs criu's lazy-pages daemon, full does not"

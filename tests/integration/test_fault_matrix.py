@@ -217,7 +217,7 @@ def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_fi
         ops: Ops, artifact: str, clean: None) -> None:
     killed = start(ops, "restore", "--request",
                     str(ops.request(MOVED, suffix="kill9", artifact=artifact)))
-    killed.wait_for("restore.gpu-restore", "host-3")
+    killed.wait_for("restore.criu-restore", "host-3")
     killed.signal(signal.SIGKILL)
     killed.proc.communicate(timeout=60)
     dead = operation_id(killed)

@@ -65,7 +65,7 @@ def test_a_failed_restore_leaves_the_earlier_instance_serving_and_others_alone(
 
     request = ops.request(MOVED, suffix="replace-cancelled", artifact=artifact, workload=wl)
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.gpu-restore", "host-3")
+    run.wait_for("restore.criu-restore", "host-3")
     # The new units run; the earlier ones are stopped, not removed, until validation.
     for host in HOSTS:
         (old,) = [c for c in ops.unit_containers(host) if c.id in earlier[host]]

@@ -151,7 +151,7 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
     request = ops.request("tp2-two-hosts-restore-moved", suffix="k9", artifact=capture_id)
     op = yaml.safe_load(request.read_text())["id"]
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.gpu-restore", "host-3")
+    run.wait_for("restore.criu-restore", "host-3")
     assert service.proc is not None
     service.proc.kill()
     service.proc.wait(timeout=60)
@@ -222,7 +222,7 @@ def test_sigterm_after_the_drain_period_cancels_and_rolls_back(
         quick.start()
         request = ops.request("tp2-two-hosts-restore-moved", suffix="cut", artifact=capture_id)
         run = start(ops, "restore", "--request", str(request))
-        run.wait_for("restore.gpu-restore", "host-3")
+        run.wait_for("restore.criu-restore", "host-3")
         assert quick.stop() == 0  # SIGTERM: no grace, cancelled, rolled back, then exit 0
         status, err, receipt = run.finish(timeout=300)
         assert status == 143, err[-3000:]
@@ -239,7 +239,7 @@ def test_ctrl_c_of_the_cli_cancels_its_job_in_the_service(
         ops: Ops, service: Served, capture_id: str) -> None:
     request = ops.request("tp2-two-hosts-restore-moved", suffix="int", artifact=capture_id)
     run = start(ops, "restore", "--request", str(request))
-    run.wait_for("restore.gpu-restore", "host-3")
+    run.wait_for("restore.criu-restore", "host-3")
     run.signal(signal.SIGINT)
     status, err, receipt = run.finish(timeout=300)
     assert status == 130, err[-3000:]

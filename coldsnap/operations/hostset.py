@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TypeVar
@@ -131,14 +132,26 @@ class HostSet:
 
     @asynccontextmanager
     async def sessions(self, names: Iterable[str]) -> AsyncIterator[dict[str, CapsuleSession]]:
-        """A Docker session per host, over that host's forwarded Docker socket."""
+        """A Docker session per host, over that host's forwarded Docker socket; all hosts'
+        opened at once (each asks its daemon for its API version first)."""
+        targets: dict[str, CapsuleHost] = {}
+        for name in dict.fromkeys(names):
+            entry = self.entries[name]
+            if entry.docker_socket is None:
+                raise OperationFailed("no-docker", f"host {name}: the inventory gives no "
+                                                   "docker_socket")
+            targets[name] = CapsuleHost(self.host(name), entry.docker_socket, entry.data_dir)
         async with AsyncExitStack() as stack:
             out: dict[str, CapsuleSession] = {}
-            for name in dict.fromkeys(names):
-                entry = self.entries[name]
-                if entry.docker_socket is None:
-                    raise OperationFailed("no-docker", f"host {name}: the inventory gives no "
-                                                       "docker_socket")
-                target = CapsuleHost(self.host(name), entry.docker_socket, entry.data_dir)
-                out[name] = await stack.enter_async_context(open_session(target))
-            yield out
+
+            async def one(name: str) -> None:
+                out[name] = await stack.enter_async_context(open_session(targets[name]))
+
+            # Every open ends (or is cancelled) before the stack may unwind: none escapes it.
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for name in targets:
+                        group.create_task(one(name))
+            except BaseExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
+            yield {name: out[name] for name in targets}

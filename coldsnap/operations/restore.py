@@ -21,9 +21,9 @@ one is restored again from the snapshot its own container carries, as it was res
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import Literal
 
 from coldsnap.admission import HostFacts, check_admission
 from coldsnap.capsule.capture import start_unit, wait_ready
@@ -69,6 +69,7 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
+from coldsnap.operations.overlap import ahead, both
 from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
     ReplacingRun,
@@ -80,11 +81,13 @@ from coldsnap.operations.replace import (
 )
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
+    HostHoldings,
     HostStaging,
     discard_partial_objects,
     objects_by_host,
     remote_object_path,
     stage_host,
+    survey_host,
 )
 from coldsnap.operations.unit_runs import phase, rollback_units
 from coldsnap.operations.units import (
@@ -97,8 +100,6 @@ from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.topology import Topology, resolve
 
 Fallback = Literal["none", "replay"]
-T = TypeVar("T")
-U = TypeVar("U")
 
 
 @dataclass
@@ -174,82 +175,89 @@ async def restore(
     with ctx.span("restore.verify-objects"):
         _verify_objects(store, artifact, topology)
 
-    with ctx.span("restore.facts"):
-        facts = await hosts.facts(topology.hosts)
-    try:
-        placed = place_units(launch, topology, facts, hosts.entries, validation,
-                             ctx.operation_id, workload=request.workload if request else None,
-                             artifact=artifact.capture_id, artifact_digest=stored.digest)
-    except PlacementError as exc:
-        raise OperationFailed("placement", str(exc)) from None
-
-    refusals = _admission(artifact, launch, policy, facts)
-    replay_units = set(refusals)
-    if refusals and fallback != "replay":
-        raise OperationFailed("admission", _issues_text(
-            [i for unit_issues in refusals.values() for i in unit_issues]))
-
     per_host = objects_by_host(artifact, topology)
-    previous: dict[str, list[UnitContainer]] = {}
-    async with hosts.sessions(topology.hosts) as sessions:
-        if not prepare_only:
-            with ctx.span("restore.ports"):
-                # Ports held by the earlier instance of a unit that this restore replaces
-                # are freed by that replacement, not a conflict.
-                previous = await previous_units(placed, sessions,
-                                                 previous_identity(request, artifact))
-                await check_ports_free(hosts, unit_ports(launch, topology),
-                                       exempt=[u for u, found in previous.items() if found])
-        heads = set(service_heads(topology).values())
-        runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
-                           previous=previous.get(p.unit_id, [])) for p in placed]
-        for r in runs:
-            r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
-            r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
-            if r.placed.unit_id in replay_units:
-                r.replay_reason = _issues_text(refusals[r.placed.unit_id])
-        with ctx.span("restore.space"):
-            await check_staging_space(
-                {n: hosts.host(n) for n in per_host},
-                {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
-        async def staged() -> list[HostStaging]:
-            with ctx.span("restore.stage"):
-                done = await _stage(hosts, store, per_host, runs, ctx)
-            for st in done:
-                ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
-            return done
-
-        def admit(some: list[RestoreRun]) -> Awaitable[None]:
-            return _load_and_probe(ctx, hosts, artifact, some, facts, ProbeCache(store.root),
-                                   kernel_policy=policy.compatibility.kernel,
-                                   fallback=fallback)
-
-        # A capsule pulled from the registry needs nothing staged: its load and probe run
-        # while the objects travel. One loaded from its staged layers waits for them.
-        pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
-        outcome.staging, _ = await _both(staged(), admit(pulled))
-        await admit([r for r in runs if r not in pulled])
-        outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
-        for r in runs:
-            if r.replay_reason:
-                with ctx.span("restore.fallback-replay", unit=r.placed.unit_id,
-                              host=r.placed.host, reason=r.replay_reason[:500]):
-                    ctx.log.warning("restore.fallback-replay", unit=r.placed.unit_id,
-                                    reason=r.replay_reason)
-        if prepare_only:
-            return outcome
-        if warm and outcome.replayed_units:
-            # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
-            raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
-                                  "unit restored from its snapshot; re-created natively: "
-                                  + ", ".join(outcome.replayed_units))
+    # What each host holds is asked beside its facts: asking writes nothing there, and on a
+    # host that holds everything it is all that staging has to do.
+    sets = {n: [m.criu_images for u in launch.units
+                if u.host == n and (m := capsule_meta(store, artifact, u.id)) is not None]
+            for n in per_host}
+    async with ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
+                                     sets[n]) for n in per_host}) as surveys:
+        with ctx.span("restore.facts"):
+            facts = await hosts.facts(topology.hosts)
         try:
-            outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
-                                                     topology, runs, warm=warm)
-        except BaseException:
-            await _rollback(ctx, hosts, store, runs)
-            raise
-    return outcome
+            placed = place_units(launch, topology, facts, hosts.entries, validation,
+                                 ctx.operation_id, workload=request.workload if request else None,
+                                 artifact=artifact.capture_id, artifact_digest=stored.digest)
+        except PlacementError as exc:
+            raise OperationFailed("placement", str(exc)) from None
+
+        refusals = _admission(artifact, launch, policy, facts)
+        replay_units = set(refusals)
+        if refusals and fallback != "replay":
+            raise OperationFailed("admission", _issues_text(
+                [i for unit_issues in refusals.values() for i in unit_issues]))
+
+        previous: dict[str, list[UnitContainer]] = {}
+        async with hosts.sessions(topology.hosts) as sessions:
+            if not prepare_only:
+                with ctx.span("restore.ports"):
+                    # Ports held by the earlier instance of a unit that this restore replaces
+                    # are freed by that replacement, not a conflict.
+                    previous = await previous_units(placed, sessions,
+                                                     previous_identity(request, artifact))
+                    await check_ports_free(hosts, unit_ports(launch, topology),
+                                           exempt=[u for u, found in previous.items() if found])
+            heads = set(service_heads(topology).values())
+            runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
+                               previous=previous.get(p.unit_id, [])) for p in placed]
+            for r in runs:
+                r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
+                r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
+                if r.placed.unit_id in replay_units:
+                    r.replay_reason = _issues_text(refusals[r.placed.unit_id])
+            with ctx.span("restore.space"):
+                await check_staging_space(
+                    {n: hosts.host(n) for n in per_host},
+                    {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
+            async def staged() -> list[HostStaging]:
+                with ctx.span("restore.stage"):
+                    done = await _stage(hosts, store, per_host, runs, ctx, surveys)
+                for st in done:
+                    ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
+                return done
+
+            def admit(some: list[RestoreRun]) -> Awaitable[None]:
+                return _load_and_probe(ctx, hosts, artifact, some, facts, ProbeCache(store.root),
+                                       kernel_policy=policy.compatibility.kernel,
+                                       fallback=fallback)
+
+            # A capsule pulled from the registry needs nothing staged: its load and probe run
+            # while the objects travel. One loaded from its staged layers waits for them.
+            pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
+            outcome.staging, _ = await both(staged(), admit(pulled))
+            await admit([r for r in runs if r not in pulled])
+            outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
+            for r in runs:
+                if r.replay_reason:
+                    with ctx.span("restore.fallback-replay", unit=r.placed.unit_id,
+                                  host=r.placed.host, reason=r.replay_reason[:500]):
+                        ctx.log.warning("restore.fallback-replay", unit=r.placed.unit_id,
+                                        reason=r.replay_reason)
+            if prepare_only:
+                return outcome
+            if warm and outcome.replayed_units:
+                # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
+                raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
+                                      "unit restored from its snapshot; re-created natively: "
+                                      + ", ".join(outcome.replayed_units))
+            try:
+                outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
+                                                         topology, runs, warm=warm)
+            except BaseException:
+                await _rollback(ctx, hosts, store, runs)
+                raise
+        return outcome
 
 
 def _admission(artifact: Artifact, launch: Launch, policy: Policy,
@@ -273,14 +281,16 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
 
 async def _stage(hosts: HostSet, store: LocalStore,
                  per_host: dict[str, list[ArtifactObject]], runs: Sequence[RestoreRun],
-                 ctx: OperationContext) -> list[HostStaging]:
+                 ctx: OperationContext,
+                 surveys: Mapping[str, Awaitable[HostHoldings]]) -> list[HostStaging]:
     async def one(name: str) -> HostStaging:
         sets = [r.capsule_meta.criu_images for r in runs
                 if r.placed.host == name and r.capsule_meta is not None]
         with ctx.span("restore.stage-host", host=name):
             return await stage_host(hosts.host(name), hosts.entries[name].data_dir,
                                     per_host[name], store, progress=ctx.progress,
-                                    image_sets=sets, operation_id=ctx.operation_id)
+                                    image_sets=sets, operation_id=ctx.operation_id,
+                                    holdings=await surveys[name])
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
     failed = [n for n, res in zip(per_host, results, strict=True)
@@ -297,18 +307,6 @@ async def _stage(hosts: HostSet, store: LocalStore,
                 raise res
             raise OperationFailed("staging", f"host {name}: step stage: {res}") from res
     return [r for r in results if isinstance(r, HostStaging)]
-
-
-async def _both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
-    """Run both to their end whatever either does (each cleans up after itself, also when
-    cancelled, and a rollback must not start while one still runs); then raise the first
-    one's failure, else the second's."""
-    a, b = await asyncio.gather(first, second, return_exceptions=True)
-    if isinstance(a, BaseException):
-        raise a
-    if isinstance(b, BaseException):
-        raise b
-    return a, b
 
 
 async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artifact,
@@ -400,7 +398,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     async def restore_engine(r: RestoreRun) -> None:
         # The placement is written while CRIU runs: the engine reads it only on wake.
         placement = placements.get(r.placed.unit_id)
-        await _both(criu_restore(r.session, r.started,
+        await both(criu_restore(r.session, r.started,
                                  gpus=None if warm else maps[r.placed.unit_id]),
                     seed_placement(r.session, r.started, placement) if placement is not None
                     else asyncio.sleep(0))
@@ -419,7 +417,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     # The earlier instances stop while the new containers start: until CRIU brings the
     # engine back (next phase), a new container runs only its init, which holds no port and
     # no GPU memory.
-    await _both(phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous),
+    await both(phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous),
                 phase(ctx, "start-restore", snap, start))
     # With its GPU state restored onto the destination's devices and unlocked in the same
     # exec (not for a unit held warm): no unit's GPUs wait for another unit's tree.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 from coldsnap.capsule.images import (
@@ -103,7 +103,7 @@ async def _held(host: Host, data_dir: str, objects: Sequence[ArtifactObject]) ->
 
 async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStore,
                 progress: Callable[[str], ProgressCallback | None] | None,
-                result: HostStaging, held: set[str]) -> str:
+                result: HostStaging, held: Set[str]) -> str:
     """The object's staged copy on the host, sent unless it is there and hashes right."""
     remote = remote_object_path(data_dir, obj.sha256)
     if obj.sha256 in held:
@@ -127,6 +127,31 @@ async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStor
     return remote
 
 
+@dataclass(frozen=True)
+class HostHoldings:
+    """What a host holds already: the digests of its staged objects that are intact, and the
+    digests of its published image sets that verified."""
+    held: frozenset[str]
+    ready_sets: frozenset[str]
+
+
+async def survey_host(host: Host, data_dir: str, objects: Sequence[ArtifactObject],
+                      image_sets: Sequence[CriuImageSet] = ()) -> HostHoldings:
+    """Ask what the host holds of `objects` and `image_sets`, all at once. Nothing is written
+    (an image directory that does not verify is removed), so this may run before admission,
+    beside the host's facts."""
+    sets = {st.digest: st for st in image_sets}
+    try:
+        async with asyncio.TaskGroup() as group:
+            asking = group.create_task(_held(host, data_dir, objects))
+            ready = {d: group.create_task(image_set_ready(host, data_dir, st))
+                     for d, st in sets.items()}
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None
+    return HostHoldings(frozenset(asking.result()),
+                        frozenset(d for d, task in ready.items() if task.result()))
+
+
 async def stage_host(
     host: Host,
     data_dir: str,
@@ -136,26 +161,17 @@ async def stage_host(
     *,
     image_sets: Sequence[CriuImageSet] = (),
     operation_id: str = "adhoc",
+    holdings: HostHoldings | None = None,
 ) -> HostStaging:
     """Send the missing objects to one host; every local read is digest-verified in flight.
     The CRIU objects of `image_sets` (the host's units') are assembled into their published
-    image directories on the way; an assembly left unfinished is removed."""
+    image directories on the way; an assembly left unfinished is removed. `holdings`: what
+    `survey_host` found there, when it was asked ahead."""
     result = HostStaging(host.name, list(objects))
-    sets = {st.digest: st for st in image_sets}
-    # What the host holds (its published image sets, its staged objects) and the objects
-    # directory, asked at once: three round trips that need nothing from one another.
-    try:
-        async with asyncio.TaskGroup() as group:
-            # Staged objects (CRIU memory dumps among them) are private to the owner.
-            group.create_task(host.run(["mkdir", "-m", "0700", "-p", "--",
-                                        objects_dir(data_dir)]))
-            asking = group.create_task(_held(host, data_dir, objects))
-            ready = {d: group.create_task(image_set_ready(host, data_dir, st))
-                     for d, st in sets.items()}
-    except BaseExceptionGroup as group_error:
-        raise group_error.exceptions[0] from None
-    held = asking.result()
-    todo = {d: st for d, st in sets.items() if not ready[d].result()}
+    if holdings is None:
+        holdings = await survey_host(host, data_dir, objects, image_sets)
+    held = holdings.held
+    todo = {st.digest: st for st in image_sets if st.digest not in holdings.ready_sets}
     wanted = {o.sha256 for st in todo.values() for o in st.objects}
     parts: dict[str, str] = {}
     sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
@@ -174,6 +190,10 @@ async def stage_host(
                 async with placing:
                     await place_object(host, parts[key], remote, image_set, obj.sha256)
 
+    if any(o.sha256 not in held and (o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted)
+           for o in objects):
+        # Staged objects (CRIU memory dumps among them) are private to the owner.
+        await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
     try:
         for key, image_set in todo.items():
             parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
@@ -214,10 +234,12 @@ async def discard_partial_objects(host: Host, data_dir: str,
 
 
 __all__ = [
+    "HostHoldings",
     "HostStaging",
     "TransferError",
     "discard_partial_objects",
     "objects_by_host",
     "remote_object_path",
     "stage_host",
+    "survey_host",
 ]

@@ -58,7 +58,7 @@ from coldsnap.capsule.spec import (
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
-from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.formats.request import Mount
 
 log = structlog.get_logger("coldsnap.capsule")
@@ -288,6 +288,17 @@ done
 exit $rc
 """
 _GPU_FAILED = 98
+
+# A lazy restore pays for its page server (a process to start and a socket to wait for, about
+# 50 ms here) and for a fault round trip at each first touch; it gains only when the images
+# hold far more memory than the engine touches at once. A snapshot whose weights were
+# released holds tens of MiB per worker: read back whole, it restored faster in the same runs.
+LAZY_RESTORE_MIN_BYTES = 256 << 20
+
+
+def lazy_restore_pays(images: CriuImageSet) -> bool:
+    """Whether a unit's CRIU images are large enough for a lazy restore to pay."""
+    return images.total_bytes >= LAZY_RESTORE_MIN_BYTES
 
 
 async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = True,

@@ -34,6 +34,7 @@ from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import (
     criu_restore,
     device_map,
+    lazy_restore_pays,
     release,
     seed_placement,
     start_restore_container,
@@ -398,10 +399,12 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     async def restore_engine(r: RestoreRun) -> None:
         # The placement is written while CRIU runs: the engine reads it only on wake.
         placement = placements.get(r.placed.unit_id)
+        assert r.capsule_meta is not None
         await both(criu_restore(r.session, r.started,
-                                 gpus=None if warm else maps[r.placed.unit_id]),
-                    seed_placement(r.session, r.started, placement) if placement is not None
-                    else asyncio.sleep(0))
+                                lazy=lazy_restore_pays(r.capsule_meta.criu_images),
+                                gpus=None if warm else maps[r.placed.unit_id]),
+                   seed_placement(r.session, r.started, placement) if placement is not None
+                   else asyncio.sleep(0))
 
     captured = {u.id: u for u in artifact.launch.units}
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coldsnap.capsule.spec import CRIU_WORK_DIR
 from tests.integration.capsule_fixtures import EXPECTED, PROMPT
 from tests.integration.conftest import REPO
 from tests.integration.engine_view import engine_view_sync
@@ -150,6 +151,9 @@ def test_restored_engine_answers_with_weights_reloaded_from_its_staged_payload(
         assert shard["RW"] is False
         # Restored, not re-warmed.
         assert list(engine_view_sync(container)["warmups"].values()) == [1]
+        # Without the weights its images are small: read back whole, no lazy page server.
+        lazy = container.exec_run(["test", "-e", f"{CRIU_WORK_DIR}/lazy-pages.log"])
+        assert lazy.exit_code == 1, "images of a few MiB restored lazily"
     assert _complete(ops, "host-0", 8000) == EXPECTED
 
     # A host that holds the payload already receives none of it again: the restore of the

@@ -8,8 +8,9 @@ import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
 from coldsnap.capsule.oci import split_reference
-from coldsnap.capsule.restore import criu_check_passed, criu_version
+from coldsnap.capsule.restore import criu_check_passed, criu_version, lazy_restore_pays
 from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
+from coldsnap.formats.capsule import CriuExtent, CriuImageFile, CriuImageObject, CriuImageSet
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -112,3 +113,21 @@ def test_unit_environment_carries_identity_and_devices() -> None:
 def test_only_the_capabilities_criu_needs() -> None:
     assert set(CRIU_CAPABILITIES) == {"SYS_ADMIN", "SYS_PTRACE", "SYS_TIME", "NET_ADMIN",
                                       "DAC_READ_SEARCH"}
+
+
+def _image_set(total: int) -> CriuImageSet:
+    digest = "sha256:" + "ab" * 32
+    return CriuImageSet(chunk_bytes=total, objects=[CriuImageObject(sha256=digest, bytes=total)],
+                        files=[CriuImageFile(name="pages-1.img", size=total, mode=0o600,
+                                             extents=[CriuExtent(object=digest, offset=0,
+                                                                 length=total)])])
+
+
+@pytest.mark.parametrize(("total", "lazy"), [
+    (32 << 20, False),  # a snapshot whose weights were released: read back whole
+    ((256 << 20) - 1, False),
+    (256 << 20, True),
+    (8 << 30, True),  # weights in the images: the engine runs before they are all back
+])
+def test_only_large_criu_images_are_restored_lazily(total: int, lazy: bool) -> None:
+    assert lazy_restore_pays(_image_set(total)) is lazy

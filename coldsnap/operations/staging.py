@@ -23,6 +23,7 @@ from coldsnap.capsule.images import (
     discard_dir,
     finish_assembly,
     image_set_ready,
+    partial_set_dir,
     place_object,
 )
 from coldsnap.digests import check_digest
@@ -196,7 +197,9 @@ async def stage_host(
         await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
     try:
         for key, image_set in todo.items():
-            parts[key] = await begin_assembly(host, data_dir, image_set, operation_id)
+            # Named before it is made: cancelled while it is being made, it is removed too.
+            parts[key] = partial_set_dir(data_dir, image_set, operation_id)
+            await begin_assembly(host, data_dir, image_set, operation_id)
         # Every object in one group, largest first: a GiB payload starts at once and the
         # small CRIU chunks (each paying a few round trips) go beside it, not after it. A
         # failed transfer or placement cancels the others at once.

@@ -7,6 +7,7 @@ reuse of a published image set, and digest checks on every read."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import stat
@@ -169,6 +170,37 @@ async def test_a_failed_assembly_leaves_nothing_behind(tmp_path: Path) -> None:
                          operation_id="op-5")
     assert list((data_dir / "criu-images").iterdir()) == []
     assert not Path(image_set_dir(str(data_dir), image_set)).exists()
+
+
+class _CancelledAfterMaking(LocalHost):
+    """A host whose command making the partial image directory runs, and whose caller is
+    then held there: a cancellation lands after the directory exists, before the call
+    returns (as when SIGTERM arrives while the command's answer is on its way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = asyncio.Event()
+
+    async def run(self, argv, **kwargs):  # type: ignore[no-untyped-def,override]
+        result = await super().run(argv, **kwargs)
+        if argv[:2] == ["mkdir", "-m"] and str(argv[-1]).endswith(".partial"):
+            self.made.set()
+            await asyncio.Event().wait()
+        return result
+
+
+async def test_staging_cancelled_while_it_makes_the_assembly_directory_removes_it(
+        tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    store, objects = store_with(tmp_path, paths)
+    host, data_dir = _CancelledAfterMaking(), tmp_path / "host"
+    staging = asyncio.create_task(stage_host(host, str(data_dir), objects, store,
+                                             image_sets=[image_set], operation_id="op-9"))
+    await asyncio.wait_for(host.made.wait(), 30)
+    staging.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await staging
+    assert list((data_dir / "criu-images").iterdir()) == []
 
 
 def test_an_image_set_whose_extents_do_not_add_up_is_refused() -> None:

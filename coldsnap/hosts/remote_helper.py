@@ -13,6 +13,8 @@ Modes:
   recv PART OFF LEN   bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
   commit SRC DST      rename a verified candidate into place
   get PATH OFFSET     "size SIZE", bytes from OFFSET, then "HEX" of the whole file
+  reap TOKEN SECONDS  wait until no process of a put through OpenSSH marked with TOKEN (see
+                      PUT_MARK) runs here, killing what still runs after half the time
 
 Published files are fsync'd, then renamed, then their directory is fsync'd; partial files and
 the directories made for them are private to the owner (0600, 0700): a CRIU image can hold
@@ -32,9 +34,11 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import signal
 import stat
 import sys
 import threading
+import time
 from typing import Any, NoReturn
 
 EXIT_OK = 0
@@ -45,6 +49,9 @@ EXIT_OFFSET = 5  # a resume offset or a file size that no longer holds
 EXIT_BUSY = 75  # another transfer is writing the same partial file
 
 CH = 1 << 20
+# A put through an OpenSSH client runs its `recv` under `env PUT_MARK=TOKEN`: the mark, in
+# the shell's command line and the helper's environment, is how `reap` finds them.
+PUT_MARK = "COLDSNAP_PUT"
 STAMP_ATTR = "user.coldsnap.sha256"
 F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by older Pythons' fcntl module
 
@@ -210,6 +217,44 @@ def file_state(path: str, mv: memoryview, absent: str) -> bytes:
         return f"part {size} {h.hexdigest()}\n".encode()
 
 
+def marked(mark: bytes) -> list[int]:
+    """PIDs of the processes here (this one excepted) whose command line or environment
+    holds `mark`; those of other users cannot be read and do not count."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        for part in ("cmdline", "environ"):
+            try:
+                with open("/proc/" + name + "/" + part, "rb") as f:
+                    if mark in f.read():
+                        found.append(int(name))
+                        break
+            except OSError:
+                pass
+    return found
+
+
+def reap(token: str, seconds: float) -> None:
+    """Until the marked processes of a failed or cancelled put are gone, and have stayed gone
+    for a few looks (sshd may still be starting one for a client that already died): the
+    caller then cleans up after them, not before them."""
+    mark = (PUT_MARK + "=" + token).encode()
+    start = time.monotonic()
+    quiet = 0
+    while quiet < 3:
+        pids = marked(mark)
+        quiet = 0 if pids else quiet + 1
+        waited = time.monotonic() - start
+        if pids and waited > seconds:
+            die(EXIT_BUSY, "still running after " + str(seconds) + "s: " + str(pids))
+        if pids and waited > seconds / 2:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def main(argv: list[str]) -> int:
     out = sys.stdout.buffer
     mv = memoryview(bytearray(CH))
@@ -249,6 +294,8 @@ def main(argv: list[str]) -> int:
         got = h.hexdigest()
         publish(f, part, part + "." + got, got)
         out.write(f"got {offset + length} {got}\n".encode())
+    elif mode == "reap":
+        reap(argv[1], float(argv[2]))
     elif mode == "commit":
         try:
             os.replace(argv[1], argv[2])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shlex
 import shutil
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.client_thread import Started, in_client_thread, loop_progress, start_client
 from coldsnap.hosts.inventory import HostEntry
+from coldsnap.hosts.remote_helper import PUT_MARK
 from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.streams import StreamHost
 from coldsnap.hosts.transfer_protocol import (
@@ -35,6 +37,23 @@ from coldsnap.hosts.transfer_protocol import (
 # The OpenSSH client itself failed (connection, configuration, authentication).
 SSH_CLIENT_FAILED = 255
 _REPORT_EVERY = 8 * CHUNK
+
+
+# How long the far side of a failed or cancelled put gets to end (it only has to notice that
+# its input ended) before it is killed, and then to be gone.
+_FAR_SIDE_END_S = 10.0
+
+
+async def _reap_far_side(host: StreamHost, token: str) -> None:
+    """The client is gone, but the helper it started on the host may not be (or sshd may still
+    be starting it): wait for it over the pooled connection, so that a caller that cleans up
+    after the failure finds its partial file there, not created a moment later. A host that
+    cannot be reached now is left as it is."""
+    with contextlib.suppress(Exception):
+        # Bounded as a whole: reaching a host that was lost may itself take a connect timeout.
+        async with asyncio.timeout(_FAR_SIDE_END_S + 10):
+            await host.run(helper_argv("reap", token, str(_FAR_SIDE_END_S)),
+                           timeout=_FAR_SIDE_END_S + 5, check=False)
 
 
 class OpenSSHClientFailed(Retry):
@@ -138,17 +157,25 @@ async def put_once_openssh(
     if progress:
         progress(offset, total)
 
-    command = "exec " + shlex.join(helper_argv("recv", part, str(offset), str(total - offset)))
+    token = secrets.token_hex(8)
+    command = "exec " + shlex.join(["env", f"{PUT_MARK}={token}",
+                                    *helper_argv("recv", part, str(offset), str(total - offset))])
     report = loop_progress(progress, loop)
-    status, out, err, done = await in_client_thread(
-        f"put-{host.name}",
-        lambda started: _pump([*argv, command], local, offset, h, tamper, report, total,
-                              started))
+    try:
+        status, out, err, done = await in_client_thread(
+            f"put-{host.name}",
+            lambda started: _pump([*argv, command], local, offset, h, tamper, report, total,
+                                  started))
+    except BaseException:
+        await asyncio.shield(_reap_far_side(host, token))
+        raise
     message = err.decode(errors="replace").strip()
     reply = out.split()
+    outcome = classify(status)
+    if status == SSH_CLIENT_FAILED or outcome != "ok":
+        await _reap_far_side(host, token)
     if status == SSH_CLIENT_FAILED:
         raise OpenSSHClientFailed(f"ssh: {message or 'connection failed'}")
-    outcome = classify(status)
     if outcome == "retry":
         raise Retry(f"far side exited {status}: {message}")
     if outcome != "ok" or len(reply) != 3 or reply[0] != b"got":

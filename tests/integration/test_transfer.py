@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -308,14 +309,25 @@ async def test_a_cancelled_put_kills_its_openssh_client(
                                capture_output=True, text=True, check=False)
         return found.stdout.split()
 
+    def far_helpers() -> list[str]:  # the hosts share this machine's process table
+        found = subprocess.run(["pgrep", "-f", f"^python3 -c .*recv {remote_dir}/obj.bin"],
+                               capture_output=True, text=True, check=False)
+        return found.stdout.split()
+
     task = asyncio.ensure_future(put_file(host, src, f"{remote_dir}/obj.bin",
                                           progress=progress, transport="openssh"))
     await holding.wait()
     assert clients()  # mid-way, the client is there
+    # The helper on the host is held still: it cannot end by itself once its input ends.
+    (helper,) = far_helpers()
+    os.kill(int(helper), signal.SIGSTOP)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not clients()
+    # Nor is that helper still there: the put waited for it (and ended it), so a clean-up
+    # after the cancellation comes after its last write, not before.
+    assert not far_helpers()
     assert not await remote_exists(host, f"{remote_dir}/obj.bin")
     await host.run(["rm", "-rf", remote_dir])
 

@@ -17,6 +17,7 @@ from coldsnap.hosts.remote_helper import (
     EXIT_MISMATCH,
     EXIT_OFFSET,
     EXIT_SHORT,
+    PUT_MARK,
     STAMP_ATTR,
 )
 from coldsnap.hosts.settings import SSHSettings
@@ -135,3 +136,32 @@ def test_stats_answers_for_many_files_in_one_call(tmp_path: Path) -> None:
     assert parse_part(lines[0]) == (len(payload), other)  # from the stamp, not read
     assert lines[1] == lines[3] == b"absent"  # no file; a directory is no object either
     assert parse_part(lines[2]) == (5, hashlib.sha256(b"plain").hexdigest())
+
+
+def _marked_sleep(token: str) -> subprocess.Popen[bytes]:
+    """A stand-in for a put's helper on the host: a process under `env PUT_MARK=TOKEN`."""
+    return subprocess.Popen(["env", f"{PUT_MARK}={token}", "sleep", "60"])
+
+
+def test_reap_ends_the_marked_process_of_a_put_and_spares_any_other() -> None:
+    mine, other = _marked_sleep("a1b2c3"), _marked_sleep("d4e5f6")
+    try:
+        out = run("reap", "a1b2c3", "1")
+        assert out.returncode == 0, out.stderr
+        # Gone when reap answers (killed after half its time: a sleep never ends by itself).
+        assert mine.wait(timeout=5) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (mine, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_reap_with_nothing_marked_answers_and_kills_nothing() -> None:
+    other = _marked_sleep("d4e5f6")
+    try:
+        assert run("reap", "0f0f0f", "1").returncode == 0
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

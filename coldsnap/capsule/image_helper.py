@@ -9,13 +9,20 @@ Modes:
   place ROOT OBJ HEX        stdin: the object's copies, each [[name, file_offset,
                             object_offset, length], ...] from offset 0 to its end: write OBJ's
                             bytes into ROOT's files while hashing it; exit 4 when OBJ is not HEX
-  finish PART FINAL         stdin [[name, size, mode], ...]: check, fsync, publish PART as FINAL
-  verify DIR                stdin [[hex, size, copies], ...] (copies as for place):
+  finish PART FINAL         stdin {"files": [[name, size, mode], ...], "plan": PLAN}: check,
+                            fsync, stamp (below), publish PART as FINAL
+  verify DIR                stdin PLAN, [[hex, size, copies], ...] (copies as for place):
                             exit 0 when DIR holds exactly those bytes, 1 when DIR is absent,
                             4 (naming the object) when they differ
   layers SRC DST NBASE      a `docker save` tar without its first NBASE layers: what
                             `docker load` needs on a host that has the base image; prints
                             "HEX SIZE" of DST
+
+A published directory carries a verified stamp (an extended attribute on the directory): the
+digest of the plan its bytes were checked against, and of each of its files' size, mtime and
+inode. `verify` answers from a stamp that still matches instead of reading the files again;
+any write to a file moves its mtime, and a replaced file has another inode. `finish` stamps,
+since every object was hashed as it was placed, and so does a `verify` that read everything.
 
 Objects and published files are fsync'd before their rename and their directory after it;
 everything is private to the owner (0600 files, 0700 directories): CRIU images hold the
@@ -24,6 +31,7 @@ engine's memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -37,6 +45,7 @@ EXIT_USAGE = 2
 EXIT_ABSENT = 1
 EXIT_MISMATCH = 4
 BUF = 1 << 20
+SET_STAMP_ATTR = "user.coldsnap.set"
 
 
 def fail(code: int, msg: str) -> NoReturn:
@@ -219,8 +228,33 @@ def place(root: str, obj: str, hexd: str) -> None:
         fail(EXIT_MISMATCH, f"{obj} hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
 
 
+def set_stamp(root: str, plan: list[Any]) -> str:
+    """The stamp of DIR's files as they are now, checked against `plan`."""
+    h = hashlib.sha256(json.dumps(plan, separators=(",", ":")).encode())
+    names = sorted({piece[0] for _hex, _size, copies in plan for copy in copies
+                    for piece in copy})
+    for name in names:
+        st = os.stat(os.path.join(root, name))
+        h.update(f"\n{name} {st.st_size} {st.st_mtime_ns} {st.st_ino}".encode())
+    return h.hexdigest()
+
+
+def read_set_stamp(root: str) -> str | None:
+    try:
+        return os.getxattr(root, SET_STAMP_ATTR).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_set_stamp(root: str, plan: list[Any]) -> None:
+    # Without user xattrs on this filesystem, every verify reads the files.
+    with contextlib.suppress(OSError):
+        os.setxattr(root, SET_STAMP_ATTR, set_stamp(root, plan).encode())
+
+
 def finish(part: str, final: str) -> None:
-    for name, size, mode in json.load(sys.stdin):
+    doc = json.load(sys.stdin)
+    for name, size, mode in doc["files"]:
         path = os.path.join(part, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -230,6 +264,7 @@ def finish(part: str, final: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+    write_set_stamp(part, doc["plan"])
     sync_dir(part)
     if os.path.isdir(final):  # another restore assembled the same set meanwhile
         return
@@ -240,9 +275,13 @@ def finish(part: str, final: str) -> None:
 def verify(root: str) -> None:
     if not os.path.isdir(root):
         fail(EXIT_ABSENT, f"{root} is absent")
+    plan = json.load(sys.stdin)
+    with contextlib.suppress(OSError):
+        if read_set_stamp(root) == set_stamp(root, plan):
+            return
     buf = bytearray(BUF)
     mv = memoryview(buf)
-    for hexd, size, copies in json.load(sys.stdin):
+    for hexd, size, copies in plan:
         for copy in copies:
             h = hashlib.sha256()
             total = 0
@@ -262,6 +301,7 @@ def verify(root: str) -> None:
                     fail(EXIT_MISMATCH, f"{name}: {exc}")
             if total != size or h.hexdigest() != hexd:
                 fail(EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}")
+    write_set_stamp(root, plan)
 
 
 def layers(src: str, dst: str, nbase: int) -> None:

@@ -92,13 +92,18 @@ async def pack_images(host: Host, src: str, out: str, *, size_hint: int,
     return image_set, objects
 
 
+def _verify_plan(image_set: CriuImageSet) -> list[list[Any]]:
+    """What the helper's `verify` checks: each object's digest, size and copies."""
+    return [[check_digest(o.sha256), o.bytes, image_set.copies(o.sha256)]
+            for o in image_set.objects]
+
+
 async def image_set_ready(host: Host, data_dir: str, image_set: CriuImageSet) -> bool:
     """Whether the host holds the set's published directory with exactly its bytes (every
     object's digest recomputed from the files). A directory that differs is removed."""
     root = image_set_dir(data_dir, image_set)
-    plan = [[check_digest(o.sha256), o.bytes, image_set.copies(o.sha256)]
-            for o in image_set.objects]
-    res = await host.run(helper_argv("verify", root), input=json.dumps(plan).encode(),
+    res = await host.run(helper_argv("verify", root),
+                         input=json.dumps(_verify_plan(image_set)).encode(),
                          timeout=_limit(image_set.total_bytes), check=False)
     if res.exit_status == 0:
         return True
@@ -138,7 +143,10 @@ async def finish_assembly(host: Host, part: str, data_dir: str,
     """Check and fsync every file, then publish the assembly under the set's digest."""
     final = image_set_dir(data_dir, image_set)
     files = [[f.name, f.size, f.mode] for f in image_set.files]
-    res = await host.run(helper_argv("finish", part, final), input=json.dumps(files).encode(),
+    # With the plan a later `verify` checks, so that the published directory carries the
+    # stamp of bytes that were hashed as they were placed.
+    doc = {"files": files, "plan": _verify_plan(image_set)}
+    res = await host.run(helper_argv("finish", part, final), input=json.dumps(doc).encode(),
                          timeout=_limit(image_set.total_bytes), check=False)
     if not res.ok:
         raise ImageSetError(host.name, f"publishing {part}: "

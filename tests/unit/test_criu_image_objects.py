@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.capsule.image_helper import SET_STAMP_ATTR
 from coldsnap.capsule.images import (
     ImageSetError,
     begin_assembly,
@@ -155,6 +156,30 @@ async def test_staging_assembles_then_a_warm_host_receives_nothing(tmp_path: Pat
     warm = await stage_host(host, data_dir, objects, store, image_sets=[image_set],
                             operation_id="op-4")
     assert warm.sent_bytes == 0 and sorted(warm.skipped) == sorted(o.sha256 for o in objects)
+
+
+async def test_a_published_set_is_checked_from_its_stamp_while_its_files_are_unchanged(
+        tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    store, objects = store_with(tmp_path, paths)
+    host, data_dir = LocalHost(), str(tmp_path / "host")
+    await stage_host(host, data_dir, objects, store, image_sets=[image_set],
+                     operation_id="op-10")
+    final = Path(image_set_dir(data_dir, image_set))
+    assert os.getxattr(final, SET_STAMP_ATTR)
+    # Bytes changed with the file's mtime put back (its inode kept): only a stamp misses
+    # that, so the set passing shows that it was checked from the stamp, not read again.
+    page = final / "pages-1.img"
+    before = page.stat()
+    with open(page, "r+b") as f:
+        f.seek(5)
+        f.write(b"X")
+    os.utime(page, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert await image_set_ready(host, data_dir, image_set)
+    # A write that moves the mtime voids the stamp: the set is read, found changed, removed.
+    os.utime(page, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
+    assert not await image_set_ready(host, data_dir, image_set)
+    assert not final.exists()
 
 
 async def test_a_failed_assembly_leaves_nothing_behind(tmp_path: Path) -> None:

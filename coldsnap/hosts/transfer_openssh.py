@@ -24,6 +24,7 @@ from coldsnap.hosts.settings import SSHSettings
 from coldsnap.hosts.streams import StreamHost
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
+    FAR_SIDE_END_S,
     PART_SUFFIX,
     DigestMismatch,
     Retry,
@@ -39,11 +40,6 @@ SSH_CLIENT_FAILED = 255
 _REPORT_EVERY = 8 * CHUNK
 
 
-# How long the far side of a failed or cancelled put gets to end (it only has to notice that
-# its input ended) before it is killed, and then to be gone.
-_FAR_SIDE_END_S = 10.0
-
-
 async def _reap_far_side(host: StreamHost, token: str) -> None:
     """The client is gone, but the helper it started on the host may not be (or sshd may still
     be starting it): wait for it over the pooled connection, so that a caller that cleans up
@@ -51,9 +47,9 @@ async def _reap_far_side(host: StreamHost, token: str) -> None:
     cannot be reached now is left as it is."""
     with contextlib.suppress(Exception):
         # Bounded as a whole: reaching a host that was lost may itself take a connect timeout.
-        async with asyncio.timeout(_FAR_SIDE_END_S + 10):
-            await host.run(helper_argv("reap", token, str(_FAR_SIDE_END_S)),
-                           timeout=_FAR_SIDE_END_S + 5, check=False)
+        async with asyncio.timeout(FAR_SIDE_END_S + 10):
+            await host.run(helper_argv("reap", token, str(FAR_SIDE_END_S)),
+                           timeout=FAR_SIDE_END_S + 5, check=False)
 
 
 class OpenSSHClientFailed(Retry):

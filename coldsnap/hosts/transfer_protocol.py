@@ -19,6 +19,9 @@ from coldsnap.hosts.remote_helper import (
 
 CHUNK = 1024 * 1024
 PART_SUFFIX = ".coldsnap-part"
+# How long the far side of a failed or cancelled put gets to end once its input has ended
+# (it only has to notice that), on either data path.
+FAR_SIDE_END_S = 10.0
 F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by Python 3.11's fcntl module
 
 HELPER = resources.files("coldsnap.hosts").joinpath("remote_helper.py").read_text()

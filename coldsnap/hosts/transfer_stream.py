@@ -20,6 +20,7 @@ from coldsnap.hosts.remote_helper import EXIT_OFFSET
 from coldsnap.hosts.streams import RemoteStream, StreamHost
 from coldsnap.hosts.transfer_protocol import (
     CHUNK,
+    FAR_SIDE_END_S,
     PART_SUFFIX,
     DigestMismatch,
     Retry,
@@ -81,16 +82,11 @@ async def put_once_stream(
             raise
 
 
-# How long a put's far side gets to end once its stdin is closed (it only has to notice the
-# end of its input).
-_FAR_SIDE_END_S = 10.0
-
-
 async def _end_far_side(s: RemoteStream) -> None:
     with contextlib.suppress(OSError, asyncssh.Error):
         s.stdin.write_eof()
     with contextlib.suppress(TimeoutError, OSError, asyncssh.Error):
-        async with asyncio.timeout(_FAR_SIDE_END_S):
+        async with asyncio.timeout(FAR_SIDE_END_S):
             await s.channel.wait_closed()
 
 

@@ -55,7 +55,7 @@ from coldsnap.formats.artifact import (
     Artifact,
     ArtifactObject,
 )
-from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
@@ -179,8 +179,8 @@ async def restore(
     per_host = objects_by_host(artifact, topology)
     # What each host holds is asked beside its facts: asking writes nothing there, and on a
     # host that holds everything it is all that staging has to do.
-    sets = {n: [m.criu_images for u in launch.units
-                if u.host == n and (m := capsule_meta(store, artifact, u.id)) is not None]
+    metas = {u.id: capsule_meta(store, artifact, u.id) for u in launch.units}
+    sets = {n: [metas[u.id].criu_images for u in launch.units if u.host == n]
             for n in per_host}
     async with ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
                                      sets[n]) for n in per_host}) as surveys:
@@ -213,7 +213,7 @@ async def restore(
             runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
                                previous=previous.get(p.unit_id, [])) for p in placed]
             for r in runs:
-                r.capsule_meta = capsule_meta(store, artifact, r.placed.unit_id)
+                r.capsule_meta = metas[r.placed.unit_id]
                 r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
                 if r.placed.unit_id in replay_units:
                     r.replay_reason = _issues_text(refusals[r.placed.unit_id])
@@ -223,7 +223,7 @@ async def restore(
                     {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
             async def staged() -> list[HostStaging]:
                 with ctx.span("restore.stage"):
-                    done = await _stage(hosts, store, per_host, runs, ctx, surveys)
+                    done = await _stage(hosts, store, per_host, sets, ctx, surveys)
                 for st in done:
                     ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
                 return done
@@ -281,16 +281,14 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
 
 
 async def _stage(hosts: HostSet, store: LocalStore,
-                 per_host: dict[str, list[ArtifactObject]], runs: Sequence[RestoreRun],
-                 ctx: OperationContext,
+                 per_host: dict[str, list[ArtifactObject]],
+                 sets: Mapping[str, list[CriuImageSet]], ctx: OperationContext,
                  surveys: Mapping[str, Awaitable[HostHoldings]]) -> list[HostStaging]:
     async def one(name: str) -> HostStaging:
-        sets = [r.capsule_meta.criu_images for r in runs
-                if r.placed.host == name and r.capsule_meta is not None]
         with ctx.span("restore.stage-host", host=name):
             return await stage_host(hosts.host(name), hosts.entries[name].data_dir,
                                     per_host[name], store, progress=ctx.progress,
-                                    image_sets=sets, operation_id=ctx.operation_id,
+                                    image_sets=sets[name], operation_id=ctx.operation_id,
                                     holdings=await surveys[name])
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)

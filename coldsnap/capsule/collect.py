@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coldsnap.capsule.runtime import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import UnitSpec, WorkerSpec, container_path_for, docker_name
+from coldsnap.capsule.spec import WorkerSpec, container_path_for, docker_name
 from coldsnap.engines import adapter_for
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
@@ -71,22 +71,7 @@ async def host_sha256(s: CapsuleSession, path: str, *, size_hint: int = 0) -> tu
     return digest, size
 
 
-# The last field is the file's identity: device, inode and mtime (to the nanosecond).
-_CHECK_FILE = ('p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && '
-               'stat -L -c "%F|%s|%d:%i:%y" -- "$p"')
-
-
-@dataclass(frozen=True)
-class SeenPayload:
-    """A worker's payload as hashed on its host, and the file's identity (device, inode,
-    size, mtime) just before: a file that shows the same identity later holds the same bytes,
-    unless someone wrote it and put its mtime back."""
-
-    worker_id: str
-    real: str
-    identity: str
-    sha256: str
-    bytes: int
+_CHECK_FILE = 'p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && stat -L -c "%F|%s" -- "$p"'
 
 
 async def checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
@@ -94,20 +79,13 @@ async def checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
     """The payload's real path on the host and its size, refused unless it resolves (symlinks
     followed, on the host) to a regular file under one of the unit's mount sources and is at
     most MAX_PAYLOAD_BYTES: a request must not pull an arbitrary host file into an artifact."""
-    real, size, _ = await _checked_payload(s, unit, worker, path, mounts)
-    return real, size
-
-
-async def _checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
-                           mounts: Sequence[Mount]) -> tuple[str, int, str]:
-    """checked_payload's answer and the file's identity."""
     step = "collect"
     out = await s.target.host.run(["sh", "-c", _CHECK_FILE, "sh", path], timeout=30,
                                   check=False)
     lines = out.stdout.decode(errors="replace").splitlines()
     if not out.ok or len(lines) != 2:
         raise fail(s, unit, step, f"worker {worker}: payload {path} does not exist on the host")
-    real, (kind, size_text, identity) = lines[0], [*lines[1].split("|", 2), "", ""][:3]
+    real, (kind, _, size_text) = lines[0], lines[1].partition("|")
     if kind != "regular file" and kind != "regular empty file":
         raise fail(s, unit, step, f"worker {worker}: payload {path} is a {kind}, not a file")
     sources = await s.target.host.run(
@@ -116,61 +94,33 @@ async def _checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
     if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
         raise fail(s, unit, step, f"worker {worker}: payload {path} resolves to {real}, "
                                   "outside every mount of the unit")
-    if not size_text.isdigit() or not identity:
-        raise fail(s, unit, step, f"worker {worker}: payload {path}: unexpected answer from "
-                                  f"stat: {lines[1]!r}")
     size = int(size_text)
     if size > MAX_PAYLOAD_BYTES:
         raise fail(s, unit, step, f"worker {worker}: payload {path} is {size} bytes, over "
                                   f"the {MAX_PAYLOAD_BYTES} byte cap")
-    return real, size, f"{identity}|{size}"
-
-
-async def hash_payloads(s: CapsuleSession, spec: UnitSpec) -> dict[str, SeenPayload]:
-    """Every worker's payload of the unit located, checked and hashed on its host, by worker
-    id. The weights lie on the host before the engine starts, so a capture can pull them
-    while the engine warms up, instead of after the dump."""
-
-    async def one(w: WorkerSpec) -> SeenPayload:
-        real, size, identity = await _checked_payload(s, spec.unit_id, w.id,
-                                                      _located(s, spec.unit_id, w), spec.mounts)
-        sha, hashed = await host_sha256(s, real, size_hint=size)
-        return SeenPayload(w.id, real, identity, sha, hashed)
-
-    return {p.worker_id: p for p in await asyncio.gather(*(one(w) for w in spec.workers))}
-
-
-def _located(s: CapsuleSession, unit: str, w: WorkerSpec) -> str:
-    if not w.payload_path:
-        raise fail(s, unit, "collect", f"worker {w.id}: no weight payload located (set "
-                   "policy.weights.native.files_by_worker)")
-    return w.payload_path
+    return real, size
 
 
 async def collect_worker_objects(
-    s: CapsuleSession, handle: UnitHandle, capture_id: str,
-    seen: Mapping[str, SeenPayload] | None = None,
+    s: CapsuleSession, handle: UnitHandle, capture_id: str
 ) -> list[WorkerObjects]:
     """Per worker: its weight payload (content-addressed where it lies on the host, at the
     path the request located) and a replay plan (how to re-create the worker natively),
-    written next to the capsule tar. A payload in `seen` (hashed earlier by hash_payloads)
-    is not hashed again when its file still shows the identity it had then."""
+    written next to the capsule tar."""
+    step = "collect"
     spec = handle.spec
     out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
     await s.target.host.run(["mkdir", "-m", "0700", "-p", out_dir])
     model_dir = adapter_for(spec.engine).model_dir(spec.command)
 
     async def one(w: WorkerSpec) -> WorkerObjects:
-        payload_path = _located(s, handle.unit, w)
-        real, expected, identity = await _checked_payload(s, handle.unit, w.id, payload_path,
-                                                          spec.mounts)
-        before = (seen or {}).get(w.id)
-        if before is not None and (before.real, before.identity, before.bytes) == (
-                real, identity, expected):
-            sha, size = before.sha256, before.bytes
-        else:
-            sha, size = await host_sha256(s, real, size_hint=expected)
-        container_path = container_path_for(spec.mounts, payload_path)
+        if not w.payload_path:
+            raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload located (set "
+                       "policy.weights.native.files_by_worker)")
+        real, expected = await checked_payload(s, handle.unit, w.id, w.payload_path,
+                                               spec.mounts)
+        sha, size = await host_sha256(s, real, size_hint=expected)
+        container_path = container_path_for(spec.mounts, w.payload_path)
         plan = ReplayPlan.model_validate({
             "unit_id": spec.unit_id,
             "engine": spec.engine,

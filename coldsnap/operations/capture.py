@@ -27,12 +27,7 @@ from coldsnap.capsule.capture import (
     start_unit,
     wait_ready,
 )
-from coldsnap.capsule.collect import (
-    SeenPayload,
-    collect_worker_objects,
-    hash_payloads,
-    remove_capsule_files,
-)
+from coldsnap.capsule.collect import collect_worker_objects, remove_capsule_files
 from coldsnap.capsule.runtime import remove_operation_containers
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
@@ -68,7 +63,6 @@ from coldsnap.operations.context import (
 from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
 from coldsnap.operations.hostset import HostSet, is_transient
 from coldsnap.operations.network import check_ports_free, unit_ports
-from coldsnap.operations.overlap import ahead, failed_early
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
@@ -147,44 +141,35 @@ async def _capture_units(
     output: Path | None,
     keep_serving: bool,
 ) -> CaptureOutcome:
-    fetcher = Fetcher(store)
-    # The weights are on the hosts' disks before the engines start: they travel to the store
-    # while the engines warm up, rather than after the dump.
-    async with ahead({"payloads": _pull_payloads(ctx, runs, hosts, store, fetcher)}) as early:
-        payloads = early["payloads"]
+    async def start(r: UnitRun) -> None:
+        r.handle = await start_unit(r.session, r.placed.spec)
 
-        async def start(r: UnitRun) -> None:
-            r.handle = await start_unit(r.session, r.placed.spec)
+    await phase(ctx, "start", runs, start)
+    async def ready(r: UnitRun) -> None:
+        await wait_ready(r.session, r.started)
+        r.ready = True
 
-        await phase(ctx, "start", runs, start)
-        async def ready(r: UnitRun) -> None:
-            await wait_ready(r.session, r.started)
-            r.ready = True
+    await phase(ctx, "wait-ready", runs, ready, fail_fast=True)
+    await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
+    await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
+    dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
+    dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
 
-        await phase(ctx, "wait-ready", runs, ready, fail_fast=True)
-        await failed_early(payloads)
-        await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
-        await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
-        dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
-        dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
+    async def do_commit(r: UnitRun) -> None:
+        r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
+                                 registry=hosts.inventory.registry)
 
-        async def do_commit(r: UnitRun) -> None:
-            r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
-                                     registry=hosts.inventory.registry)
-
-        await phase(ctx, "commit", runs, do_commit)
-        with ctx.span("capture.payloads-wait"):
-            seen = await payloads
+    await phase(ctx, "commit", runs, do_commit)
 
     async def collect(r: UnitRun) -> None:
-        r.workers = await collect_worker_objects(r.session, r.started, request.id,
-                                                 seen[r.placed.unit_id])
+        r.workers = await collect_worker_objects(r.session, r.started, request.id)
 
     await phase(ctx, "collect", runs, collect)
-    pulled = {p.sha256: p.bytes for unit in seen.values() for p in unit.values()}
 
     objects: list[ArtifactObject] = []
     replay: list[ReplayPlanEntry] = []
+
+    fetcher = Fetcher(store)
 
     async def fetch(r: UnitRun) -> None:
         assert r.capsule is not None and r.workers is not None
@@ -196,11 +181,9 @@ async def _capture_units(
 
         wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}")
                   for o in r.capsule.objects]
-        # A payload whose file changed after it was pulled was hashed again: pulled now.
         wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
-                          f"payload of {Owner.worker(w.worker_id)}") for w in r.workers
-                   if w.payload.sha256 not in pulled]
-        sizes = pulled | await fetcher.pull_all(host, wanted, progress)
+                          f"payload of {Owner.worker(w.worker_id)}") for w in r.workers]
+        sizes = await fetcher.pull_all(host, wanted, progress)
         for o in r.capsule.objects:
             path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE
                     else criu_image_path(o.file.sha256))
@@ -279,29 +262,6 @@ async def _capture_units(
                 store.remove_artifact(artifact.capture_id)
                 raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
     return CaptureOutcome(stored, fetcher.summary())
-
-
-async def _pull_payloads(ctx: OperationContext, runs: Sequence[UnitRun], hosts: HostSet,
-                         store: LocalStore, fetcher: Fetcher,
-                         ) -> dict[str, dict[str, SeenPayload]]:
-    """Every worker's payload hashed on its host and pulled into the store; by unit, then
-    worker. The store's room is checked once, for all of them, before the first byte."""
-    hashed = await phase(ctx, "hash-payloads", runs,
-                         lambda r: hash_payloads(r.session, r.placed.spec))
-    seen = {r.placed.unit_id: h for r, h in zip(runs, hashed, strict=True)}
-    refuse_short([store_need(store, [(p.sha256, p.bytes) for unit in hashed
-                                     for p in unit.values()])])
-
-    async def pull(r: UnitRun) -> None:
-        def progress(what: str) -> ProgressCallback | None:
-            return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
-
-        await fetcher.pull_all(hosts.host(r.placed.host), [
-            Wanted(p.real, p.sha256, p.bytes, f"payload of {Owner.worker(p.worker_id)}")
-            for p in seen[r.placed.unit_id].values()], progress)
-
-    await phase(ctx, "pull-payloads", runs, pull)
-    return seen
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],

@@ -26,13 +26,6 @@ async def ahead(work: Mapping[str, Awaitable[T]]) -> AsyncIterator[dict[str, asy
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
-async def failed_early(task: asyncio.Task[T]) -> None:
-    """Raise the failure of a step started ahead, if it has failed already: an operation
-    should not go on for minutes towards a result that step has made impossible."""
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        await task
-
-
 async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
     """Run both to their end whatever either does (each cleans up after itself, also when
     cancelled, and a rollback must not start while one still runs); then raise the first
@@ -45,4 +38,4 @@ async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
     return a, b
 
 
-__all__ = ["ahead", "both", "failed_early"]
+__all__ = ["ahead", "both"]

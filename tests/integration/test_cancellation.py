@@ -60,13 +60,12 @@ class Started:
         return self.proc.returncode, err, receipt
 
 
-def start(ops: Ops, *args: str, inventory: Path | None = None,
-          store: Path | None = None) -> Started:
+def start(ops: Ops, *args: str, inventory: Path | None = None) -> Started:
     tag = secrets.token_hex(4)
     events, receipt = ops.work / f"events-{tag}.ndjson", ops.work / f"receipt-{tag}.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "coldsnap", *args, "--inventory", str(inventory or ops.inventory),
-         "--store", str(store or ops.store), "--receipt-json", str(receipt),
+         "--store", str(ops.store), "--receipt-json", str(receipt),
          "--timing-events", str(events)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)

@@ -142,3 +142,18 @@ def test_cli_requires_exactly_one_of_get_state_and_action(driver: Path, proc: in
     assert sim(driver, "--pid", str(proc)).returncode == 2
     assert sim(driver, "--get-state", "--action", "lock", "--pid", str(proc)).returncode == 2
     assert sim(driver, "--action", "toggle", "--pid", str(proc)).returncode == 2
+
+
+def test_cli_takes_both_option_forms_and_refuses_malformed_ones(driver: Path, proc: int) -> None:
+    register(driver, proc, [GPU_A])
+    assert sim(driver, "--action=lock", f"--pid={proc}", "--timeout=500").returncode == 0
+    assert state(driver, proc) == "locked"
+    for bad in (["--action", "unlock", "--pid"], ["--action", "unlock", "--pid", "x"],
+                ["--action", "unlock", "--pid", str(proc), "--timeout", "soon"],
+                ["--action", "unlock", "--pid", str(proc), "--verbose"],
+                ["--get-state=yes", "--pid", str(proc)]):
+        r = sim(driver, *bad)
+        assert r.returncode == 2 and "usage: cuda-checkpoint" in r.stderr, (bad, r.stderr)
+    assert state(driver, proc) == "locked"  # nothing was applied
+    helped = sim(driver, "--help")
+    assert helped.returncode == 0 and "SIMULATED" in helped.stdout

@@ -10,7 +10,7 @@ master address and port, transport variables, device map) in a file it reads on 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,19 +67,12 @@ def clashes_within(units: Sequence[UnitPorts]) -> list[str]:
     return problems
 
 
-async def check_ports_free(hosts: HostSet, units: Sequence[UnitPorts], *,
-                           exempt: Iterable[str] = ()) -> None:
-    """Refuse (OperationFailed "port-in-use") when a unit's port is already listened on at
-    its host. Units in `exempt` are skipped: their earlier instance, which a restore replaces,
-    holds those ports."""
-    problems = clashes_within(units)
-    skip = set(exempt)
-    names = sorted({u.host for u in units})
-
-    async def one(name: str) -> set[int]:
-        return await listening_ports(hosts.host(name))
-
-    results = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
+async def listening_by_host(hosts: HostSet, names: Iterable[str]) -> dict[str, set[int]]:
+    """The TCP ports each host listens on now, all hosts at once; a host that cannot be
+    asked refuses the operation (OperationFailed "host-unreachable")."""
+    names = sorted(set(names))
+    results = await asyncio.gather(*(listening_ports(hosts.host(n)) for n in names),
+                                   return_exceptions=True)
     taken: dict[str, set[int]] = {}
     for name, res in zip(names, results, strict=True):
         if isinstance(res, BaseException):
@@ -88,6 +81,20 @@ async def check_ports_free(hosts: HostSet, units: Sequence[UnitPorts], *,
             raise OperationFailed("host-unreachable", f"host {name}: cannot read its listening "
                                                        f"ports: {res.message}")
         taken[name] = res
+    return taken
+
+
+async def check_ports_free(hosts: HostSet, units: Sequence[UnitPorts], *,
+                           exempt: Iterable[str] = (),
+                           listening: Awaitable[dict[str, set[int]]] | None = None) -> None:
+    """Refuse (OperationFailed "port-in-use") when a unit's port is already listened on at
+    its host. Units in `exempt` are skipped: their earlier instance, which a restore replaces,
+    holds those ports. `listening`: the hosts' ports read already (listening_by_host,
+    started early), else they are read now."""
+    problems = clashes_within(units)
+    skip = set(exempt)
+    taken = await (listening if listening is not None
+                   else listening_by_host(hosts, (u.host for u in units)))
     for u in units:
         if u.unit in skip:
             continue

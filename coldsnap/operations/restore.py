@@ -69,7 +69,12 @@ from coldsnap.operations.context import (
     Undone,
 )
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.network import check_ports_free, placement_documents, unit_ports
+from coldsnap.operations.network import (
+    check_ports_free,
+    listening_by_host,
+    placement_documents,
+    unit_ports,
+)
 from coldsnap.operations.overlap import ahead, both
 from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
@@ -182,8 +187,12 @@ async def restore(
     metas = {u.id: capsule_meta(store, artifact, u.id) for u in launch.units}
     sets = {n: [metas[u.id].criu_images for u in launch.units if u.host == n]
             for n in per_host}
+    # The ports the hosts listen on are read beside the facts too: a read, and one round
+    # trip fewer between admission and the first container.
+    listening = {} if prepare_only else {"all": listening_by_host(hosts, topology.hosts)}
     async with ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
-                                     sets[n]) for n in per_host}) as surveys:
+                                     sets[n]) for n in per_host}) as surveys, \
+            ahead(listening) as early:
         with ctx.span("restore.facts"):
             facts = await hosts.facts(topology.hosts)
         try:
@@ -208,7 +217,8 @@ async def restore(
                     previous = await previous_units(placed, sessions,
                                                      previous_identity(request, artifact))
                     await check_ports_free(hosts, unit_ports(launch, topology),
-                                           exempt=[u for u, found in previous.items() if found])
+                                           exempt=[u for u, found in previous.items() if found],
+                                           listening=early["all"])
             heads = set(service_heads(topology).values())
             runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
                                previous=previous.get(p.unit_id, [])) for p in placed]

@@ -55,6 +55,7 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG,
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
+    RUNTIME_DIR,
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
@@ -245,9 +246,18 @@ async def seed_placement(s: CapsuleSession, handle: UnitHandle,
 
 # The exec's arguments: $1 the images (mounted read-only), $2 CRIU's work directory (its logs,
 # the lazy-pages socket), $3 the PIDs that must run afterwards, $4 cuda-checkpoint, $5 the
-# workers whose GPU state is restored in the same exec (empty: left checkpointed), and the
-# rest the --device-map arguments.
-_ARGS = 'images=$1 work=$2 pids=$3 cuda=$4 workers=$5\nshift 5\n'
+# workers whose GPU state is restored in the same exec (empty: left checkpointed), $6 the
+# placement the engine reads on wake (empty: none to write), and the rest the --device-map
+# arguments.
+_ARGS = 'images=$1 work=$2 pids=$3 cuda=$4 workers=$5 placement=$6\nshift 6\n'
+# Written before CRIU brings the engine back, so no reader can see half of it. A Docker
+# `put_archive` beside the exec did the same, but its work in dockerd (a process started in
+# the container's root) slowed the restore beside it by about 0.1 s on a 2-CPU host.
+_SEED_FAILED = 96
+_SEED = (f'[ -z "$placement" ] || (umask 077 && mkdir -p {RUNTIME_DIR} && '
+         f'printf %s "$placement" > {RUNTIME_DIR}/{PLACEMENT_FILE}) || exit {_SEED_FAILED}\n')
+# A placement longer than this goes by put_archive (an argument may hold 128 KiB).
+PLACEMENT_ARG_MAX = 96 * 1024
 # The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
 _PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$work"\n'
 # Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
@@ -302,12 +312,14 @@ def lazy_restore_pays(images: CriuImageSet) -> bool:
 
 
 async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = True,
-                       gpus: Mapping[str, str] | None = None) -> RestoreResult:
+                       gpus: Mapping[str, str] | None = None,
+                       placement: Mapping[str, Any] | None = None) -> RestoreResult:
     """CRIU restore of the engine tree inside the fresh container. Afterwards the tree runs
     with its original PIDs and its intake closed; its GPUs are still checkpointed, unless
     `gpus` (captured device -> destination device) is given: then each worker's GPU state is
     restored with that map and unlocked in the same exec (`restore_gpus`, without the second
-    round trip).
+    round trip). `placement`, when given, is written where the engine reads it on wake, in
+    the same exec and before CRIU runs (`seed_placement` without a Docker call of its own).
 
     `lazy` (default) restores with userfaultfd-backed lazy pages; `criu check --feature
     uffd-noncoop` in the capsule says whether the kernel allows it."""
@@ -315,15 +327,23 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     workers = dict(handle.worker_pids) if gpus is not None else {}
+    seed = placement_bytes(placement).decode() if placement is not None else ""
+    if len(seed) > PLACEMENT_ARG_MAX:
+        # Too long for one argument (the kernel caps each at 128 KiB): its own Docker call.
+        await seed_placement(s, handle, placement or {})
+        seed = ""
     t0 = time.monotonic()
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
-    script = (_ARGS + _PREPARE + (_LAZY_RESTORE if lazy else _FULL_RESTORE) + _CHECK_PIDS
-              + (_GPU_RESTORE if workers else ""))
+    script = (_ARGS + _PREPARE + _SEED + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
+              + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [
         "sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
-        CUDA_CHECKPOINT, " ".join(map(str, workers.values())), *device_map_args(gpus)],
+        CUDA_CHECKPOINT, " ".join(map(str, workers.values())), seed, *device_map_args(gpus)],
         timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
+    if out.exit_code == _SEED_FAILED:
+        raise fail(s, handle.unit, "placement", f"cannot write {RUNTIME_DIR}/{PLACEMENT_FILE}: "
+                   f"{out.tail(300)}", RestoreFailed)
     failed = {int(ln.split()[1]) for ln in out.stdout.splitlines()
               if ln.startswith("gpu-failed ") and ln.split()[1].isdigit()}
     if out.exit_code == _GPU_FAILED and failed:

@@ -36,7 +36,6 @@ from coldsnap.capsule.restore import (
     device_map,
     lazy_restore_pays,
     release,
-    seed_placement,
     start_restore_container,
     validate,
 )
@@ -405,14 +404,12 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                                                  images)
 
     async def restore_engine(r: RestoreRun) -> None:
-        # The placement is written while CRIU runs: the engine reads it only on wake.
-        placement = placements.get(r.placed.unit_id)
+        # The placement is written by the restore's own exec: the engine reads it on wake.
         assert r.capsule_meta is not None
-        await both(criu_restore(r.session, r.started,
-                                lazy=lazy_restore_pays(r.capsule_meta.criu_images),
-                                gpus=None if warm else maps[r.placed.unit_id]),
-                   seed_placement(r.session, r.started, placement) if placement is not None
-                   else asyncio.sleep(0))
+        await criu_restore(r.session, r.started,
+                           lazy=lazy_restore_pays(r.capsule_meta.criu_images),
+                           gpus=None if warm else maps[r.placed.unit_id],
+                           placement=placements.get(r.placed.unit_id))
 
     captured = {u.id: u for u in artifact.launch.units}
 

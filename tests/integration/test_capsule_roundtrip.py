@@ -31,8 +31,8 @@ from coldsnap.capsule import (
 )
 from coldsnap.capsule.collect import capsule_dir
 from coldsnap.capsule.images import dump_dir
-from coldsnap.capsule.restore import deliver_placement
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR
+from coldsnap.capsule.restore import PLACEMENT_ARG_MAX, deliver_placement
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, PLACEMENT_FILE, RUNTIME_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request
 from coldsnap.hosts.inventory import Inventory
 from tests.integration.capsule_fixtures import *  # noqa: F403
@@ -172,19 +172,33 @@ async def test_capture_on_host0_restore_on_host1(
             await s1.call(s1.client.images.remove, manifest.image_id, force=True)
         assert await load_capsule(s1, manifest, staged.layers) == manifest.image_id
         r = await start_restore_container(s1, spec1, manifest, staged.images_dir)
+        c1 = await s1.container(r.container_id, unit_id, "test")
+        placed = placement_for(spec1, h1, tuple(manifest.captured_devices))
         if workers == 2:
             # The GPU steps in the restore's own exec, with a device this host lacks: they
             # fail naming each worker and leave the tree restored, GPUs still checkpointed.
+            # A placement too long for an argument is written by a Docker call first.
+            placed = {**placed, "padding": "x" * PLACEMENT_ARG_MAX}
             absent = {d: f"GPU-absent-{i}" for i, d in enumerate(manifest.captured_devices)}
             with pytest.raises(RestoreFailed) as failed:
-                await criu_restore(s1, r, lazy=lazy, gpus=absent)
+                await criu_restore(s1, r, lazy=lazy, gpus=absent, placement=placed)
             assert failed.value.step == "gpu-restore", failed.value
             assert all(f"worker {w} (pid {p})" in failed.value.detail
                        for w, p in manifest.worker_pids.items()), failed.value.detail
             assert "not present" in failed.value.detail, failed.value.detail
         else:
-            await criu_restore(s1, r, lazy=lazy)
-        c1 = await s1.container(r.container_id, unit_id, "test")
+            # A runtime directory that cannot be made: the exec stops before CRIU runs.
+            await s1.exec(c1, ["sh", "-c", f"rm -rf {RUNTIME_DIR} && touch {RUNTIME_DIR}"])
+            with pytest.raises(RestoreFailed) as failed:
+                await criu_restore(s1, r, lazy=lazy, placement=placed)
+            assert failed.value.step == "placement", failed.value
+            back = await s1.exec(c1, ["test", "-d", f"/proc/{manifest.engine_pid}"])
+            assert not back.ok, "CRIU ran although the placement could not be written"
+            await s1.exec(c1, ["rm", "-f", RUNTIME_DIR])
+            await criu_restore(s1, r, lazy=lazy, placement=placed)
+        # Written by the restore's exec, before the engine was back.
+        seeded = await s1.exec(c1, ["cat", f"{RUNTIME_DIR}/{PLACEMENT_FILE}"])
+        assert seeded.ok and json.loads(seeded.stdout) == placed, seeded.tail()
         lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_WORK_DIR}/lazy-pages.log"])
         assert lazy_log.ok == lazy, "lazy restore runs criu's lazy-pages daemon, full does not"
         # the images are mounted read-only from the host's assembled set

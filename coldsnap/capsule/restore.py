@@ -327,11 +327,14 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
     workers = dict(handle.worker_pids) if gpus is not None else {}
-    seed = placement_bytes(placement).decode() if placement is not None else ""
-    if len(seed) > PLACEMENT_ARG_MAX:
-        # Too long for one argument (the kernel caps each at 128 KiB): its own Docker call.
-        await seed_placement(s, handle, placement or {})
-        seed = ""
+    seed = ""
+    if placement is not None:
+        data = placement_bytes(placement)
+        if len(data) > PLACEMENT_ARG_MAX:
+            # Too long for one argument (the kernel caps each at 128 KiB): its own Docker call.
+            await seed_placement(s, handle, placement)
+        else:
+            seed = data.decode()
     t0 = time.monotonic()
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
     script = (_ARGS + _PREPARE + _SEED + (_LAZY_RESTORE if lazy else _FULL_RESTORE)

@@ -58,7 +58,8 @@ from bench_common import REPO, emit, log
 BENCH_DIR = REPO / ".cache" / "bench-restore"
 # Another slot range (COLDSNAP_BENCH_NET_BASE) lets two checkouts benchmark at once.
 NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "96")
-PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
+EXPECTED = "coldsnap-cuda-snapshot-ok"
+PROMPT = f"Reply with exactly: {EXPECTED}"
 RAW_DIR = "/var/lib/coldsnap/raw-bench"
 TIMEOUT = 1800.0  # any one command; a GiB-scale step takes seconds
 
@@ -200,8 +201,8 @@ def manifests(b: Bench, artifact: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for o in artifact["objects"] if o["role"] == "capsule-manifest"}
 
 
-def raw_criu(b: Bench, units: dict[str, dict[str, Any]],
-             placement: dict[str, str]) -> tuple[float, float, float]:
+def raw_criu(b: Bench, units: dict[str, dict[str, Any]], placement: dict[str, str],
+             head: str) -> tuple[float, float, float]:
     """By hand, in each restored unit's own container: the engine asleep (level 2) and its
     GPUs checkpointed as a capture leaves it, then `criu dump` (the tree is killed), then
     `criu restore` of those images, then what brings the restored engine back to an answer
@@ -224,11 +225,11 @@ def raw_criu(b: Bench, units: dict[str, dict[str, Any]],
                               "-o", "dump.log") for u in placement])
     restore = side_by_side([criu(u, "restore", "-D", RAW_DIR, "-d", "-o", "restore.log")
                             for u in placement])
-    return dump, restore, raw_wake(b, units, placement, containers)
+    return dump, restore, raw_wake(b, units, placement, containers, head)
 
 
 def raw_wake(b: Bench, units: dict[str, dict[str, Any]], placement: dict[str, str],
-             containers: dict[str, str]) -> float:
+             containers: dict[str, str], head: str) -> float:
     """After a raw `criu restore`, by hand, to the first answer: every worker's GPU restored
     and unlocked (one exec per unit), every engine woken (their group rebuilt) and its
     weights reloaded from the host's disk, then the validation prompt. What a restore with
@@ -240,7 +241,6 @@ def raw_wake(b: Bench, units: dict[str, dict[str, Any]], placement: dict[str, st
         return lambda: b.docker(placement[u], "exec", containers[u], "sh", "-c", script)
 
     hosts = sorted(set(placement.values()))
-    head = placement[min(placement)]
     t0 = time.perf_counter()
     side_by_side([gpus(u) for u in placement])
     side_by_side([lambda h=h: b.ask(h, "/wake_up") for h in hosts])
@@ -249,7 +249,7 @@ def raw_wake(b: Bench, units: dict[str, dict[str, Any]], placement: dict[str, st
     answer = b.ask(head, "/v1/completions", {"prompt": PROMPT, "max_tokens": 32,
                                              "temperature": 0})
     seconds = time.perf_counter() - t0
-    if "coldsnap-cuda-snapshot-ok" not in json.dumps(answer):
+    if EXPECTED not in json.dumps(answer):
         raise SystemExit(f"bench restore: the engine restored by hand answered {answer!r}")
     return seconds
 
@@ -295,7 +295,7 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
                                 {"prompt": PROMPT, "max_tokens": 32, "temperature": 0}))
             for _ in range(3)]
     log("raw criu dump and restore by hand")
-    raw_dump, raw_restore, raw_wake_s = raw_criu(b, units, placement)
+    raw_dump, raw_restore, raw_wake_s = raw_criu(b, units, placement, head)
     b.make_cold([])
 
     payload_bytes = sum(o["bytes"] for o in artifact["objects"]

@@ -186,8 +186,11 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     if "--pid" not in opts:
         raise UsageError("the following arguments are required: --pid")
     for name in ("--pid", "--timeout"):
-        if name in opts and not opts[name].lstrip("-").isdigit():
-            raise UsageError(f"argument {name}: invalid int value: {opts[name]!r}")
+        if name in opts:
+            try:
+                int(opts[name])
+            except ValueError:
+                raise UsageError(f"argument {name}: invalid int value: {opts[name]!r}") from None
     return opts
 
 

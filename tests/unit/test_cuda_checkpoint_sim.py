@@ -150,6 +150,7 @@ def test_cli_takes_both_option_forms_and_refuses_malformed_ones(driver: Path, pr
     assert state(driver, proc) == "locked"
     for bad in (["--action", "unlock", "--pid"], ["--action", "unlock", "--pid", "x"],
                 ["--action", "unlock", "--pid", str(proc), "--timeout", "soon"],
+                ["--action", "unlock", f"--pid=--{proc}"],
                 ["--action", "unlock", "--pid", str(proc), "--verbose"],
                 ["--get-state=yes", "--pid", str(proc)]):
         r = sim(driver, *bad)

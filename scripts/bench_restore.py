@@ -21,6 +21,10 @@ host) and measures, all in one run:
   scp_seconds_same_bytes      scp of the staged files from this machine to the same hosts,
                               one scp per host side by side, as staging runs
   scp_to_control_seconds      scp of the same files from the hosts back to this machine
+  fsync_after_scp_seconds     fsync of those scp'd copies right after each scp (and
+  fsync_after_scp_to_control_seconds  of the copies brought back): scp returns with its
+                              bytes in the page cache, while coldsnapd publishes nothing
+                              before it is on disk; scp + fsync is the durable floor
   raw_criu_dump_seconds       `docker exec C criu dump` of the restored engine, typed by hand
                               in its own container once it sleeps (level 2) and its GPUs are
                               checkpointed, as a capture leaves it; both units side by side
@@ -102,6 +106,19 @@ def side_by_side(calls: Sequence[Callable[[], Any]]) -> float:
         for f in [pool.submit(c) for c in calls]:
             f.result()
         return time.perf_counter() - t0
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, as the hosts' side of a publish does. The simulated
+    hosts' data_dirs and the store are on this machine's disk, so this flushes the same
+    blocks the far side would."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 class Bench:
@@ -282,8 +299,15 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
     def from_host(h: str) -> Callable[[], None]:
         return lambda: b.scp(h, [b.remote(h, str(p)) for p in staged[h]], str(back[h]) + "/")
 
+    def durable(where: Path) -> Callable[[], None]:
+        return lambda: fsync_tree(where)
+
     scp_out = side_by_side([to_host(h) for h in b.hosts if staged[h]])
+    # Staging publishes nothing before it is on disk; scp returns with its bytes in the page
+    # cache. Flushing right after gives the durable floor.
+    fsync_out = side_by_side([durable(Path(scratch[h])) for h in b.hosts if staged[h]])
     scp_back = side_by_side([from_host(h) for h in b.hosts if staged[h]])
+    fsync_back = side_by_side([durable(back[h]) for h in b.hosts if staged[h]])
     for h, d in scratch.items():
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(back[h], ignore_errors=True)
@@ -313,6 +337,8 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
         "bytes_staged_cold": bytes_staged,
         "scp_seconds_same_bytes": round(scp_out, 3),
         "scp_to_control_seconds": round(scp_back, 3),
+        "fsync_after_scp_seconds": round(fsync_out, 3),
+        "fsync_after_scp_to_control_seconds": round(fsync_back, 3),
         "raw_criu_restore_seconds": round(raw_restore, 3),
         "raw_criu_dump_seconds": round(raw_dump, 3),
         "raw_wake_to_answer_seconds": round(raw_wake_s, 3),
@@ -332,6 +358,11 @@ def measure(b: Bench, gib: float) -> dict[str, Any]:
             # weights' reload on wake (item 3) included.
             "restore_warm_host_vs_raw_restore_plus_raw_wake": round(
                 warm["duration_seconds"] / (raw_restore + raw_wake_s), 3),
+            # No target: against copies as durable as coldsnapd's (fsync'd before published).
+            "restore_cold_host_vs_scp_fsync_plus_raw_restore": round(
+                cold["duration_seconds"] / (scp_out + fsync_out + raw_restore), 3),
+            "capture_after_ready_vs_raw_dump_plus_scp_fsync_to_control": round(
+                after_ready / (raw_dump + scp_back + fsync_back), 3),
             "capture_vs_raw_dump_plus_scp_to_control": round(
                 cap["duration_seconds"] / (raw_dump + scp_back), 3),
             "capture_after_ready_vs_raw_dump_plus_scp_to_control": round(

@@ -11,18 +11,17 @@ Modes:
                             bytes into ROOT's files while hashing it; exit 4 when OBJ is not HEX
   finish PART FINAL         stdin {"files": [[name, size, mode], ...], "plan": PLAN}: check,
                             fsync, stamp (below), publish PART as FINAL
-  verify DIR                stdin PLAN, [[hex, size, copies], ...] (copies as for place):
-                            exit 0 when DIR holds exactly those bytes, 1 when DIR is absent,
-                            4 (naming the object) when they differ
   layers SRC DST NBASE      a `docker save` tar without its first NBASE layers: what
                             `docker load` needs on a host that has the base image; prints
                             "HEX SIZE" of DST
 
 A published directory carries a verified stamp (an extended attribute on the directory): the
 digest of the plan its bytes were checked against, and of each of its files' size, mtime and
-inode. `verify` answers from a stamp that still matches instead of reading the files again;
-any write to a file moves its mtime, and a replaced file has another inode. `finish` stamps,
-since every object was hashed as it was placed, and so does a `verify` that read everything.
+inode. `check_set` (no mode: the controller's survey calls it, PLAN being [[hex, size,
+copies], ...] with copies as for place) answers from a stamp that still matches instead of
+reading the files again; any write to a file moves its mtime, and a replaced file has another
+inode. `finish` stamps, since every object was hashed as it was placed, and so does a
+`check_set` that read everything.
 
 Objects and published files are fsync'd before their rename and their directory after it;
 everything is private to the owner (0600 files, 0700 directories): CRIU images hold the
@@ -272,13 +271,15 @@ def finish(part: str, final: str) -> None:
     sync_dir(os.path.dirname(final))
 
 
-def verify(root: str) -> None:
+def check_set(root: str, plan: list[Any]) -> tuple[int, str]:
+    """(0, "") when DIR holds exactly the bytes of `plan`, (1, why) when DIR is absent,
+    (4, naming the object) when they differ. Returns rather than exits: the controller's
+    survey (capsule/holdings.py) checks several sets and other files in one process."""
     if not os.path.isdir(root):
-        fail(EXIT_ABSENT, f"{root} is absent")
-    plan = json.load(sys.stdin)
+        return EXIT_ABSENT, f"{root} is absent"
     with contextlib.suppress(OSError):
         if read_set_stamp(root) == set_stamp(root, plan):
-            return
+            return 0, ""
     buf = bytearray(BUF)
     mv = memoryview(buf)
     for hexd, size, copies in plan:
@@ -298,10 +299,11 @@ def verify(root: str) -> None:
                             left -= k
                             total += k
                 except OSError as exc:
-                    fail(EXIT_MISMATCH, f"{name}: {exc}")
+                    return EXIT_MISMATCH, f"{name}: {exc}"
             if total != size or h.hexdigest() != hexd:
-                fail(EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}")
+                return EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}"
     write_set_stamp(root, plan)
+    return 0, ""
 
 
 def layers(src: str, dst: str, nbase: int) -> None:
@@ -352,12 +354,10 @@ def main(argv: list[str]) -> None:
         place(argv[1], argv[2], argv[3])
     elif len(argv) == 3 and argv[0] == "finish":
         finish(argv[1], argv[2])
-    elif len(argv) == 2 and argv[0] == "verify":
-        verify(argv[1])
     elif len(argv) == 4 and argv[0] == "layers":
         layers(argv[1], argv[2], int(argv[3]))
     else:
-        fail(EXIT_USAGE, "usage: pack|place|finish|verify|layers ARGS")
+        fail(EXIT_USAGE, "usage: pack|place|finish|layers ARGS")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ CHUNK_BYTES = 64 * 1024 * 1024
 SMALL_FILE_BYTES = 1024 * 1024
 
 HELPER = resources.files("coldsnap.capsule").joinpath("image_helper.py").read_text()
-_EXIT_ABSENT = 1
-_EXIT_MISMATCH = 4
 # Packing, placing and verifying read and write at disk speed on the host; a minute plus this
 # rate bounds each call.
 _BYTES_PER_SECOND = 50 * 1024 * 1024
@@ -92,28 +90,10 @@ async def pack_images(host: Host, src: str, out: str, *, size_hint: int,
     return image_set, objects
 
 
-def _verify_plan(image_set: CriuImageSet) -> list[list[Any]]:
-    """What the helper's `verify` checks: each object's digest, size and copies."""
+def verify_plan(image_set: CriuImageSet) -> list[list[Any]]:
+    """What the helper's `check_set` checks: each object's digest, size and copies."""
     return [[check_digest(o.sha256), o.bytes, image_set.copies(o.sha256)]
             for o in image_set.objects]
-
-
-async def image_set_ready(host: Host, data_dir: str, image_set: CriuImageSet) -> bool:
-    """Whether the host holds the set's published directory with exactly its bytes (every
-    object's digest recomputed from the files). A directory that differs is removed."""
-    root = image_set_dir(data_dir, image_set)
-    res = await host.run(helper_argv("verify", root),
-                         input=json.dumps(_verify_plan(image_set)).encode(),
-                         timeout=_limit(image_set.total_bytes), check=False)
-    if res.exit_status == 0:
-        return True
-    if res.exit_status == _EXIT_MISMATCH:
-        await host.run(["rm", "-rf", "--", root], timeout=120, check=False)
-        return False
-    if res.exit_status == _EXIT_ABSENT:
-        return False
-    raise ImageSetError(host.name, f"verifying {root}: "
-                        f"{res.stderr.decode(errors='replace').strip()[-800:]}")
 
 
 async def begin_assembly(host: Host, data_dir: str, image_set: CriuImageSet,
@@ -145,7 +125,7 @@ async def finish_assembly(host: Host, part: str, data_dir: str,
     files = [[f.name, f.size, f.mode] for f in image_set.files]
     # With the plan a later `verify` checks, so that the published directory carries the
     # stamp of bytes that were hashed as they were placed.
-    doc = {"files": files, "plan": _verify_plan(image_set)}
+    doc = {"files": files, "plan": verify_plan(image_set)}
     res = await host.run(helper_argv("finish", part, final), input=json.dumps(doc).encode(),
                          timeout=_limit(image_set.total_bytes), check=False)
     if not res.ok:
@@ -171,9 +151,9 @@ __all__ = [
     "finish_assembly",
     "helper_argv",
     "image_set_dir",
-    "image_set_ready",
     "make_private_dir",
     "pack_images",
     "partial_set_dir",
     "place_object",
+    "verify_plan",
 ]

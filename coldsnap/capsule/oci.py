@@ -162,7 +162,8 @@ async def load_capsule(s: CapsuleSession, manifest: CapsuleManifest,
     step = "load"
     unit = manifest.unit_id
     with contextlib.suppress(docker.errors.NotFound):
-        await s.call(s.client.images.get, manifest.image_id)
+        found = await s.call(s.client.images.get, manifest.image_id)
+        s.inspected(manifest.image_id, found.attrs)
         return manifest.image_id
     if manifest.pushed is not None:
         repo, _, digest = split_reference(manifest.pushed)
@@ -182,10 +183,11 @@ async def load_capsule(s: CapsuleSession, manifest: CapsuleManifest,
             raise fail(s, unit, step, f"docker load {staged_layers}: {exc}",
                        RestoreFailed) from exc
     try:
-        await s.call(s.client.images.get, manifest.image_id)
+        found = await s.call(s.client.images.get, manifest.image_id)
     except docker.errors.NotFound:
         raise fail(s, unit, step, f"{manifest.pushed or staged_layers} does not hold image "
                    f"{manifest.image_id}", ImageDigestMismatch) from None
+    s.inspected(manifest.image_id, found.attrs)
     return manifest.image_id
 
 

@@ -119,6 +119,7 @@ async def create_container(
             labels=labels, detach=True)
     except docker.errors.DockerException as exc:
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
+    s.created(str(created["Id"]))
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices),
                         images_dir=images.source if images is not None else None)
     if start:
@@ -134,7 +135,7 @@ async def _blank_workload_labels(s: CapsuleSession, image: str) -> dict[str, str
     """The workload labels `image` carries, emptied. A commit copies the captured container's
     labels into the capsule, and a container cannot drop a label of its image: without this a
     restore would go on naming the capture's workload (and its log_path) as its own."""
-    config = (await s.call(s.client.api.inspect_image, image)).get("Config") or {}
+    config = await s.image_config(image)
     return {k: "" for k in config.get("Labels") or {} if k.startswith(LABEL_WORKLOAD)}
 
 

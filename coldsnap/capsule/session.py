@@ -168,6 +168,7 @@ class CapsuleSession:
         # Container objects are plain id wrappers; caching them saves an API round trip per
         # step (a removed container still fails its next exec).
         self._containers: dict[str, Any] = {}
+        self._image_configs: dict[str, dict[str, Any]] = {}
         self._inflight: set[asyncio.Future[Any]] = set()
 
     @property
@@ -264,6 +265,29 @@ class CapsuleSession:
 
     def forget(self, container_id: str) -> None:
         self._containers.pop(container_id, None)
+
+    def created(self, container_id: str) -> None:
+        """Remember a container this session just created, without asking Docker for it: the
+        steps use only its id (exec, put_archive, top, wait, logs, stop, remove), and the
+        round trip would sit between its start and the restore's exec."""
+        self._containers.setdefault(
+            container_id, self.client.containers.prepare_model({"Id": container_id}))
+
+    async def image_config(self, image_id: str) -> dict[str, Any]:
+        """The `Config` of an image named by its id, inspected once per session: an id names
+        its content, so the answer cannot change (a tag can, and is never cached)."""
+        if image_id in self._image_configs:
+            return self._image_configs[image_id]
+        attrs = await self.call(self.client.api.inspect_image, image_id)
+        config: dict[str, Any] = attrs.get("Config") or {}
+        if image_id.startswith("sha256:"):
+            self._image_configs[image_id] = config
+        return config
+
+    def inspected(self, image_id: str, attrs: dict[str, Any]) -> None:
+        """Keep what an image lookup (images.get) already answered, for `image_config`."""
+        if image_id.startswith("sha256:") and attrs.get("Id") == image_id:
+            self._image_configs[image_id] = attrs.get("Config") or {}
 
     async def exec(
         self, container: Any, argv: Sequence[str], *,

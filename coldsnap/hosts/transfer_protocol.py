@@ -106,9 +106,14 @@ async def remote_digests(host: Host, paths: Sequence[str], *,
     if not paths:
         return {}
     result = await host.run(helper_argv("stats", *paths), timeout=timeout)
-    lines = result.stdout.splitlines()
+    return parse_stats(host.name, paths, result.stdout.splitlines())
+
+
+def parse_stats(host_name: str, paths: Sequence[str],
+                lines: Sequence[bytes]) -> dict[str, tuple[int, str] | None]:
+    """The helper's `stats` answer (one line per path) as `remote_digests` returns it."""
     if len(lines) != len(paths):
-        raise TransferError(host.name, f"unexpected answer checking {len(paths)} files: "
+        raise TransferError(host_name, f"unexpected answer checking {len(paths)} files: "
                                        f"{len(lines)} lines")
     found: dict[str, tuple[int, str] | None] = {}
     for path, line in zip(paths, lines, strict=True):
@@ -117,6 +122,6 @@ async def remote_digests(host: Host, paths: Sequence[str], *,
             continue
         state = parse_part(line)
         if state is None:
-            raise TransferError(host.name, f"unexpected answer checking {path}")
+            raise TransferError(host_name, f"unexpected answer checking {path}")
         found[path] = state[0], "sha256:" + state[1]
     return found

@@ -227,9 +227,14 @@ async def restore(
                 if r.placed.unit_id in replay_units:
                     r.replay_reason = _issues_text(refusals[r.placed.unit_id])
             with ctx.span("restore.space"):
-                await check_staging_space(
-                    {n: hosts.host(n) for n in per_host},
-                    {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes, per_host)
+                # What staging will send is what the surveys found missing. A survey that
+                # failed is reported by staging, which awaits it too.
+                found = await asyncio.gather(*surveys.values(), return_exceptions=True)
+                check_staging_space(
+                    {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes,
+                    {n: sum(o.bytes for o in h.to_send(per_host[n], sets[n]))
+                     for n, h in zip(surveys, found, strict=True)
+                     if isinstance(h, HostHoldings)})
             async def staged() -> list[HostStaging]:
                 with ctx.span("restore.stage"):
                     done = await _stage(hosts, store, per_host, sets, ctx, surveys)

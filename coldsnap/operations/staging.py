@@ -18,11 +18,11 @@ import posixpath
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
+from coldsnap.capsule.holdings import survey
 from coldsnap.capsule.images import (
     begin_assembly,
     discard_dir,
     finish_assembly,
-    image_set_ready,
     partial_set_dir,
     place_object,
 )
@@ -35,7 +35,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX, remote_digests
+from coldsnap.hosts.transfer_protocol import PART_SUFFIX
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 
@@ -93,15 +93,6 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
     return plan
 
 
-async def _held(host: Host, data_dir: str, objects: Sequence[ArtifactObject]) -> set[str]:
-    """Digests of the objects the host already holds intact, asked in one call."""
-    paths = {remote_object_path(data_dir, o.sha256): o.sha256 for o in objects}
-    # Unstamped copies are hashed there: give that time, as for a transfer of the bytes.
-    limit = 120.0 + sum(o.bytes for o in objects) / (50 << 20)
-    found = await remote_digests(host, list(paths), timeout=limit)
-    return {d for p, d in paths.items() if (f := found.get(p)) is not None and f[1] == d}
-
-
 async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStore,
                 progress: Callable[[str], ProgressCallback | None] | None,
                 result: HostStaging, held: Set[str]) -> str:
@@ -135,22 +126,28 @@ class HostHoldings:
     held: frozenset[str]
     ready_sets: frozenset[str]
 
+    def to_send(self, objects: Sequence[ArtifactObject],
+                image_sets: Sequence[CriuImageSet]) -> list[ArtifactObject]:
+        """The objects that staging sends: those not held intact, less the CRIU objects of
+        sets that are published there already."""
+        wanted = {o.sha256 for st in image_sets if st.digest not in self.ready_sets
+                  for o in st.objects}
+        return [o for o in objects if o.sha256 not in self.held
+                and (o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted)]
+
 
 async def survey_host(host: Host, data_dir: str, objects: Sequence[ArtifactObject],
                       image_sets: Sequence[CriuImageSet] = ()) -> HostHoldings:
-    """Ask what the host holds of `objects` and `image_sets`, all at once. Nothing is written
+    """Ask what the host holds of `objects` and `image_sets`, in one call. Nothing is written
     (an image directory that does not verify is removed), so this may run before admission,
     beside the host's facts."""
-    sets = {st.digest: st for st in image_sets}
-    try:
-        async with asyncio.TaskGroup() as group:
-            asking = group.create_task(_held(host, data_dir, objects))
-            ready = {d: group.create_task(image_set_ready(host, data_dir, st))
-                     for d, st in sets.items()}
-    except BaseExceptionGroup as group_error:
-        raise group_error.exceptions[0] from None
-    return HostHoldings(frozenset(asking.result()),
-                        frozenset(d for d, task in ready.items() if task.result()))
+    paths = {remote_object_path(data_dir, o.sha256): o for o in objects}
+    found = await survey(host, data_dir, {p: o.bytes for p, o in paths.items()},
+                         list({st.digest: st for st in image_sets}.values()))
+    held = {o.sha256 for p, o in paths.items()
+            if (f := found.files.get(p)) is not None and f[1] == o.sha256}
+    return HostHoldings(frozenset(held),
+                        frozenset(d for d, ok in found.ready.items() if ok))
 
 
 async def stage_host(
@@ -191,8 +188,7 @@ async def stage_host(
                 async with placing:
                     await place_object(host, parts[key], remote, image_set, obj.sha256)
 
-    if any(o.sha256 not in held and (o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted)
-           for o in objects):
+    if holdings.to_send(objects, image_sets):
         # Staged objects (CRIU memory dumps among them) are private to the owner.
         await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
     try:

@@ -12,23 +12,24 @@ import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from coldsnap.capsule.holdings import image_set_ready
 from coldsnap.capsule.image_helper import SET_STAMP_ATTR
 from coldsnap.capsule.images import (
     ImageSetError,
     begin_assembly,
     finish_assembly,
     image_set_dir,
-    image_set_ready,
     pack_images,
     place_object,
 )
 from coldsnap.formats.artifact import ArtifactObject, criu_image_path
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.local import LocalHost
-from coldsnap.operations.staging import stage_host
+from coldsnap.operations.staging import stage_host, survey_host
 from coldsnap.store import LocalStore, ObjectCorrupt
 
 CHUNK = 64 * 1024
@@ -156,6 +157,51 @@ async def test_staging_assembles_then_a_warm_host_receives_nothing(tmp_path: Pat
     warm = await stage_host(host, data_dir, objects, store, image_sets=[image_set],
                             operation_id="op-4")
     assert warm.sent_bytes == 0 and sorted(warm.skipped) == sorted(o.sha256 for o in objects)
+
+
+async def test_one_survey_says_what_a_host_holds_and_what_staging_would_send(
+        tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    store, criu = store_with(tmp_path, paths)
+    digest, size = store.add_bytes(os.urandom(3000))
+    payload = ArtifactObject(role="model-weight-payload", owner="worker/w0",
+                             path=f"weights/{digest[7:]}", bytes=size, sha256=digest)
+    objects = [*criu, payload]
+    host, data_dir = LocalHost(), str(tmp_path / "host")
+    calls = 0
+    run = host.run
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return await run(*args, **kwargs)
+
+    host.run = counted  # type: ignore[method-assign]
+    cold = await survey_host(host, data_dir, objects, [image_set])
+    assert calls == 1, "objects and image sets are asked in one call"
+    assert cold.held == frozenset() and cold.ready_sets == frozenset()
+    assert cold.to_send(objects, [image_set]) == objects
+
+    await stage_host(host, data_dir, objects, store, image_sets=[image_set],
+                     operation_id="op-11")
+    warm = await survey_host(host, data_dir, objects, [image_set])
+    # The CRIU objects' staged copies are gone (their bytes live in the published set): held
+    # is the payload only, and nothing is to be sent since the set is ready.
+    assert warm.held == {payload.sha256}
+    assert warm.ready_sets == {image_set.digest}
+    assert warm.to_send(objects, [image_set]) == []
+
+    # A copy of the right size with other bytes (its stamp voided by the write) is sent again,
+    # and a published set that changed is removed and needs all its objects.
+    copy = Path(data_dir) / "objects" / "sha256" / digest[7:]
+    copy.chmod(0o600)
+    copy.write_bytes(b"x" * size)
+    final = Path(image_set_dir(data_dir, image_set))
+    (final / "pstree.img").write_bytes(b"y" * 40)
+    changed = await survey_host(host, data_dir, objects, [image_set])
+    assert changed.held == frozenset() and changed.ready_sets == frozenset()
+    assert changed.to_send(objects, [image_set]) == objects
+    assert not final.exists()
 
 
 async def test_a_published_set_is_checked_from_its_stamp_while_its_files_are_unchanged(

@@ -20,6 +20,7 @@ from coldsnap.operations.space import (
     refuse_short,
     store_need,
 )
+from coldsnap.operations.staging import survey_host
 from coldsnap.store import LocalStore
 
 MiB = 1 << 20
@@ -50,24 +51,30 @@ async def test_staging_counts_only_what_the_host_lacks(tmp_path: Path) -> None:
     host = LocalHost("host-1")
     data_dir = tmp_path / "data"
     there, wrong, missing = _object(b"a" * 1000), _object(b"b" * 2000), _object(b"c" * 4000)
+    rotten = _object(b"d" * 500)
     objects_dir = data_dir / "objects" / "sha256"
     objects_dir.mkdir(parents=True)
     (objects_dir / there.sha256[7:]).write_bytes(b"a" * 1000)
     (objects_dir / wrong.sha256[7:]).write_bytes(b"b" * 10)  # a cut-off copy: sent again
-    objs = [there, wrong, missing]
+    (objects_dir / rotten.sha256[7:]).write_bytes(b"e" * 500)  # its size, other bytes: too
+    objs = [there, wrong, missing, rotten]
 
-    hosts, dirs = {"host-1": host}, {"host-1": str(data_dir)}
-    need = MARGIN_BYTES + 6000
-    await check_staging_space(hosts, dirs, {"host-1": need}, {"host-1": objs})
+    async def needed(where: Path) -> dict[str, int]:
+        held = await survey_host(host, str(where), objs)
+        return {"host-1": sum(o.bytes for o in held.to_send(objs, []))}
+
+    dirs = {"host-1": str(data_dir)}
+    need = MARGIN_BYTES + 6500
+    check_staging_space(dirs, {"host-1": need}, await needed(data_dir))
     with pytest.raises(OperationFailed) as info:
-        await check_staging_space(hosts, dirs, {"host-1": need - 1}, {"host-1": objs})
-    assert f"host host-1: {data_dir} has {need - 1} bytes free, 6000 bytes needed" \
+        check_staging_space(dirs, {"host-1": need - 1}, await needed(data_dir))
+    assert f"host host-1: {data_dir} has {need - 1} bytes free, 6500 bytes needed" \
         in info.value.message
     # A host whose probe could not say is not refused on a guess; nor is an empty data_dir.
-    await check_staging_space(hosts, dirs, {"host-1": None}, {"host-1": objs})
-    fresh = {"host-1": str(tmp_path / "not-yet")}
-    with pytest.raises(OperationFailed, match="7000 bytes needed"):
-        await check_staging_space(hosts, fresh, {"host-1": 0}, {"host-1": objs})
+    check_staging_space(dirs, {"host-1": None}, await needed(data_dir))
+    fresh = tmp_path / "not-yet"
+    with pytest.raises(OperationFailed, match="7500 bytes needed"):
+        check_staging_space({"host-1": str(fresh)}, {"host-1": 0}, await needed(fresh))
 
 
 def test_the_store_needs_room_only_for_objects_it_lacks(tmp_path: Path) -> None:

@@ -339,6 +339,7 @@ async def list_containers(s: CapsuleSession, labels: Sequence[str], *,
             found.append(await s.call(s.client.containers.get, c.id))
         except docker.errors.NotFound:
             continue
+        s.remember(found[-1])
     return found
 
 

@@ -273,6 +273,11 @@ class CapsuleSession:
         self._containers.setdefault(
             container_id, self.client.containers.prepare_model({"Id": container_id}))
 
+    def remember(self, container: Any) -> None:
+        """Keep a container just inspected (a listing's), for the steps that act on it next
+        (stopping an earlier instance) to skip looking it up again."""
+        self._containers[str(container.id)] = container
+
     async def image_config(self, image_id: str) -> dict[str, Any]:
         """The `Config` of an image named by its id, inspected once per session: an id names
         its content, so the answer cannot change (a tag can, and is never cached)."""

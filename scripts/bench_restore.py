@@ -25,7 +25,14 @@ host) and measures, all in one run:
                               1.0-1.2 s for 2 x 1 GiB, measured), which no real GPU pays
   bytes_staged_cold           what that restore put into the hosts' data_dir objects (a
                               capsule pulled from a registry is not counted)
-  restore_warm_host_seconds   the same restore again: every object already staged
+  restore_warm_host_replacing_seconds  the same restore again, every object already
+                              staged, while the units of the restore before still serve:
+                              it stops and replaces them (what scripts/demo's warm restore
+                              does)
+  restore_warm_host_seconds   once more with every object staged and no unit running there
+                              (their containers removed first, as after --prepare-only):
+                              the issue's warm host (warm_host_nothing_running: true; lines
+                              without that field measured the replacing restore here)
   scp_seconds_same_bytes      scp of the staged files from this machine to the same hosts,
                               one scp per host side by side, as staging runs
   scp_to_control_seconds      scp of the same files from the hosts back to this machine
@@ -157,12 +164,15 @@ class Bench:
     def unit_containers(self, host: str) -> list[str]:
         return self.docker(host, "ps", "-aq", "--filter", "label=org.coldsnap.unit").split()
 
+    def remove_units(self, host: str) -> None:
+        ids = self.unit_containers(host)
+        if ids:
+            self.docker(host, "rm", "-f", *ids)
+
     def make_cold(self, image_ids: Sequence[str]) -> None:
         """Nothing of the artifact left on the hosts: units, staged objects, capsule images."""
         for host in self.hosts:
-            ids = self.unit_containers(host)
-            if ids:
-                self.docker(host, "rm", "-f", *ids)
+            self.remove_units(host)
             # Everything the host holds for coldsnapd: staged objects and whatever was
             # assembled from them (the bench cluster's own data_dir, nothing else).
             for entry in Path(self.hosts[host]["data_dir"]).glob("*"):
@@ -346,7 +356,11 @@ def measure(b: Bench, gib: float, *, cold_caches: bool) -> dict[str, Any]:
         shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(back[h], ignore_errors=True)
 
-    log("restore on warm hosts")
+    log("restore on warm hosts, replacing the units that serve there")
+    replacing = b.coldsnapd("restore", "--artifact", capture_id)
+    log("restore on warm hosts, no unit running there (as after --prepare-only)")
+    for host in b.hosts:
+        b.remove_units(host)
     warm = b.coldsnapd("restore", "--artifact", capture_id)
     head = placement[artifact["launch"]["units"][0]["id"]]
     rtts = [timed(lambda: b.ask(head, "/v1/completions",
@@ -368,6 +382,8 @@ def measure(b: Bench, gib: float, *, cold_caches: bool) -> dict[str, Any]:
         "capture_after_ready_seconds": round(after_ready, 3),
         "restore_cold_host_seconds": round(cold["duration_seconds"], 3),
         "restore_warm_host_seconds": round(warm["duration_seconds"], 3),
+        "warm_host_nothing_running": True,
+        "restore_warm_host_replacing_seconds": round(replacing["duration_seconds"], 3),
         "bytes_staged_cold": bytes_staged,
         "scp_seconds_same_bytes": round(scp_out, 3),
         "scp_to_control_seconds": round(scp_back, 3),
@@ -413,7 +429,8 @@ def measure(b: Bench, gib: float, *, cold_caches: bool) -> dict[str, Any]:
                     "bytes_staged_vs_criu_images_plus_payloads": 1.1,
                     "cold_start_vs_restore_warm_host_min": 3.0},
         "phases": {"capture": phases(cap), "restore_cold": phases(cold),
-                   "restore_warm": phases(warm)},
+                   "restore_warm": phases(warm),
+                   "restore_warm_replacing": phases(replacing)},
     }
 
 

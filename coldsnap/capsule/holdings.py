@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coldsnap.capsule.image_helper import EXIT_ABSENT, EXIT_MISMATCH
 from coldsnap.capsule.images import HELPER as IMAGE_HELPER
 from coldsnap.capsule.images import ImageSetError, image_set_dir, verify_plan
 from coldsnap.formats.capsule import CriuImageSet
@@ -22,8 +23,6 @@ from coldsnap.hosts.base import Host
 from coldsnap.hosts.transfer_protocol import HELPER as TRANSFER_HELPER
 from coldsnap.hosts.transfer_protocol import parse_stats
 
-_EXIT_ABSENT = 1
-_EXIT_MISMATCH = 4
 # Unstamped copies are hashed there, at disk speed: two minutes plus this rate bound the call.
 _BYTES_PER_SECOND = 50 * 1024 * 1024
 
@@ -77,9 +76,9 @@ async def survey(host: Host, data_dir: str, paths: Mapping[str, int],
     files = parse_stats(host.name, list(paths), lines)
     ready: dict[str, bool] = {}
     for st, (code, why) in zip(image_sets, checked, strict=True):
-        if code == _EXIT_MISMATCH:
+        if code == EXIT_MISMATCH:
             await host.run(["rm", "-rf", "--", roots[st.digest]], timeout=120, check=False)
-        elif code not in (0, _EXIT_ABSENT):
+        elif code not in (0, EXIT_ABSENT):
             raise ImageSetError(host.name, f"verifying {roots[st.digest]}: {why[-800:]}")
         ready[st.digest] = code == 0
     return Survey(files, ready)

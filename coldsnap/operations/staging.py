@@ -126,12 +126,15 @@ class HostHoldings:
     held: frozenset[str]
     ready_sets: frozenset[str]
 
+    def to_assemble(self, image_sets: Sequence[CriuImageSet]) -> dict[str, CriuImageSet]:
+        """The sets not published there yet, by digest: their objects are placed on arrival."""
+        return {st.digest: st for st in image_sets if st.digest not in self.ready_sets}
+
     def to_send(self, objects: Sequence[ArtifactObject],
                 image_sets: Sequence[CriuImageSet]) -> list[ArtifactObject]:
         """The objects that staging sends: those not held intact, less the CRIU objects of
         sets that are published there already."""
-        wanted = {o.sha256 for st in image_sets if st.digest not in self.ready_sets
-                  for o in st.objects}
+        wanted = {o.sha256 for st in self.to_assemble(image_sets).values() for o in st.objects}
         return [o for o in objects if o.sha256 not in self.held
                 and (o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted)]
 
@@ -169,7 +172,7 @@ async def stage_host(
     if holdings is None:
         holdings = await survey_host(host, data_dir, objects, image_sets)
     held = holdings.held
-    todo = {st.digest: st for st in image_sets if st.digest not in holdings.ready_sets}
+    todo = holdings.to_assemble(image_sets)
     wanted = {o.sha256 for st in todo.values() for o in st.objects}
     parts: dict[str, str] = {}
     sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)

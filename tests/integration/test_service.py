@@ -123,18 +123,28 @@ def test_the_cli_captures_and_restores_through_the_service(
 
 def test_disjoint_captures_run_together_and_the_same_units_wait(
         ops: Ops, service: Served) -> None:
+    dockerd = int((ops.inventory.parent / "host-0" / "docker" / "docker.pid").read_text())
     first = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="par-a")))
     first.wait_for("capture.start", "host-0")
-    # Submitted at once, while the first surely runs (a small capture is over in seconds).
-    same = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="par-c")))
-    # Same units, refused rather than queued: nothing recorded, its id stays free.
-    refused_request = ops.request("tp2-two-hosts", suffix="par-d")
-    refused = ops.coldsnapd("capture", "--request", str(refused_request), "--no-wait")
-    assert refused.status == 2, refused.stderr
-    assert "tp2-two-hosts-capture-par-a" in refused.stderr and "wait: false" in refused.stderr
-    assert service.call("GET", "/v1/jobs/tp2-two-hosts-capture-par-d")[0] == 404
+    # host-0's dockerd is held still until the disjoint capture has begun, so the first
+    # cannot end before the others are submitted: a small capture is over in seconds, and
+    # on a loaded machine it once ended 23 ms before the disjoint one started.
+    os.kill(dockerd, signal.SIGSTOP)
+    try:
+        same = start(ops, "capture", "--request",
+                     str(ops.request("tp2-two-hosts", suffix="par-c")))
+        # Same units, refused rather than queued: nothing recorded, its id stays free.
+        refused_request = ops.request("tp2-two-hosts", suffix="par-d")
+        refused = ops.coldsnapd("capture", "--request", str(refused_request), "--no-wait")
+        assert refused.status == 2, refused.stderr
+        assert "tp2-two-hosts-capture-par-a" in refused.stderr and "wait: false" in refused.stderr
+        assert service.call("GET", "/v1/jobs/tp2-two-hosts-capture-par-d")[0] == 404
 
-    other = start(ops, "capture", "--request", str(_capture_on_hosts_2_and_3(ops, "par-b")))
+        other = start(ops, "capture", "--request",
+                      str(_capture_on_hosts_2_and_3(ops, "par-b")))
+        other.wait_for("capture.start", "host-2")
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
     results = [s.finish(timeout=600) for s in (first, other, same)]
     for status, err, _ in results:
         assert status == 0, err[-3000:]

@@ -193,16 +193,23 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
 
 
 def test_sigterm_drain_lets_a_running_job_finish(ops: Ops, service: Served) -> None:
+    dockerd = int((ops.inventory.parent / "host-1" / "docker" / "docker.pid").read_text())
     run = start(ops, "capture", "--request", str(ops.request("tp2-two-hosts", suffix="drain")))
     run.wait_for("capture.start", "host-1")
     assert service.proc is not None
-    service.proc.send_signal(signal.SIGTERM)
-    assert service.wait_for("STOPPING", 60)["STOPPING"] == "1"
-    # Draining: no new job, said to the CLI (which does not run it itself either).
-    assert service.call("POST", "/v1/jobs", {"operation": "restore"})[0] == 503
-    late = ops.coldsnapd("capture", "--request",
-                         str(ops.request("tp2-two-hosts", suffix="late")))
-    assert late.status == 1 and "shutting down" in late.stderr, late.stderr[-2000:]
+    # host-1's dockerd is held still until the late job is refused: the running job cannot
+    # end, and the drained service exit, before the late CLI asks it.
+    os.kill(dockerd, signal.SIGSTOP)
+    try:
+        service.proc.send_signal(signal.SIGTERM)
+        assert service.wait_for("STOPPING", 60)["STOPPING"] == "1"
+        # Draining: no new job, said to the CLI (which does not run it itself either).
+        assert service.call("POST", "/v1/jobs", {"operation": "restore"})[0] == 503
+        late = ops.coldsnapd("capture", "--request",
+                             str(ops.request("tp2-two-hosts", suffix="late")))
+        assert late.status == 1 and "shutting down" in late.stderr, late.stderr[-2000:]
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
     status, err, receipt = run.finish(timeout=300)
     assert status == 0, err[-3000:]
     assert receipt["state"] == "succeeded"

@@ -130,11 +130,15 @@ class HostHoldings:
         """The sets not published there yet, by digest: their objects are placed on arrival."""
         return {st.digest: st for st in image_sets if st.digest not in self.ready_sets}
 
+    def to_place(self, image_sets: Sequence[CriuImageSet]) -> set[str]:
+        """The digests of the CRIU objects staging places: those of the sets to assemble."""
+        return {o.sha256 for st in self.to_assemble(image_sets).values() for o in st.objects}
+
     def to_send(self, objects: Sequence[ArtifactObject],
                 image_sets: Sequence[CriuImageSet]) -> list[ArtifactObject]:
         """The objects that staging sends: those not held intact, less the CRIU objects of
         sets that are published there already."""
-        wanted = {o.sha256 for st in self.to_assemble(image_sets).values() for o in st.objects}
+        wanted = self.to_place(image_sets)
         return [o for o in objects if o.sha256 not in self.held
                 and (o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted)]
 
@@ -173,7 +177,7 @@ async def stage_host(
         holdings = await survey_host(host, data_dir, objects, image_sets)
     held = holdings.held
     todo = holdings.to_assemble(image_sets)
-    wanted = {o.sha256 for st in todo.values() for o in st.objects}
+    wanted = holdings.to_place(image_sets)
     parts: dict[str, str] = {}
     sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
     staged_criu: list[str] = []

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import posixpath
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import docker.errors
@@ -19,6 +19,13 @@ from coldsnap.capsule.collect import (
     capsule_dir,
     collect_worker_objects,
     remove_capsule_files,
+)
+from coldsnap.capsule.criu_dump import (
+    DUMP_SCRIPT,
+    IO_URING_HELD,
+    SHM_CAPTURE,
+    criu_flags,
+    io_uring_refusal,
 )
 from coldsnap.capsule.errors import (
     CapsuleError,
@@ -59,6 +66,7 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG_MODE,
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
+    LABEL_ACCELERATOR,
     UnitSpec,
     docker_name,
 )
@@ -119,6 +127,14 @@ class CommittedCapsule:
         return self.manifest.unit_id
 
 
+def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
+    """The unit as its capture left it, for whatever brings its snapshot back: quiesced the
+    way the manifest says (its engine is woken, or not, accordingly) on the accelerator its
+    capsule was built for."""
+    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
+                   accelerator=meta.accelerator)
+
+
 async def start_unit(
     s: CapsuleSession, spec: UnitSpec, *, role: Literal["capture", "replay"] = "capture"
 ) -> UnitHandle:
@@ -128,6 +144,7 @@ async def start_unit(
     Returns at once; `wait_ready` waits for the engine's health endpoint."""
     step = "start"
     image_id = await ensure_image(s, spec.unit_id, spec.image, spec.image_digest)
+    spec = await with_accelerator(s, spec, image_id)
     name = new_container_name(spec, role)
     images: Mount | None = None
     if role == "capture":
@@ -154,6 +171,24 @@ async def start_unit(
     log.info("capsule.started", host=s.host, unit=spec.unit_id, step=step,
              container=handle.container_name, engine_pid=handle.engine_pid)
     return handle
+
+
+async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> UnitSpec:
+    """The unit as its capsule image says it computes (LABEL_ACCELERATOR). A CPU engine keeps
+    its weights in the snapshot: a request that needs them released is refused by name."""
+    labels = (await s.image_config(image)).get("Labels") or {}
+    value = labels.get(LABEL_ACCELERATOR) or "gpu"
+    if value not in ("gpu", "cpu"):
+        raise fail(s, spec.unit_id, "start", f"the capsule image {spec.image} has "
+                   f"{LABEL_ACCELERATOR}={value!r}; coldsnapd knows 'gpu' and 'cpu'")
+    if value == "gpu":
+        return spec
+    if spec.must_release_weights:
+        raise fail(s, spec.unit_id, "start", "policy.weights.mode: 'native' releases the "
+                   "weights before the checkpoint, but this unit's capsule is a CPU build "
+                   f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
+                   "release them; use 'auto' or 'recovery'")
+    return replace(spec, accelerator="cpu", release_weights=False)
 
 
 async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) -> str:
@@ -194,8 +229,11 @@ async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
     released."""
     adapter, ep = endpoint(s, handle)
     try:
-        await adapter.quiesce(ep, release_weights=handle.spec.release_weights,
-                              discard_kv=handle.spec.discard_kv)
+        if handle.spec.drains:
+            await adapter.drain(ep)
+        else:
+            await adapter.quiesce(ep, release_weights=handle.spec.release_weights,
+                                  discard_kv=handle.spec.discard_kv)
     except EngineCallFailed as exc:
         raise fail(s, handle.unit, "quiesce", f"{ep}: {exc}", QuiesceFailed) from None
 
@@ -205,6 +243,8 @@ async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume")
     new placement, rebuilds its cross-worker connections and, when its quiesce released
     them, reloads its weights from its model directory."""
     spec = handle.spec
+    if spec.drains:
+        return  # a drained engine was never put to sleep: there is nothing to wake
     adapter, ep = endpoint(s, handle)
     model_dir = adapter.model_dir(spec.command) if spec.release_weights else None
     try:
@@ -219,6 +259,10 @@ async def checkpoint_gpus(
     """cuda-checkpoint lock then checkpoint every worker. On failure every worker this call
     touched is returned to running before GpuCheckpointFailed is raised."""
     step = "gpu-checkpoint"
+    if handle.spec.accelerator == "cpu":
+        log.info("capsule.gpu-checkpoint-not-applicable", host=s.host, unit=handle.unit,
+                 step=step)
+        return
     container = await s.container(handle.container_id, handle.unit, step)
 
     async def one(wid: str, pid: int) -> None:
@@ -277,16 +321,22 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     await _clear_dump(s, handle)
     await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
     t0 = time.monotonic()
-    out = await s.exec(container, ["criu", "dump", "-t", str(handle.engine_pid),
-                                   "-D", CRIU_IMAGES_DIR, "-W", CRIU_WORK_DIR,
-                                   "--leave-running", "-o", "dump.log"],
+    out = await s.exec(container, ["sh", "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
+                                   CRIU_IMAGES_DIR, CRIU_WORK_DIR, SHM_CAPTURE,
+                                   *criu_flags(handle.spec)],
                        timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
-    why = "" if out.ok else await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
+    if out.exit_code == IO_URING_HELD:
+        why = io_uring_refusal(out.stdout)
+    elif out.ok:
+        why = ""
+    else:
+        why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
     await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
     if not out.ok:
         await _clear_dump(s, handle)
-        detail = f"criu dump exited {out.exit_code}:\n{why}"
+        detail = (why if out.exit_code == IO_URING_HELD
+                  else f"criu dump exited {out.exit_code}:\n{why}")
         try:
             await return_to_serving(s, handle)
         except CapsuleError as exc:
@@ -374,7 +424,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         base_image_digest=spec.image_digest, criu_images=image_set,
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=list(handle.devices), weights_released=spec.release_weights,
-        kv_discarded=spec.discard_kv)
+        kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
+        quiesce="drain" if spec.drains else "sleep")
     return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 

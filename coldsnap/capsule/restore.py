@@ -23,6 +23,7 @@ import structlog
 
 from coldsnap.admission import criu_inet_refusal
 from coldsnap.capsule.capture import resume
+from coldsnap.capsule.criu_dump import criu_flags
 from coldsnap.capsule.errors import (
     CriuProbeFailed,
     RestoreFailed,
@@ -56,6 +57,8 @@ from coldsnap.capsule.spec import (
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
     RUNTIME_DIR,
+    SHM_DIR,
+    SHM_IMAGE,
     UnitSpec,
 )
 from coldsnap.engines import EngineCallFailed
@@ -247,9 +250,11 @@ async def seed_placement(s: CapsuleSession, handle: UnitHandle,
 # The exec's arguments: $1 the images (mounted read-only), $2 CRIU's work directory (its logs,
 # the lazy-pages socket), $3 the PIDs that must run afterwards, $4 cuda-checkpoint, $5 the
 # workers whose GPU state is restored in the same exec (empty: left checkpointed), $6 the
-# placement the engine reads on wake (empty: none to write), and the rest the --device-map
+# placement the engine reads on wake (empty: none to write), $7 the CRIU options its dump used
+# (the manifest's criu_flags: fixed words, split on purpose), and the rest the --device-map
 # arguments.
-_ARGS = 'images=$1 work=$2 pids=$3 cuda=$4 workers=$5 placement=$6\nshift 6\n'
+_ARGS = ('images=$1 work=$2 pids=$3 cuda=$4 workers=$5 placement=$6 criu_flags=$7\n'
+         'shift 7\n')
 # Written before CRIU brings the engine back, so no reader can see half of it. A Docker
 # `put_archive` beside the exec did the same, but its work in dockerd (a process started in
 # the container's root) slowed the restore beside it by about 0.1 s on a 2-CPU host.
@@ -260,6 +265,15 @@ _SEED = (f'[ -z "$placement" ] || (umask 077 && mkdir -p {RUNTIME_DIR} && '
 PLACEMENT_ARG_MAX = 96 * 1024
 # The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
 _PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$work"\n'
+# The unit's /dev/shm as the dump left it (SHM_IMAGE, when the engine had anything there):
+# emptied, then put back exactly, before every restore. CRIU reopens those files by path and
+# deletes the link-remap files it made at dump once a restore succeeds, so a second restore
+# from the same images needs them back as well.
+_SHM_FAILED = 93
+_SHM_RESTORE = (f'if [ -f "$images/{SHM_IMAGE}" ]; then\n'
+                f'  find {SHM_DIR} -mindepth 1 -delete && tar -C {SHM_DIR} --numeric-owner '
+                f'-xSpf "$images/{SHM_IMAGE}" || exit {_SHM_FAILED}\n'
+                'fi\n')
 # Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
 # the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
 # runs again before all of its memory is read back. The daemon's stdio goes to a file: with
@@ -272,10 +286,11 @@ until [ -S "$work/lazy-pages.socket" ]; do
   i=$((i + 1)); [ "$i" -le 1000 ] || { echo "lazy-pages daemon did not start" >&2; exit 97; }
   sleep 0.01
 done
-criu restore -D "$images" -W "$work" -d --lazy-pages -o restore.log
+criu restore -D "$images" -W "$work" -d --lazy-pages -o restore.log $criu_flags
 set +e
 """
-_FULL_RESTORE = 'criu restore -D "$images" -W "$work" -d -o restore.log || exit $?\n'
+_FULL_RESTORE = ('criu restore -D "$images" -W "$work" -d -o restore.log $criu_flags '
+                 '|| exit $?\n')
 _CHECK_PIDS = """gone=
 for p in $pids; do test -d "/proc/$p" || { echo "missing $p"; gone=1; }; done
 [ -z "$gone" ] || exit 0
@@ -326,7 +341,9 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     step = "criu-restore"
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
-    workers = dict(handle.worker_pids) if gpus is not None else {}
+    # A CPU engine's workers hold no GPU state: there is nothing to restore or unlock.
+    cpu = handle.spec.accelerator == "cpu"
+    workers = dict(handle.worker_pids) if gpus is not None and not cpu else {}
     seed = ""
     if placement is not None:
         data = placement_bytes(placement)
@@ -337,13 +354,19 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
             seed = data.decode()
     t0 = time.monotonic()
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
-    script = (_ARGS + _PREPARE + _SEED + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
+    script = (_ARGS + _PREPARE + _SHM_RESTORE + _SEED
+              + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
               + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [
         "sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
-        CUDA_CHECKPOINT, " ".join(map(str, workers.values())), seed, *device_map_args(gpus)],
+        CUDA_CHECKPOINT, " ".join(map(str, workers.values())), seed,
+        " ".join(criu_flags(handle.spec)),
+        *device_map_args(gpus)],
         timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
+    if out.exit_code == _SHM_FAILED:
+        raise fail(s, handle.unit, "shm", f"cannot put {SHM_DIR} back from {SHM_IMAGE}: "
+                   f"{out.tail(300)}", RestoreFailed)
     if out.exit_code == _SEED_FAILED:
         raise fail(s, handle.unit, "placement", f"cannot write {RUNTIME_DIR}/{PLACEMENT_FILE}: "
                    f"{out.tail(300)}", RestoreFailed)
@@ -370,6 +393,8 @@ async def restore_gpus(s: CapsuleSession, handle: UnitHandle,
     """cuda-checkpoint restore (with --device-map captured=destination) then unlock, for
     every worker of the unit."""
     step = "gpu-restore"
+    if handle.spec.accelerator == "cpu":
+        return
     container = await s.container(handle.container_id, handle.unit, step)
     map_args = device_map_args(devices)
 

@@ -21,6 +21,7 @@ from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
     CRIU_SECURITY_OPT,
     RUNTIME_DIR,
+    SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
 )
@@ -98,6 +99,7 @@ async def create_container(
         # Engines serve on TCP and their workers talk across hosts, as on real machines: the
         # unit shares its host's network. Its listen ports are checked free at admission.
         network_mode="host",
+        shm_size=SHM_SIZE_BYTES,
         cap_add=list(CRIU_CAPABILITIES),
         security_opt=list(CRIU_SECURITY_OPT),
         mounts=[
@@ -270,6 +272,9 @@ async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> 
     container = await s.container(handle.container_id, handle.unit, step)
     pids = await container_host_pids(s, container, handle.unit, step)
     try:
+        if spec.accelerator == "cpu":
+            return await discovery.discover_cpu_workers(
+                s.target.host, pids, spec.workers, adapter_for(spec.engine).cpu_worker_titles)
         return await discovery.discover_workers(
             s.target.host, pids, spec.workers, handle.devices,
             simulated=spec.gpu_mode == "simulated")

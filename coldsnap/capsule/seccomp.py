@@ -10,9 +10,10 @@ kept across a snapshot by CRIU (it dumps and restores a task's filters).
 What it refuses follows Docker's default profile for a container without capabilities: the
 syscalls that profile allows only with a capability the engine does not hold, and those it
 never allows (kernel modules, kexec, keyrings, bpf, perf, userfaultfd, other namespaces,
-mounts, tracing other processes, the clock, NUMA policy, io_uring). `clone` with a namespace
-flag is refused; `clone3`, whose flags a filter cannot read, answers ENOSYS so that the C
-library falls back to `clone`. Refusals return EPERM; an unknown architecture or the x32 ABI
+mounts, tracing other processes, the clock, NUMA policy). `clone` with a namespace flag is
+refused; `clone3`, whose flags a filter cannot read, answers ENOSYS so that the C library
+falls back to `clone`, and so does io_uring, which CRIU cannot dump: its users fall back to
+epoll. Refusals return EPERM; an unknown architecture or the x32 ABI
 is refused altogether. Everything else is allowed.
 """
 
@@ -35,8 +36,7 @@ DENIED: Mapping[str, tuple[int | None, int | None]] = {
     "clock_adjtime": (305, 266), "clock_settime": (227, 112), "create_module": (174, None),
     "delete_module": (176, 106), "finit_module": (313, 273), "get_kernel_syms": (177, None),
     "get_mempolicy": (239, 236), "init_module": (175, 105), "ioperm": (173, None),
-    "iopl": (172, None), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
-    "io_uring_register": (427, 427), "kcmp": (312, 272), "kexec_file_load": (320, 294),
+    "iopl": (172, None), "kcmp": (312, 272), "kexec_file_load": (320, 294),
     "kexec_load": (246, 104), "keyctl": (250, 219), "lookup_dcookie": (212, 18),
     "mbind": (237, 235), "mount": (165, 40), "move_pages": (279, 239),
     "name_to_handle_at": (303, 264), "nfsservctl": (180, 42), "open_by_handle_at": (304, 265),
@@ -52,6 +52,13 @@ DENIED: Mapping[str, tuple[int | None, int | None]] = {
     "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
     "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
     "mount_setattr": (442, 442),
+}
+# Answered ENOSYS, as a kernel built without them would: io_uring, which CRIU cannot dump
+# ("Unknown shit 600 (anon_inode:[io_uring])"). Libraries that try it first (libuv, under
+# vLLM's and SGLang's API servers) take ENOSYS as "not here" and fall back to epoll; a
+# refusal (EPERM) is not what they expect to see.
+UNSUPPORTED: Mapping[str, tuple[int | None, int | None]] = {
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
 }
 CLONE = (56, 220)
 CLONE3 = (435, 435)
@@ -104,6 +111,10 @@ def _arch_block(p: _Program, arch: str, index: int) -> None:
         nr = numbers[index]
         if nr is not None:
             p.emit(_JEQ, nr, deny, 0)
+    for numbers in UNSUPPORTED.values():
+        nr = numbers[index]
+        if nr is not None:
+            p.emit(_JEQ, nr, enosys, 0)
     p.emit(_JEQ, CLONE[index], clone, 0)
     p.emit(_JEQ, CLONE3[index], enosys, 0)
     p.emit(_RET, _RET_ALLOW)

@@ -67,6 +67,20 @@ ENGINE_LOG_MODE = "0644"
 # gets there by starting short-lived threads (/proc/sys/kernel/ns_last_pid stays read-only).
 ENGINE_PID_FLOOR = 9999
 
+# The tmpfs of the unit's container that CRIU does not put in its images: it reopens the files
+# an engine maps from /dev/shm (vLLM's shared-memory message queues, POSIX semaphores) by
+# path. Their content is captured into this file of the image set, with the tree frozen, and
+# put back, exactly, before every CRIU restore (coldsnap.capsule.capture / .restore).
+SHM_DIR = "/dev/shm"  # noqa: S108 (inside the container, not a temp file)
+SHM_IMAGE = "tmpfs-dev-shm.tar"
+# Docker's default /dev/shm is 64 MiB; vLLM's CPU build alone maps about 420 MB there. A
+# tmpfs size is a ceiling, not a reservation: pages count only once written.
+SHM_SIZE_BYTES = 8 << 30
+# The label of a capsule image built for the CPU (`org.coldsnap.accelerator=cpu`): its engine
+# holds no GPU, so its workers are its engine processes, cuda-checkpoint has nothing to do,
+# and its quiesce is a drain (vLLM's sleep mode does nothing on CPU).
+LABEL_ACCELERATOR = "org.coldsnap.accelerator"
+
 MANIFEST_ENV = "COLDSNAP_UNIT"
 SIMULATED_GPUS_ENV = "COLDSNAP_SIMULATED_GPUS"
 
@@ -160,6 +174,9 @@ class UnitSpec:
     # resume through the engine's reload call, from its model directory, where the worker's
     # payload lies (a capture: the request's mounts; a restore: its staged payload).
     release_weights: bool = False
+    # policy.weights.mode 'native': the weights must leave the snapshot, so an engine that
+    # cannot release them (a CPU build) is refused rather than captured with them.
+    must_release_weights: bool = False
     # Quiesce drops the KV cache (policy.process.kv_discard).
     discard_kv: bool = True
     # "simulated": devices go only into the environment (test capsule, cuda-checkpoint
@@ -175,6 +192,16 @@ class UnitSpec:
     cluster_id: str | None = None
     # Host file that receives the engine's output (request `workload.log_path`).
     log_path: str | None = None
+    # What the engine computes on, from its capsule image's LABEL_ACCELERATOR ("gpu" when the
+    # label is absent). A "cpu" engine is drained, not put to sleep, keeps its weights in its
+    # CRIU images, and has no GPU state to checkpoint.
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+
+    @property
+    def drains(self) -> bool:
+        """Whether quiesce drains the engine instead of putting it to sleep: an engine on the
+        CPU has no sleep mode (vLLM answers /sleep but logs that it ignores it)."""
+        return self.accelerator == "cpu"
 
     def container_mounts(self) -> tuple[Mount, ...]:
         """The unit's mounts plus, with `log_path`, that host file over ENGINE_LOG.

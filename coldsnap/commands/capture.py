@@ -14,7 +14,7 @@ from coldsnap.commands.operation import (
     load_hosts_inventory,
     operation_handler,
 )
-from coldsnap.formats.receipt import ReceiptResult
+from coldsnap.formats.receipt import ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, ReceiptKey
@@ -37,7 +37,8 @@ def prepare(args: argparse.Namespace, request: Request | None) -> Prepared:
         sys.stderr.write(f"captured {stored.capture_id} ({stored.digest[:19]}): "
                          f"{len(stored.artifact.capsule.images)} capsule(s), "
                          f"{len(stored.artifact.objects)} objects, {human_bytes(size)}\n")
-        return ReceiptResult(artifact=stored.capture_id, output=request.output)
+        return ReceiptResult(artifact=stored.capture_id, output=request.output,
+                             units=[UnitQuiesce.of(m) for m in out.manifests])
 
     return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
                     engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,

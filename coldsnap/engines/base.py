@@ -9,6 +9,8 @@ lies (payload files are found from the request, never from a path the engine rep
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -74,6 +76,24 @@ def master_addr(command: Sequence[str], environment: dict[str, str] | None = Non
     return value
 
 
+def requests_in_flight(metrics_text: str, names: Sequence[str]) -> int | None:
+    """The sum of the Prometheus gauges `names` (every label set) in a /metrics answer; None
+    when none of them is there."""
+    total: float | None = None
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in names:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        total = (total or 0.0) + value
+    return None if total is None else round(total)
+
+
 def expect_ok(answer: HttpAnswer, what: str) -> None:
     if answer.status is None or not 200 <= answer.status < 300:
         raise EngineCallFailed(f"{what}: {answer.describe()}")
@@ -98,6 +118,37 @@ class HttpEngine:
 
     async def ready(self, ep: EngineEndpoint, health_path: str) -> HttpAnswer:
         return await ep.call("GET", health_path, timeout=10)
+
+    # The gauges of the engine's /metrics whose sum is the requests it is running or holding
+    # in its queue.
+    in_flight_metrics: tuple[str, ...]
+    cpu_worker_titles: tuple[str, ...]
+
+    async def in_flight(self, ep: EngineEndpoint) -> int:
+        """The requests the engine is running or holds waiting, from its own /metrics."""
+        ans = await ep.call("GET", "/metrics", timeout=10)
+        expect_ok(ans, "GET /metrics")
+        count = requests_in_flight(ans.text, self.in_flight_metrics)
+        if count is None:
+            raise EngineCallFailed(
+                f"GET /metrics has none of {', '.join(self.in_flight_metrics)}: the engine "
+                "cannot say whether requests are in flight, so it cannot be drained")
+        return count
+
+    async def drain(self, ep: EngineEndpoint, *, timeout: float = 600.0,  # noqa: ASYNC109
+                    interval: float = 0.2) -> None:
+        # Two idle readings in a row: an engine's gauges are refreshed once per scheduler
+        # step, so a request that has just arrived may not be counted by the first.
+        deadline = time.monotonic() + timeout
+        idle = 0
+        while idle < 2:
+            count = await self.in_flight(ep)
+            idle = idle + 1 if count == 0 else 0
+            if count and time.monotonic() > deadline:
+                raise EngineCallFailed(f"{count} request(s) still running or waiting after "
+                                       f"{timeout:.0f}s of draining")
+            if idle < 2:
+                await asyncio.sleep(interval)
 
 
 class EngineAdapter(Protocol):
@@ -131,6 +182,19 @@ class EngineAdapter(Protocol):
         """Drain requests and put the engine to sleep, closing its cross-worker connections:
         the KV cache dropped (`discard_kv`) and, with `release_weights`, the weights dropped
         too, so that a snapshot taken now holds neither."""
+        ...
+
+    @property
+    def cpu_worker_titles(self) -> tuple[str, ...]:
+        """Process titles (the start of /proc/PID/cmdline) of the engine's workers on the
+        CPU, in order of preference: the first title any process of the unit has names its
+        workers."""
+        ...
+
+    async def drain(self, ep: EngineEndpoint, *, timeout: float = 600.0,  # noqa: ASYNC109
+                    interval: float = 0.2) -> None:
+        """Wait until the engine runs no request and holds none waiting, read from its own
+        metrics: the quiesce of an engine that has no sleep mode (on the CPU)."""
         ...
 
     async def is_sleeping(self, ep: EngineEndpoint) -> bool | None:

@@ -30,6 +30,7 @@ for p in "$@"; do
   [ -d "/proc/$p" ] || continue
   echo "@@ $p"
   grep '^NSpid:' "/proc/$p/status" 2>/dev/null
+  printf 'cmd '; head -c 200 "/proc/$p/cmdline" 2>/dev/null | tr '\0\n' '  '; echo
   tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE)=' || true
   for f in /proc/$p/fd/*; do
     t=$(readlink "$f" 2>/dev/null) || continue
@@ -71,6 +72,8 @@ class ProcessFacts:
     env: dict[str, str] = field(default_factory=dict)
     device_files: list[str] = field(default_factory=list)
     simulated_devices: list[str] | None = None  # None: the simulator does not know it
+    # The start of its command line, where setproctitle puts a title (`VLLM::Worker_TP0`).
+    title: str = ""
 
     @property
     def holds_gpu(self) -> bool:
@@ -89,6 +92,8 @@ def parse_probe(text: str) -> list[ProcessFacts]:
             continue
         elif line.startswith("NSpid:"):
             cur.pid = int(line.split()[-1])
+        elif line.startswith("cmd "):
+            cur.title = line[4:].strip()
         elif line.startswith("dev "):
             cur.device_files.append(line[4:].strip())
         elif line.startswith("sim "):
@@ -174,6 +179,33 @@ def match_workers(procs: Sequence[ProcessFacts], workers: Sequence[WorkerLike],
                 raise DiscoveryError(f"worker {worker.id} (process {proc.pid}) holds devices "
                                      f"{proc.simulated_devices}, its device slots select {want}")
     return {wid: p.pid for wid, p in found.items()}
+
+
+def match_cpu_workers(procs: Sequence[ProcessFacts], workers: Sequence[WorkerLike],
+                      titles: Sequence[str]) -> dict[str, int]:
+    """worker id -> PID inside the container, for an engine on the CPU: no process holds a
+    GPU, so the workers are the engine's own processes with the first of `titles` that any
+    of them carries (vLLM: its `VLLM::Worker` processes, else `VLLM::EngineCore`), taken in
+    PID order as process slots 0, 1, ..."""
+    for title in titles:
+        found = sorted((p for p in procs if p.title.startswith(title)), key=lambda p: p.pid)
+        if found:
+            break
+    else:
+        raise DiscoveryError(f"no process of the unit is titled {' or '.join(titles)} (an "
+                             "engine on the CPU: its workers are its engine processes)")
+    if len(found) != len(workers):
+        raise DiscoveryError(f"{len(found)} {title} processes in the unit, it declares "
+                             f"{len(workers)} workers")
+    ordered = sorted(workers, key=lambda w: w.process_slot)
+    return {w.id: p.pid for w, p in zip(ordered, found, strict=True)}
+
+
+async def discover_cpu_workers(host: Host, host_pids: Sequence[int],
+                               workers: Sequence[WorkerLike],
+                               titles: Sequence[str]) -> dict[str, int]:
+    procs = await read_processes(host, host_pids, simulated=False)
+    return match_cpu_workers(procs, workers, titles)
 
 
 async def discover_workers(host: Host, host_pids: Sequence[int], workers: Sequence[WorkerLike],

@@ -31,6 +31,10 @@ class SglangAdapter(HttpEngine):
     can_keep_kv_cache = True
     # The `weights` tag drops them; /update_weights_from_disk brings them back.
     can_release_weights = True
+    # Served with --enable-metrics. Written from SGLang's metric names; no SGLang CPU build
+    # has run under coldsnapd (only vLLM's, docs/engines.md).
+    in_flight_metrics = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
+    cpu_worker_titles = ("sglang::scheduler",)
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         return flag_value(command, ("--model-path", "--model", "--model-dir"))

@@ -29,6 +29,27 @@ class VllmAdapter(HttpEngine):
     can_keep_kv_cache = False
     # Sleep level 2 drops them; /collective_rpc reload_weights brings them back.
     can_release_weights = True
+    # vLLM's own gauges (its Prometheus /metrics, always served by the OpenAI server).
+    in_flight_metrics = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    # Its multiprocessing engine names its processes with setproctitle: the model runs in
+    # `VLLM::Worker...` processes, or in `VLLM::EngineCore` itself when it starts no worker.
+    cpu_worker_titles = ("VLLM::Worker", "VLLM::EngineCore")
+
+    async def in_flight(self, ep: EngineEndpoint) -> int:
+        """The scheduler's running and waiting requests (/metrics), or more: with
+        `--enable-server-load-tracking`, the API server's own count of requests it has taken
+        and not yet answered (/load), which also sees a request still on its way to the
+        scheduler."""
+        scheduled = await super().in_flight(ep)
+        load = await ep.call("GET", "/load", timeout=10)
+        if load.status == 404:
+            return scheduled  # load tracking is off: the scheduler's word is all there is
+        expect_ok(load, "GET /load")
+        try:
+            taken = int(load.json()["server_load"])
+        except (ValueError, KeyError, TypeError):
+            raise EngineCallFailed(f"GET /load: unexpected answer {load.describe()}") from None
+        return max(scheduled, taken)
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         found = flag_value(command, ("--model", "--model-dir"))

@@ -17,7 +17,7 @@ naming each bad path.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
@@ -152,6 +152,11 @@ class CapsuleManifest(StrictModel):
     # do not hold them and the restored engine reloads them from its workers' payloads.
     weights_released: bool = False
     kv_discarded: bool = True
+    # What the engine computed on (its capsule's org.coldsnap.accelerator label). "cpu": no
+    # GPU state was checkpointed, and the quiesce was a drain (no sleep mode on the CPU), so
+    # the weights stayed in the CRIU images.
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+    quiesce: Literal["sleep", "drain"] = "sleep"
 
     @model_validator(mode="after")
     def _format(self) -> CapsuleManifest:

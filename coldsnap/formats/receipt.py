@@ -20,6 +20,7 @@ from typing import Annotated, Final, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.fields import Digest, Id, NonEmpty, StrictModel
 from coldsnap.formats.timing import Seconds, Timing
 
@@ -68,6 +69,35 @@ def replay_semantics_for(operation: str, *, prepare_only: bool = False) -> Repla
     raise ValueError(f"no replay semantics for operation {operation!r}")
 
 
+class UnitQuiesce(StrictModel):
+    """How a capture quiesced one unit, from its capsule manifest: what the snapshot holds and
+    which GPU steps ran. coldsnapd's own field."""
+
+    unit: Id
+    accelerator: Literal["gpu", "cpu"]
+    quiesce: Literal["sleep", "drain"]
+    weights_released: bool
+    gpu_checkpoint: Literal["checkpointed", "not-applicable"]
+    note: NonEmpty
+
+    @classmethod
+    def of(cls, manifest: CapsuleManifest) -> UnitQuiesce:
+        if manifest.accelerator == "cpu":
+            note = ("the engine runs on the CPU, where it has no sleep mode: it was drained "
+                    "(no request running or waiting) and checkpointed with its weights in its "
+                    "CRIU images; it holds no GPU, so cuda-checkpoint did not run")
+        elif manifest.weights_released:
+            note = ("the engine slept and released its weights, which move only as its "
+                    "workers' payloads and are reloaded on wake")
+        else:
+            note = ("the engine slept and kept its weights, which are in its CRIU images "
+                    "(policy.weights.mode recovery, or an engine that cannot release them)")
+        return cls(unit=manifest.unit_id, accelerator=manifest.accelerator,
+                   quiesce=manifest.quiesce, weights_released=manifest.weights_released,
+                   gpu_checkpoint=("not-applicable" if manifest.accelerator == "cpu"
+                                   else "checkpointed"), note=note)
+
+
 class ReceiptResult(StrictModel):
     artifact: Id | None = None
     output: NonEmpty | None = None
@@ -75,6 +105,8 @@ class ReceiptResult(StrictModel):
     # coldsnapd's own field: true when no request supplied the id (a restore run with
     # `--artifact` alone), so `operation_id` was generated and names no request.
     operation_id_generated: bool | None = None
+    # A capture's units, each as its quiesce left it (coldsnapd's own field).
+    units: list[UnitQuiesce] | None = None
 
 
 class ReceiptError(StrictModel):

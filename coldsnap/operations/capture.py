@@ -52,6 +52,7 @@ from coldsnap.formats.artifact import (
     replay_plan_path,
 )
 from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import ProgressCallback
@@ -75,6 +76,7 @@ from coldsnap.topology import resolve
 class CaptureOutcome:
     stored: StoredArtifact
     fetched: list[HostFetch]  # per host: what was pulled, what the store held already
+    manifests: list[CapsuleManifest]  # each unit's, in launch order
 
 
 def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
@@ -261,7 +263,8 @@ async def _capture_units(
             except OSError as exc:
                 store.remove_artifact(artifact.capture_id)
                 raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
-    return CaptureOutcome(stored, fetcher.summary())
+    return CaptureOutcome(stored, fetcher.summary(),
+                          [r.capsule.manifest for r in runs if r.capsule is not None])
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coldsnap.capsule.capture import quiesce, return_to_serving
+from coldsnap.capsule.capture import quiesce, return_to_serving, spec_as_captured
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.lifecycle import (
     EngineState,
@@ -145,7 +145,7 @@ def _spec(t: Target, hosts: HostSet, index: int, devices: tuple[str, ...]) -> Un
         return spec
     # A snapshot without weights came back with its payloads mounted, so sleeping releases
     # them again and waking reloads them from there, as after the restore.
-    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded)
+    return spec_as_captured(spec, meta)
 
 
 def _runs(t: Target, hosts: HostSet,

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from coldsnap.capsule.capture import spec_as_captured
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.restore import criu_restore, device_map, release, validate
 from coldsnap.capsule.runtime import (
@@ -122,8 +123,7 @@ async def revive(s: CapsuleSession, r: ReplacingRun, old: UnitContainer,
                        f"previous {old.name} left stopped: a replayed unit has no snapshot")
     # Woken the way its own capture quiesced it: a snapshot without weights reloads them
     # from the payloads its container mounts.
-    spec = replace(r.placed.spec, release_weights=meta.weights_released,
-                   discard_kv=meta.kv_discarded)
+    spec = spec_as_captured(r.placed.spec, meta)
     handle = UnitHandle(spec, s.host, old.id, old.name, "restore", old.devices,
                         engine_pid=meta.engine_pid, worker_pids=dict(meta.worker_pids))
     try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from coldsnap.admission import HostFacts, check_admission
-from coldsnap.capsule.capture import start_unit, wait_ready
+from coldsnap.capsule.capture import spec_as_captured, start_unit, wait_ready
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.lifecycle import GpuRecord, write_gpu_record
@@ -380,8 +380,7 @@ def as_captured(placed: PlacedUnit, meta: CapsuleManifest, hosts: HostSet, store
     """The unit as its capture left it: its engine is woken the way it was quiesced, and when
     that released the weights (not in the CRIU images), it reloads them on wake from its
     workers' staged payloads, mounted where it read them at capture."""
-    spec = replace(placed.spec, release_weights=meta.weights_released,
-                   discard_kv=meta.kv_discarded)
+    spec = spec_as_captured(placed.spec, meta)
     if meta.weights_released:
         spec = replace(spec, mounts=with_payloads(replace(placed, spec=spec), hosts, store,
                                                   artifact))

@@ -89,6 +89,7 @@ def place_units(
         spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
                          labels=labels, weights=weights, workload=workload)
         spec = replace(spec, release_weights=releases_weights(weights, launch.engine),
+                       must_release_weights=weights is not None and weights.mode == "native",
                        discard_kv=discards_kv(process, launch.engine))
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))
     return placed

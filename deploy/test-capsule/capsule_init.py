@@ -42,6 +42,8 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # A ceiling, not the kernel's count: dropping a capability the kernel does not know fails
 # with EINVAL, which ends the loop.
 _CAP_CEILING = 64
+# Above any descriptor `docker exec` hands a process (os.closerange uses close_range(2)).
+_FD_CEILING = 1 << 20
 
 
 class _CapHeader(ctypes.Structure):
@@ -139,6 +141,12 @@ def launch(argv: list[str]) -> int:
             os.dup2(log, 2)
             os.close(stdin)
             os.close(log)
+            # Whatever the launcher inherited from `docker exec` (descriptors of dockerd's
+            # mounts, e.g. its /dev/null) would be inherited by the engine, and CRIU cannot
+            # dump a descriptor whose mount it cannot find in the container. Only the
+            # close-on-exec error pipe survives until the exec.
+            os.closerange(3, w)
+            os.closerange(w + 1, _FD_CEILING)
             confine(base64.b64decode(args.seccomp_filter, validate=True))
             os.execvp(args.command[0], args.command)  # noqa: S606 (an argv list, no shell)
         except BaseException as exc:  # reported to the parent, then exit

@@ -3,14 +3,15 @@
 
     engine.py serve [--api vllm|sglang] [--host 0.0.0.0] [--port P] --model-dir D
                     [--served-model-name NAME] [--master-addr A] [--master-port P2]
-                    [--warmup-rounds N] [--hold-undumpable]
+                    [--warmup-rounds N] [--hold-undumpable] [--try-io-uring]
     engine.py make-shards --out D --world-size W --bytes N --prompt P --answer A [--seed S]
 
 --api defaults to vllm; --port to 8000 (vllm) or 30000 (sglang); --master-addr to
 $MASTER_ADDR else 127.0.0.1 and --master-port to $MASTER_PORT else 29500 (as torch);
 --served-model-name to the model dir. --hold-undumpable makes the API process open a TCP
 connection to itself at start and keep it: CRIU refuses to dump a connected TCP socket without
---tcp-established, so a dump of the tree is refused (a test knob).
+--tcp-established, so a dump of the tree is refused (a test knob). --try-io-uring asks for an
+io_uring instance at start, as libuv does, and keeps it when it gets one (io_uring_probe.py).
 
 Processes, shaped like a real engine at MiB-to-GiB scale and without a GPU:
 - one API process serving HTTP on TCP (--host, --port), plus one EXEC'd worker process per
@@ -117,6 +118,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import cuda_checkpoint_sim as gpu_sim  # noqa: E402
 import engine_group  # noqa: E402
 import engine_http  # noqa: E402
+import io_uring_probe  # noqa: E402
 
 SHARD_FORMAT = "coldsnap-test-shard/1"
 PLACEMENT_FORMAT = "coldsnap-placement/1"
@@ -716,6 +718,11 @@ def serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else DEFAULT_PORTS[args.api]
     # Opened before the workers start (they do not inherit it) and kept for the process's life.
     undumpable = open_undumpable() if args.hold_undumpable else None
+    if args.try_io_uring:
+        # Kept open for the process's life, as an event loop keeps its ring.
+        ring, outcome = io_uring_probe.try_io_uring()
+        print(f"io_uring: {outcome}" + (f" (fd {ring})" if ring is not None else ""),
+              flush=True)
     manifest = load_manifest()
     channels = start_workers(args, manifest)
     # Workers warm up in parallel; the API opens only once all of them are ready.
@@ -757,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: $MASTER_PORT, else 29500")
     s.add_argument("--warmup-rounds", type=int, default=4,
                    help="digest rounds per weight chunk: the CPU cost of warm-up")
+    s.add_argument("--try-io-uring", action="store_true",
+                   help="ask for an io_uring instance at start and keep it, as libuv does "
+                        "(the capsule's seccomp filter answers ENOSYS)")
     s.add_argument("--hold-undumpable", action="store_true",
                    help="keep a TCP connection open so that a CRIU dump is refused (tests)")
     w = sub.add_parser("worker", help="internal: one worker process, started by serve")

@@ -42,6 +42,24 @@ class Run:
         return self
 
 
+@dataclass
+class Started:
+    """A `coldsnapd` run in the background."""
+
+    proc: subprocess.Popen[str]
+    receipt: Path
+
+    def wait(self, timeout: float = 600) -> Run:
+        try:
+            stdout, stderr = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
+        data = json.loads(self.receipt.read_text()) if self.receipt.exists() else None
+        return Run(self.proc.returncode, stdout, stderr, data)
+
+
 class Ops:
     """Runs `coldsnapd` against the dev cluster with a private store."""
 
@@ -54,14 +72,17 @@ class Ops:
 
     def coldsnapd(self, *args: str, inventory: Path | None = None,
                   timeout: float = 600) -> Run:
+        return self.start(*args, inventory=inventory).wait(timeout)
+
+    def start(self, *args: str, inventory: Path | None = None) -> Started:
+        """`coldsnapd ARGS` started in the background, with this store and inventory."""
         receipt = self.work / f"receipt-{secrets.token_hex(4)}.json"
         argv = [sys.executable, "-m", "coldsnap", *args,
                 "--inventory", str(inventory or self.inventory), "--store", str(self.store),
                 "--receipt-json", str(receipt)]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-        data = json.loads(receipt.read_text()) if receipt.exists() else None
-        return Run(proc.returncode, proc.stdout, proc.stderr, data)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        return Started(proc, receipt)
 
     def request(self, name: str, *, suffix: str, **changes: Any) -> Path:
         """A copy of a dev-cluster request with a fresh id and a private output path."""

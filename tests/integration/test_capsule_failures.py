@@ -97,6 +97,59 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         await cleanup_paths(h0, models)
 
 
+# A unit launcher that starts the engine as `capsule-init launch` does, less the seccomp filter
+# coldsnapd hands it: stands in for a capsule whose engine is not confined by that filter.
+UNFILTERED_LAUNCHER = (
+    "sh", "-c",
+    'for a; do shift; if [ -n "$skip" ]; then skip=; continue; fi; '
+    'if [ "$a" = --seccomp-filter ]; then skip=1; continue; fi; set -- "$@" "$a"; done; '
+    'exec /usr/local/bin/capsule-init launch "$@"', "sh")
+
+
+@pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "unfiltered"])
+async def test_an_engine_holding_io_uring_is_refused_at_dump_by_name(
+    capsule_cluster: dict[str, ClusterHost], capsule_ref: str, filtered: bool
+) -> None:
+    """The engine asks for an io_uring at start (as libuv does). Under coldsnapd's filter it
+    gets ENOSYS and the dump goes through; launched without the filter it holds one, and the
+    dump is refused before CRIU runs, naming io_uring and the holder, and the unit serves on."""
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("uring")
+    models = None
+    try:
+        models = await put_shards(h0, 1, 1024 * 1024)
+        spec = unit_spec(capsule_ref, h0, unit_id, 1, models, extra_args=("--try-io-uring",))
+        if not filtered:
+            spec = dataclasses.replace(spec, launcher=UNFILTERED_LAUNCHER)
+        h = await start_unit(s, spec)
+        await wait_ready(s, h)
+        c = await s.container(h.container_id, unit_id, "test")
+        said = await s.exec(c, ["grep", "^io_uring:", "/var/log/coldsnap/engine.log"])
+        assert said.stdout.split()[:2] == ["io_uring:", "ENOSYS" if filtered else "held"], \
+            said.stdout
+        await quiesce(s, h)
+        await checkpoint_gpus(s, h)
+        if filtered:
+            dumped = await dump(s, h)
+            assert dumped.images_bytes > 0
+            return
+        with pytest.raises(DumpFailed) as err:
+            await dump(s, h)
+        e = err.value
+        assert (e.host, e.unit, e.step) == ("host-0", unit_id, "dump")
+        assert "io_uring" in e.detail and "seccomp" in e.detail, e.detail
+        assert f"{h.engine_pid} (python3" in e.detail, e.detail  # the holder, by PID and name
+        assert "criu dump exited" not in e.detail and "Unknown shit" not in e.detail, e.detail
+        assert (await validate(s, h)).text == EXPECTED  # returned to serving
+        assert h.images_dir is not None
+        left = await h0.target.host.run(["ls", "-A", h.images_dir])
+        assert left.stdout == b"", left.stdout
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_paths(h0, models)
+
+
 async def _broken_criu_image(host: ClusterHost, capsule_ref: str) -> str:
     """An image whose pinned CRIU fails `criu check` the way Debian 12's CRIU fails on this
     kernel: stands in for a destination whose kernel the capsule's CRIU cannot restore on."""

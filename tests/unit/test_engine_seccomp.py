@@ -13,6 +13,7 @@ from coldsnap.capsule.seccomp import (
     AUDIT_ARCH_AARCH64,
     AUDIT_ARCH_X86_64,
     DENIED,
+    UNSUPPORTED,
     engine_filter,
     engine_filter_b64,
 )
@@ -62,6 +63,15 @@ def test_every_denied_syscall_is_refused_and_read_is_allowed(
         if nr is not None:
             assert run_filter(program, arch, nr) == EPERM, name
     assert run_filter(program, arch, read_nr) == ALLOW
+
+
+@pytest.mark.parametrize("arch", [AUDIT_ARCH_X86_64, AUDIT_ARCH_AARCH64])
+def test_io_uring_answers_enosys_so_its_users_fall_back_to_epoll(program: bytes,
+                                                                  arch: int) -> None:
+    # 425-427 on both architectures: setup, enter, register. CRIU cannot dump an io_uring.
+    for nr in (425, 426, 427):
+        assert run_filter(program, arch, nr) == ENOSYS, nr
+    assert set(UNSUPPORTED) == {"io_uring_setup", "io_uring_enter", "io_uring_register"}
 
 
 @pytest.mark.parametrize(("arch", "clone", "clone3"), [

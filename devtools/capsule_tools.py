@@ -1,0 +1,234 @@
+"""What every capsule build on the dev machines shares: the Debian base rootfs (mmdebstrap),
+rootfs tarball entries with a fixed mtime, the dev cluster's local OCI registry, and
+`docker import` + `docker push` to it.
+
+Used by devtools/capsule_build.py (the test capsule) and devtools/vllm_capsule.py (a real
+vLLM-CPU capsule). Every function takes the caller's program name (`prog`) for its messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from devtools.layout import BRIDGE, REGISTRY_ADDR
+
+# Fixed mtime of every entry a build adds: the same inputs give the same layer, hence the same
+# image digest.
+EPOCH = 1_700_000_000
+
+
+def log(prog: str, msg: str) -> None:
+    print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+
+
+def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+        stdout: int | TextIO | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), check=True, text=True, env=env, stdout=stdout)
+
+
+def sha256_bytes(*parts: bytes) -> str:
+    """The sha256 of the parts' own sha256s: a boundary between parts cannot move unnoticed."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(hashlib.sha256(p).digest())
+    return h.hexdigest()
+
+
+def ensure_tools(prog: str) -> None:
+    missing = [pkg for tool, pkg in (("mmdebstrap", "mmdebstrap"),
+                                     ("docker-registry", "docker-registry"))
+               if shutil.which(tool) is None]
+    if missing:
+        log(prog, f"installing {' '.join(missing)}")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        run(["apt-get", "update", "-q"], env=env, stdout=sys.stderr)
+        run(["apt-get", "install", "-y", "-q", *missing], env=env, stdout=sys.stderr)
+
+
+def default_docker_host(state: Path, prog: str) -> str:
+    """unix://<host-0's docker_socket> from the dev cluster's inventory."""
+    inv = state / "inventory.yaml"
+    if not inv.exists():
+        raise SystemExit(f"{prog}: {inv} missing: run scripts/dev-cluster up, "
+                         "or pass --docker-host")
+    data = yaml.safe_load(inv.read_text())
+    for h in data.get("hosts", []):
+        if h.get("name") == "host-0" and h.get("docker_socket"):
+            return f"unix://{h['docker_socket']}"
+    raise SystemExit(f"{prog}: host-0 has no docker_socket in {inv}")
+
+
+def base_rootfs(cache: Path, suite: str, packages: Sequence[str], apt_options: Sequence[str],
+                prog: str) -> Path:
+    """A minbase Debian `suite` with `packages`, as a tarball cached under `cache` (the name
+    carries a hash of suite and packages)."""
+    key = sha256_bytes(suite.encode(), " ".join(packages).encode(), b"minbase")[:16]
+    path = cache / f"base-{suite}-{key}.tar"
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tar.tmp")
+    if tmp.is_dir():
+        shutil.rmtree(tmp)  # an interrupted earlier run
+    log(prog, f"mmdebstrap {suite} (minbase + {', '.join(packages)}) -> {path.name}")
+    # The machine's configured Debian mirror is used; no mirror address is written here.
+    # --format=tar: mmdebstrap guesses the format from the name, and ".tmp" is no tarball name.
+    run(["mmdebstrap", "--variant=minbase", "--format=tar",
+         *(f"--aptopt={opt}" for opt in apt_options),
+         f"--include={','.join(packages)}", suite, str(tmp)], stdout=sys.stderr)
+    os.replace(tmp, path)
+    return path
+
+
+def add_dirs(tar: tarfile.TarFile, dirs: Sequence[str]) -> None:
+    for d in dirs:
+        ti = tarfile.TarInfo(f"./{d}")
+        ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, EPOCH
+        tar.addfile(ti)
+
+
+def add_file(tar: tarfile.TarFile, name: str, data: bytes, mode: int) -> None:
+    ti = tarfile.TarInfo(f"./{name}")
+    ti.size, ti.mode, ti.mtime = len(data), mode, EPOCH
+    tar.addfile(ti, io.BytesIO(data))
+
+
+def add_links(tar: tarfile.TarFile, links: Mapping[str, str]) -> None:
+    for name, target in sorted(links.items()):
+        ti = tarfile.TarInfo(f"./{name}")
+        ti.type, ti.linkname, ti.mode, ti.mtime = tarfile.SYMTYPE, target, 0o777, EPOCH
+        tar.addfile(ti)
+
+
+def normalized(ti: tarfile.TarInfo) -> tarfile.TarInfo:
+    """A `tar.add` filter: owned by root, fixed mtime, 0755 or 0644 (as the x bit says)."""
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = "root"
+    ti.mtime = EPOCH
+    if ti.isdir() or (ti.isfile() and ti.mode & 0o111):
+        ti.mode = 0o755
+    elif ti.isfile():
+        ti.mode = 0o644
+    return ti
+
+
+def registry_up() -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{REGISTRY_ADDR}/v2/", timeout=2) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def ensure_registry(registry_dir: Path, prog: str) -> None:
+    if registry_up():
+        return
+    host = REGISTRY_ADDR.rsplit(":", 1)[0]
+    addrs = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", BRIDGE],
+                           capture_output=True, text=True, check=False).stdout
+    if f" {host}/" not in addrs:
+        raise SystemExit(f"{prog}: the registry listens on {host}, the address of "
+                         f"the dev cluster's bridge {BRIDGE}, which does not exist: run "
+                         "scripts/dev-cluster up first")
+    (registry_dir / "data").mkdir(parents=True, exist_ok=True)
+    config = registry_dir / "config.yml"
+    config.write_text(
+        "version: 0.1\n"
+        "log:\n  level: warn\n"
+        "storage:\n  filesystem:\n"
+        f"    rootdirectory: {registry_dir / 'data'}\n"
+        "  delete:\n    enabled: true\n"
+        f"http:\n  addr: {REGISTRY_ADDR}\n"
+    )
+    log(prog, f"starting docker-registry on {REGISTRY_ADDR} (storage {registry_dir / 'data'})")
+    with open(registry_dir / "registry.log", "ab") as logf:
+        proc = subprocess.Popen(["docker-registry", "serve", str(config)],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True)
+    (registry_dir / "registry.pid").write_text(f"{proc.pid}\n")
+    for _ in range(100):
+        if registry_up():
+            return
+        if proc.poll() is not None:
+            raise SystemExit(f"{prog}: docker-registry exited; see "
+                             f"{registry_dir / 'registry.log'}")
+        time.sleep(0.1)
+    raise SystemExit(f"{prog}: docker-registry did not answer")
+
+
+def stop_registry(registry_dir: Path, prog: str) -> int:
+    pidfile = registry_dir / "registry.pid"
+    if not pidfile.exists():
+        log(prog, "no registry pidfile; nothing to stop")
+        return 0
+    pid = int(pidfile.read_text().strip())
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(50):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+    except ProcessLookupError:
+        pass
+    pidfile.unlink(missing_ok=True)
+    log(prog, f"registry (pid {pid}) stopped")
+    return 0
+
+
+def registry_has(repository: str, digest: str) -> bool:
+    """Whether the local registry serves `digest` under `repository` (`ADDR/name/...`)."""
+    name = repository.removeprefix(f"{REGISTRY_ADDR}/")
+    req = urllib.request.Request(
+        f"http://{REGISTRY_ADDR}/v2/{name}/manifests/{digest}", method="HEAD",
+        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310  (http, a fixed address)
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def docker(docker_host: str, *args: str, capture: bool = False) -> str:
+    out = run(["docker", "-H", docker_host, *args],
+              stdout=subprocess.PIPE if capture else sys.stderr)
+    return out.stdout or ""
+
+
+def image_present(docker_host: str, ref: str) -> bool:
+    r = subprocess.run(["docker", "-H", docker_host, "image", "inspect", ref],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return r.returncode == 0
+
+
+def import_image(docker_host: str, rootfs: Path, tag: str, changes: Sequence[str],
+                 prog: str) -> None:
+    """`docker import` with Dockerfile `changes` (CMD, LABEL, ...)."""
+    log(prog, f"docker import -> {tag}")
+    docker(docker_host, "import", *(a for c in changes for a in ("--change", c)),
+           str(rootfs), tag)
+
+
+def push(docker_host: str, tag: str, prog: str) -> str:
+    """`docker push`; the digest it printed."""
+    out = docker(docker_host, "push", tag, capture=True)
+    digest = ""
+    for line in out.splitlines():
+        if "digest: sha256:" in line:
+            digest = line.split("digest: ", 1)[1].split()[0]
+    if not digest:
+        raise SystemExit(f"{prog}: no digest in push output:\n{out}")
+    return digest

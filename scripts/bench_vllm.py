@@ -1,0 +1,244 @@
+"""Benchmark: the real vLLM (its CPU build) captured and restored by `coldsnapd`, against vLLM's
+own cold start and the raw CRIU restore of the same images.
+
+    scripts/bench vllm [--keep] [--keep-caches]
+
+Starts its own 2-host dev cluster (state in .cache/bench-vllm, network slots 96.., so hosts on
+198.18.0.98 and .99; COLDSNAP_BENCH_NET_BASE moves them), builds or reuses the vLLM-CPU capsule
+(scripts/build-vllm-capsule: cached outside the clone, keyed by its recipe), writes the
+vllm-cpu-tp1 request of scripts/dev-requests (one unit, TP1, the tiny Llama of
+devtools/tiny_model.py) and measures, in one run:
+
+  cold_start_seconds            vLLM's own cold start on host-1: `docker run` of the capsule
+                                image with the request's command (no coldsnapd) to /health
+                                answering 200 and the first completion answered
+  cold_start_health_seconds     the same, to /health alone
+  capture_seconds               the whole `coldsnapd capture` on host-0 (the engine's start
+                                included), and capture_after_ready_seconds past its readiness
+  restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
+                                there (its data_dir emptied, the committed capsule image
+                                removed; the base image stays, as the cold start had it) and,
+                                unless --keep-caches, the page cache dropped
+  restore_warm_host_seconds     the same restore again, every object staged, no unit running
+  raw_criu_restore_seconds      by hand in the restored unit's own container, once its engine
+                                tree is killed: /dev/shm put back from the images and `criu
+                                restore` of the same images (what coldsnapd's restore exec
+                                runs, typed by hand)
+  validation_round_trip_seconds one validation prompt answered by the restored engine
+
+and the issue's ratios: cold start / warm-host restore (goal >= 8, moonshot 15), warm-host
+restore / (raw restore + one validation round trip) (goal <= 1.3), cold-host restore / cold
+start (goal < 1). One JSON line on stdout, appended to bench-results/vllm.jsonl. The cluster is
+stopped afterwards unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from bench_common import REPO, emit, log
+from bench_restore import Bench, drop_caches, phases, span_max, timed
+
+BENCH_DIR = REPO / ".cache" / "bench-vllm"
+NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "96")
+TIMEOUT = 1800.0
+RAW_WORK = "/var/lib/coldsnap/raw-bench"
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(BENCH_DIR),
+                COLDSNAP_DEV_NET_BASE=NET_BASE, PYTHONPATH=str(REPO),
+                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+
+def run(argv: list[str]) -> str:
+    r = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=TIMEOUT,
+                       check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"bench vllm: {' '.join(argv[:4])} ... exited {r.returncode}:\n"
+                         f"{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def get(address: str, path: str, timeout: float = 2) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://{address}:8000{path}",
+                                    timeout=timeout) as r:
+            return int(r.status)
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def complete(b: Bench, host: str, prompt: str) -> str:
+    answer = b.ask(host, "/v1/completions", {"model": "tiny-llama", "prompt": prompt,
+                                             "max_tokens": 32, "temperature": 0})
+    return str(answer["choices"][0]["text"])
+
+
+def cold_start(b: Bench, host: str, unit: dict[str, Any], prompt: str,
+               expected: str) -> tuple[float, float]:
+    """vLLM started by hand from the capsule image with the request's command: seconds to
+    /health 200, and to the first answer."""
+    address = b.hosts[host]["address"]
+    argv = ["run", "-d", "--name", "bench-vllm-cold-start", "--network", "host",
+            "--shm-size", "8g"]
+    for k, v in unit["environment"].items():
+        argv += ["-e", f"{k}={v}"]
+    for m in unit["mounts"]:
+        argv += ["-v", f"{m['source']}:{m['target']}:ro"]
+    t0 = time.perf_counter()
+    b.docker(host, *argv, unit["image"], *unit["command"])
+    try:
+        while get(address, "/health") != 200:
+            if time.perf_counter() - t0 > 900:
+                raise SystemExit("bench vllm: vLLM's cold start took over 900 s")
+            time.sleep(0.05)
+        health = time.perf_counter() - t0
+        text = complete(b, host, prompt)
+        first = time.perf_counter() - t0
+    finally:
+        b.docker(host, "rm", "-f", "bench-vllm-cold-start")
+    if text.strip() != expected:
+        raise SystemExit(f"bench vllm: the cold-started engine answered {text!r}")
+    return health, first
+
+
+def raw_restore(b: Bench, host: str, manifest: dict[str, Any]) -> float:
+    """In the restored unit's own container: kill its engine tree, then time what coldsnapd's
+    restore exec runs, by hand: /dev/shm emptied and put back from the images, `criu
+    restore` of those images with the options the capture used."""
+    container = b.docker(host, "ps", "-q", "--filter", "label=org.coldsnap.unit=unit-0").split()[0]
+    pids = [manifest["engine_pid"], *manifest["worker_pids"].values()]
+    b.docker(host, "exec", container, "sh", "-c",
+             f"kill -9 -{manifest['engine_pid']} 2>/dev/null; kill -9 {' '.join(map(str, pids))}"
+             f" 2>/dev/null; for i in $(seq 500); do ok=1; for p in {' '.join(map(str, pids))};"
+             ' do [ -d /proc/$p ] && ok=; done; [ -n "$ok" ] && break; sleep 0.02; done;'
+             f" rm -rf {RAW_WORK}; mkdir -p {RAW_WORK}")
+    images = "/var/lib/coldsnap/images"
+    script = (f"find /dev/shm -mindepth 1 -delete && "
+              f"tar -C /dev/shm --numeric-owner -xSpf {images}/tmpfs-dev-shm.tar && "
+              f"criu restore -D {images} -W {RAW_WORK} -d -o restore.log "
+              "--tcp-established --link-remap")
+    return timed(lambda: b.docker(host, "exec", container, "sh", "-c", script))
+
+
+def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
+    run([str(REPO / "scripts" / "dev-requests")])
+    doc = yaml.safe_load((BENCH_DIR / "requests" / "vllm-cpu-tp1.yaml").read_text())
+    capture_id = f"bench-vllm-{time.strftime('%Y%m%dT%H%M%S')}"
+    doc["id"], doc["output"] = capture_id, str(b.work / "artifact.json")
+    doc.pop("lifecycle")  # the captured unit is removed afterwards: host-0 is left idle
+    request = b.work / "capture.yaml"
+    request.write_text(yaml.safe_dump(doc, sort_keys=False))
+    unit = doc["launch"]["units"][0]
+    prompt, expected = doc["validation"]["prompt"], doc["validation"]["expected"]
+
+    log("vLLM's own cold start on host-1 (docker run, no coldsnapd)")
+    if cold_caches:
+        drop_caches()
+    health_s, cold_s = cold_start(b, "host-1", unit, prompt, expected)
+
+    log(f"capture {capture_id} on host-0")
+    cap = b.coldsnapd("capture", "--request", str(request))
+    ready = span_max(cap, "capture.start") + span_max(cap, "capture.wait-ready")
+    artifact = json.loads((b.work / "artifact.json").read_text())
+    (manifest,) = [json.loads((b.store / "objects" / "sha256" / o["sha256"][7:]).read_text())
+                   for o in artifact["objects"] if o["role"] == "capsule-manifest"]
+
+    moved = json.loads(json.dumps(doc))
+    moved.update(operation="restore", id=f"{capture_id}-restore", artifact=capture_id)
+    moved.pop("output")
+    moved["launch"]["units"][0]["host"] = "host-1"
+
+    def restore(n: int) -> dict[str, Any]:
+        path = b.work / f"restore-{n}.yaml"
+        moved["id"] = f"{capture_id}-restore-{n}"
+        path.write_text(yaml.safe_dump(moved, sort_keys=False))
+        return b.coldsnapd("restore", "--request", str(path))
+
+    log("restore onto host-1, nothing of the artifact there")
+    b.make_cold([manifest["image_id"]])
+    if cold_caches:
+        drop_caches()
+    cold = restore(1)
+    log("restore onto host-1 again, everything staged, no unit running")
+    b.remove_units("host-1")
+    warm = restore(2)
+    rtts = [timed(lambda: complete(b, "host-1", prompt)) for _ in range(3)]
+    log("raw criu restore of the same images, by hand")
+    raw = raw_restore(b, "host-1", manifest)
+    while get(b.hosts["host-1"]["address"], "/health") != 200:
+        time.sleep(0.02)
+    raw_answer = complete(b, "host-1", prompt)
+    if raw_answer.strip() != expected:
+        raise SystemExit(f"bench vllm: the engine restored by hand answered {raw_answer!r}")
+    b.make_cold([])
+    rtt = statistics.median(rtts)
+    criu_bytes = sum(f["size"] for f in manifest["criu_images"]["files"])
+    return {
+        "cold_start_seconds": round(cold_s, 3),
+        "cold_start_health_seconds": round(health_s, 3),
+        "capture_seconds": round(cap["duration_seconds"], 3),
+        "capture_after_ready_seconds": round(cap["duration_seconds"] - ready, 3),
+        "restore_cold_host_seconds": round(cold["duration_seconds"], 3),
+        "restore_warm_host_seconds": round(warm["duration_seconds"], 3),
+        "raw_criu_restore_seconds": round(raw, 3),
+        "validation_round_trip_seconds": round(rtt, 3),
+        "criu_images_bytes": criu_bytes,
+        "weights_released": manifest["weights_released"],
+        "accelerator": manifest["accelerator"],
+        "caches_dropped": cold_caches,
+        "ratios": {
+            "cold_start_vs_restore_warm_host": round(cold_s / warm["duration_seconds"], 2),
+            "restore_warm_host_vs_raw_restore_plus_validation": round(
+                warm["duration_seconds"] / (raw + rtt), 3),
+            "restore_cold_host_vs_cold_start": round(cold["duration_seconds"] / cold_s, 3),
+        },
+        "targets": {"cold_start_vs_restore_warm_host_min": 8.0,
+                    "cold_start_vs_restore_warm_host_moonshot": 15.0,
+                    "restore_warm_host_vs_raw_restore_plus_validation": 1.3,
+                    "restore_cold_host_vs_cold_start": 1.0},
+        "phases": {"capture": phases(cap), "restore_cold": phases(cold),
+                   "restore_warm": phases(warm)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
+    ap.add_argument("--keep-caches", action="store_true",
+                    help="do not drop the page cache before the cold start and the cold-host "
+                         "restore (dropped by default when run as root)")
+    args = ap.parse_args()
+    inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", "2"]).strip()
+                     .splitlines()[-1])
+    try:
+        run([str(REPO / "scripts" / "build-vllm-capsule")])
+        work = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=BENCH_DIR))
+        try:
+            figures = measure(Bench(inventory, work), cold_caches=not args.keep_caches)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        if not args.keep:
+            run([str(REPO / "scripts" / "dev-cluster"), "down"])
+    emit("vllm", {"hosts": 2, "workers": 1, "model": "tiny-llama (devtools/tiny_model.py)",
+                  **figures})
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ One capture serves every test of the module (vLLM's cold start takes about a min
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import threading
 import time
@@ -126,9 +127,12 @@ def story(ops: Ops) -> Iterator[Story]:
         pytest.fail("no vLLM capsule: scripts/test builds it (scripts/build-vllm-capsule), then "
                     "scripts/dev-requests writes the vllm-cpu-tp1 request", pytrace=False)
     addresses = {name: h["address"] for name, h in ops.hosts.items()}
-    capture_req = ops.request(REQUEST, suffix="e2e")
+    # Operation ids are never reused (a repeat of a succeeded one runs nothing): fresh ones.
+    run_id = secrets.token_hex(3)
+    capture_req = ops.request(REQUEST, suffix=run_id)
     capture_id = yaml.safe_load(capture_req.read_text())["id"]
-    restore_req = ops.request(f"{REQUEST}-restore-moved", suffix="e2e", artifact=capture_id)
+    restore_reqs = [ops.request(f"{REQUEST}-restore-moved", suffix=f"{run_id}-{i + 1}",
+                                artifact=capture_id) for i in range(3)]
     in_flight = InFlight()
     started = ops.start("capture", "--request-json", str(capture_req))
     try:
@@ -147,7 +151,7 @@ def story(ops: Ops) -> Iterator[Story]:
     before = answers(addresses["host-0"])
     ops.remove_units()
     s = Story(addresses, capture, in_flight, before, not port_open(addresses["host-0"]))
-    for i in range(3):
+    for i, restore_req in enumerate(restore_reqs):
         if i == 2:
             drop_page_cache()
         run = ops.coldsnapd("restore", "--request-json", str(restore_req), timeout=900).ok()

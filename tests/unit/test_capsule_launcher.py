@@ -1,0 +1,37 @@
+"""The capsule's confined launcher (`capsule-init launch`), run here as the capsule runs it:
+what the engine it starts inherits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAUNCHER = Path(__file__).resolve().parents[2] / "deploy" / "test-capsule" / "capsule_init.py"
+
+
+def test_the_engine_inherits_no_descriptor_above_stderr(tmp_path: Path) -> None:
+    """`docker exec` hands the launcher descriptors of dockerd's mounts, which CRIU cannot
+    dump in the engine: the launcher closes every one above 2 before the exec."""
+    stdin, log, seen = tmp_path / "stdin", tmp_path / "log", tmp_path / "fds"
+    stdin.write_text("")
+    leaked = os.open(os.devnull, os.O_RDONLY)  # stands in for what docker exec leaves open
+    try:
+        out = subprocess.run(
+            [sys.executable, str(LAUNCHER), "launch", "--pid-floor", "0", "--stdin", str(stdin),
+             "--log", str(log), "--", sys.executable, "-c",
+             f"import os; fds = sorted(os.listdir('/proc/self/fd'), key=int); "
+             f"open({str(seen)!r}, 'w').write(' '.join(fds))"],
+            pass_fds=(leaked,), capture_output=True, text=True, timeout=60, check=True)
+    finally:
+        os.close(leaked)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while not (seen.exists() and seen.read_text()):  # the engine runs on after the launcher
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    fds = [int(fd) for fd in seen.read_text().split()]
+    # 0-2 are the files the launcher opened, 3 is listdir's own directory
+    assert fds == [0, 1, 2, 3], (pid, leaked, fds)

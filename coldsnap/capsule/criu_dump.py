@@ -45,8 +45,8 @@ def criu_flags(spec: UnitSpec) -> list[str]:
     only with --tcp-established (restored in repair mode; loopback exists on every host), and
     it maps POSIX semaphores whose files it has deleted from /dev/shm, which CRIU takes only
     with --link-remap (linked back under /dev/shm as link_remap.N, in the tmpfs archive). A
-    sleeping engine closes its cross-worker connections, so an established one there is a fault that
-    must fail the dump."""
+    sleeping engine closes its cross-worker connections, so an established one there is a
+    fault that must fail the dump."""
     return ["--tcp-established", "--link-remap"] if spec.drains else []
 
 

@@ -251,8 +251,8 @@ async def seed_placement(s: CapsuleSession, handle: UnitHandle,
 # the lazy-pages socket), $3 the PIDs that must run afterwards, $4 cuda-checkpoint, $5 the
 # workers whose GPU state is restored in the same exec (empty: left checkpointed), $6 the
 # placement the engine reads on wake (empty: none to write), $7 the CRIU options its dump used
-# (the manifest's criu_flags: fixed words, split on purpose), and the rest the --device-map
-# arguments.
+# (criu_flags of the unit as captured: fixed words, split on purpose), and the rest the
+# --device-map arguments.
 _ARGS = ('images=$1 work=$2 pids=$3 cuda=$4 workers=$5 placement=$6 criu_flags=$7\n'
          'shift 7\n')
 # Written before CRIU brings the engine back, so no reader can see half of it. A Docker

@@ -147,6 +147,7 @@ def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
     prompt, expected = doc["validation"]["prompt"], doc["validation"]["expected"]
 
     log("vLLM's own cold start on host-1 (docker run, no coldsnapd)")
+    b.docker("host-1", "pull", unit["image"])  # a host that serves has its image already
     if cold_caches:
         drop_caches()
     health_s, cold_s = cold_start(b, "host-1", unit, prompt, expected)

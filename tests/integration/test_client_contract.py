@@ -113,7 +113,14 @@ def test_capture_from_stdin_answers_with_one_receipt_on_stdout(ops: Ops,
     receipt = captured.receipt
     assert receipt["operation_id"] == "client-capture"
     assert receipt["state"] == "succeeded" and receipt["operation"] == "capture"
-    assert receipt["result"] == {"artifact": "client-capture", "output": str(captured.output)}
+    result = dict(receipt["result"])
+    units = result.pop("units")
+    assert result == {"artifact": "client-capture", "output": str(captured.output)}
+    # How each unit was quiesced: the test engine sleeps, releasing its weights (policy auto)
+    assert [(u["unit"], u["accelerator"], u["quiesce"], u["weights_released"],
+             u["gpu_checkpoint"]) for u in units] == [
+        ("unit-0", "gpu", "sleep", True, "checkpointed"),
+        ("unit-1", "gpu", "sleep", True, "checkpointed")]
     assert "operation_id_generated" not in receipt["result"]
     artifact = json.loads(captured.output.read_text())
     # The capture request is kept in the store (one object per unit, one stored file) and

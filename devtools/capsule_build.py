@@ -91,7 +91,7 @@ def compose(base: Path, out: Path) -> None:
         for name, (src, mode) in sorted(FILES.items()):
             tools.add_file(tar, name, (SOURCES / src).read_bytes(), mode)
         tools.add_links(tar, LINKS)
-    os.replace(tmp, out)
+    tools.publish(tmp, out)
 
 
 def build(docker_host: str, force: bool) -> str:

@@ -73,6 +73,22 @@ def default_docker_host(state: Path, prog: str) -> str:
     raise SystemExit(f"{prog}: host-0 has no docker_socket in {inv}")
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a written file into place once its bytes are on disk, and the rename too: a
+    cache that other runs and clones trust must never hold half a tarball after a crash."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def base_rootfs(cache: Path, suite: str, packages: Sequence[str], apt_options: Sequence[str],
                 prog: str) -> Path:
     """A minbase Debian `suite` with `packages`, as a tarball cached under `cache` (the name
@@ -91,7 +107,7 @@ def base_rootfs(cache: Path, suite: str, packages: Sequence[str], apt_options: S
     run(["mmdebstrap", "--variant=minbase", "--format=tar",
          *(f"--aptopt={opt}" for opt in apt_options),
          f"--include={','.join(packages)}", suite, str(tmp)], stdout=sys.stderr)
-    os.replace(tmp, path)
+    publish(tmp, path)
     return path
 
 

@@ -275,7 +275,7 @@ def compose(base: Path, site: Path, extra: dict[str, bytes], out: Path) -> None:
             tools.add_file(tar, name, data, 0o755 if name.startswith("usr/local/bin/") else 0o644)
         for name, (src, mode) in sorted(FILES.items()):
             tools.add_file(tar, name, (SOURCES / src).read_bytes(), mode)
-    os.replace(tmp, out)
+    tools.publish(tmp, out)
 
 
 def smoke(docker_host: str, tag: str) -> None:
@@ -357,7 +357,7 @@ def build(docker_host: str, force: bool) -> str:
                 fresh.unlink()  # only a tarball that made a working image is cached
             raise
         if fresh != cached:
-            os.replace(fresh, cached)
+            tools.publish(fresh, cached)
             prune(keep=cached)
     t = time.monotonic()
     digest = tools.push(docker_host, tag, PROG)

@@ -33,6 +33,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from coldsnap.hosts.durable import publish
 from devtools import capsule_tools as tools
 from devtools.capsule_tools import EPOCH as EPOCH  # the tests read it here
 from devtools.layout import REGISTRY_ADDR, REPO
@@ -91,7 +92,7 @@ def compose(base: Path, out: Path) -> None:
         for name, (src, mode) in sorted(FILES.items()):
             tools.add_file(tar, name, (SOURCES / src).read_bytes(), mode)
         tools.add_links(tar, LINKS)
-    tools.publish(tmp, out)
+    publish(tmp, out)
 
 
 def build(docker_host: str, force: bool) -> str:
@@ -131,10 +132,7 @@ def main() -> int:
         return tools.stop_registry(REGISTRY_DIR, PROG)
     t0 = time.monotonic()
     ref = build(args.docker_host or tools.default_docker_host(STATE, PROG), args.force)
-    STATE.mkdir(parents=True, exist_ok=True)
-    REF_FILE.write_text(ref + "\n")
-    log(f"done in {time.monotonic() - t0:.1f}s")
-    print(ref)
+    tools.record_ref(REF_FILE, ref, PROG, t0)
     return 0
 
 

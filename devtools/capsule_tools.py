@@ -25,6 +25,9 @@ from typing import TextIO
 
 import yaml
 
+# The cache that other runs and clones trust must never hold half a tarball after a crash:
+# the file and its rename are synced (coldsnap's own publish, stdlib only).
+from coldsnap.hosts.durable import publish
 from devtools.layout import BRIDGE, REGISTRY_ADDR
 
 # Fixed mtime of every entry a build adds: the same inputs give the same layer, hence the same
@@ -73,20 +76,13 @@ def default_docker_host(state: Path, prog: str) -> str:
     raise SystemExit(f"{prog}: host-0 has no docker_socket in {inv}")
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename a written file into place once its bytes are on disk, and the rename too: a
-    cache that other runs and clones trust must never hold half a tarball after a crash."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+def record_ref(ref_file: Path, ref: str, prog: str, started: float) -> None:
+    """A build's end: its digest-pinned reference written where scripts/dev-requests and the
+    tests read it, and printed as the last line of stdout."""
+    ref_file.parent.mkdir(parents=True, exist_ok=True)
+    ref_file.write_text(ref + "\n")
+    log(prog, f"done in {time.monotonic() - started:.1f}s")
+    print(ref)
 
 
 def base_rootfs(cache: Path, suite: str, packages: Sequence[str], apt_options: Sequence[str],

@@ -42,6 +42,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from coldsnap.hosts.durable import publish
 from devtools import capsule_tools as tools
 from devtools.layout import REGISTRY_ADDR, REPO
 
@@ -275,7 +276,7 @@ def compose(base: Path, site: Path, extra: dict[str, bytes], out: Path) -> None:
             tools.add_file(tar, name, data, 0o755 if name.startswith("usr/local/bin/") else 0o644)
         for name, (src, mode) in sorted(FILES.items()):
             tools.add_file(tar, name, (SOURCES / src).read_bytes(), mode)
-    tools.publish(tmp, out)
+    publish(tmp, out)
 
 
 def smoke(docker_host: str, tag: str) -> None:
@@ -357,7 +358,7 @@ def build(docker_host: str, force: bool) -> str:
                 fresh.unlink()  # only a tarball that made a working image is cached
             raise
         if fresh != cached:
-            tools.publish(fresh, cached)
+            publish(fresh, cached)
             prune(keep=cached)
     t = time.monotonic()
     digest = tools.push(docker_host, tag, PROG)
@@ -377,10 +378,7 @@ def main() -> int:
     args = p.parse_args()
     t0 = time.monotonic()
     ref = build(args.docker_host or tools.default_docker_host(STATE, PROG), args.force)
-    STATE.mkdir(parents=True, exist_ok=True)
-    REF_FILE.write_text(ref + "\n")
-    log(f"done in {time.monotonic() - t0:.1f}s")
-    print(ref)
+    tools.record_ref(REF_FILE, ref, PROG, t0)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The `coldsnapd` command line.
 
-Each subcommand lives in its own module under `coldsnap.commands`; a module exposes
+Each subcommand lives in its own module under `coldsnap.commands` (`serve`: the service's own,
+`coldsnap.service.command`); a module exposes
 `register(subparsers)` which adds its parser and sets `handler` to a function
 `(argparse.Namespace) -> int` returning the exit status.
 """
@@ -25,7 +26,7 @@ COMMAND_MODULES = (
     "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
     "coldsnap.commands.gc",
-    "coldsnap.commands.serve",
+    "coldsnap.service.command",
     "coldsnap.commands.jobs",
 )
 

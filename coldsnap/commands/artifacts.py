@@ -8,13 +8,13 @@ from typing import Any
 
 from coldsnap.commands.common import (
     add_store_argument,
-    human_bytes,
     open_store,
     print_json,
     report_failure,
 )
 from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.runner.report import human_bytes
 from coldsnap.store import StoredArtifact, StoreError, resolve_reference
 
 

@@ -65,12 +65,3 @@ def report_failure(message: str, status: int = EXIT_BAD_INPUT) -> int:
     """Print `coldsnapd: message` on stderr; return `status` for the command to exit with."""
     sys.stderr.write(f"coldsnapd: {message}\n")
     return status
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"

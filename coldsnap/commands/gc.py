@@ -1,13 +1,9 @@
 """`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind,
 and temporary files older than a day (the store's tmp, partial files in each host's data_dir).
 
-Every inventory host is asked, concurrently, for the containers labelled
-`org.coldsnap.operation`; each one is judged from this control node's run records
-(coldsnap.operations.runs) and removed when it is an orphan: its operation is not running, and
-neither succeeded nor had its rollback return that unit to serving. The directories an
-operation makes in a host's data_dir are named by its id and judged the same way: a capture's
-CRIU dump directories (`dumps/<id>/`) and its capsule objects (`capsules/<id>/`), a restore's
-unfinished image assembly (`criu-images/.<set>.<id>.partial`).
+Every inventory host is asked, concurrently, for what carries an operation's id; the orphan
+judge (coldsnap.runner.orphans) decides from this control node's ledger what goes. This module
+runs it on every host and prints the outcome.
 """
 
 from __future__ import annotations
@@ -15,161 +11,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import docker.errors
-
 from coldsnap import logs
-from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import (
-    LABEL_OPERATION,
-    LABEL_ROLE,
-    LABEL_UNIT,
-    list_containers,
-    remove_container,
-)
 from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
 from coldsnap.exits import EXIT_FAILED, EXIT_OK
-from coldsnap.hosts.base import HostError
+from coldsnap.formats.fields import is_id
 from coldsnap.hosts.pool import HostPool
-from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.runs import RunStatus, orphan_reason, prune_records, run_status
-from coldsnap.operations.sweep import TEMP_MAX_AGE_S, sweep_host_temp
-
-HOST_TIMEOUT_S = 90.0  # one host: connect, list and remove, whatever its dockerd does
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass
-class Container:
-    name: str
-    id: str
-    operation: str
-    unit: str | None
-    role: str | None
-    status: str
-    orphan: bool
-    reason: str
-    removed: bool = False
-    error: str | None = None
-
-
-@dataclass
-class Leftover:
-    path: str
-    operation: str
-    orphan: bool
-    reason: str
-    removed: bool = False
-    error: str | None = None
+from coldsnap.operations.sweep import TEMP_MAX_AGE_S
+from coldsnap.runner.ledger import prune_locks
+from coldsnap.runner.orphans import HostResult, Judge, gc_host
 
 
 @dataclass
 class LocalSweep:
     """What gc swept on the control node: the store's temporary files older than a day, and
-    the run records of operations that ended long ago."""
+    the lock files of operations that ended long ago (their records stay: each is its id's
+    claim)."""
 
     store_tmp: list[str]
-    run_records: list[str]
-
-
-@dataclass
-class HostResult:
-    host: str
-    containers: list[Container] = field(default_factory=list)
-    leftovers: list[Leftover] = field(default_factory=list)
-    temp_files: list[str] = field(default_factory=list)  # under data_dir, older than a day
-    error: str | None = None
-
-
-# What `find` lists: each operation's directories, the operation id at the end of the name.
-_LEFTOVER_DIRS = ("dumps", "capsules", "criu-images")
-_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(.+)\.partial$")
-
-
-def _leftover_operation(path: str) -> str | None:
-    parent, _, name = path.rpartition("/")
-    if parent.endswith("/criu-images"):
-        match = _PARTIAL.match(name)
-        return match.group(1) if match else None
-    return name
-
-
-async def _host_leftovers(hosts: HostSet, name: str, judge: Judge, operation: str | None,
-                          dry_run: bool, result: HostResult) -> None:
-    host = hosts.host(name)
-    data_dir = hosts.entries[name].data_dir
-    roots = [f"{data_dir}/{d}" for d in _LEFTOVER_DIRS]
-    listed = await host.run(["find", *roots, "-mindepth", "1", "-maxdepth", "1", "-type", "d"],
-                            timeout=30, check=False)
-    for path in sorted(listed.stdout.decode(errors="replace").splitlines()):
-        op = _leftover_operation(path)
-        if op is None or not _ID.match(op) or (operation is not None and op != operation):
-            continue
-        orphan, why = judge(op, None)
-        entry = Leftover(path, op, orphan, why)
-        result.leftovers.append(entry)
-        if orphan and not dry_run:
-            res = await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
-            entry.removed = res.ok
-            if not res.ok:
-                entry.error = res.stderr.decode(errors="replace").strip()[-300:]
-
-
-class Judge:
-    """Each operation's status, read once per gc run so every host is judged alike."""
-
-    def __init__(self, store_root: Path) -> None:
-        self.store_root = store_root
-        self._seen: dict[str, RunStatus] = {}
-
-    def __call__(self, operation: str, unit: str | None) -> tuple[bool, str]:
-        if operation not in self._seen:
-            try:
-                self._seen[operation] = run_status(self.store_root, operation)
-            except ValueError:
-                return False, f"label {LABEL_OPERATION}={operation!r} is not an operation id"
-        return orphan_reason(self._seen[operation], unit)
-
-
-async def gc_host(hosts: HostSet, name: str, judge: Judge, operation: str | None,
-                   dry_run: bool) -> HostResult:
-    result = HostResult(name)
-    label = f"{LABEL_OPERATION}={operation}" if operation else LABEL_OPERATION
-    try:
-        async with asyncio.timeout(HOST_TIMEOUT_S), hosts.sessions([name]) as sessions:
-            s = sessions[name]
-            found = await list_containers(s, [label])
-            for c in sorted(found, key=lambda c: str(c.name)):
-                labels: dict[str, str] = c.labels or {}
-                op = labels.get(LABEL_OPERATION, "")
-                unit = labels.get(LABEL_UNIT)
-                orphan, why = judge(op, unit)
-                entry = Container(str(c.name), str(c.short_id), op, unit, labels.get(LABEL_ROLE),
-                                  str(c.status), orphan, why)
-                result.containers.append(entry)
-                if orphan and not dry_run:
-                    try:
-                        await remove_container(s, c.id)
-                        entry.removed = True
-                    except docker.errors.DockerException as exc:
-                        entry.error = f"cannot remove: {exc}"
-            await _host_leftovers(hosts, name, judge, operation, dry_run, result)
-            result.temp_files = await sweep_host_temp(hosts.host(name),
-                                                      hosts.entries[name].data_dir,
-                                                      dry_run=dry_run)
-    except TimeoutError:
-        result.error = f"timed out after {HOST_TIMEOUT_S:.0f} s"
-    except (OperationFailed, HostError, CapsuleError, docker.errors.DockerException,
-            OSError) as exc:
-        result.error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-    return result
+    run_locks: list[str]
 
 
 def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> None:
@@ -177,8 +43,8 @@ def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> 
     verb = "would remove" if dry_run else "removed"
     for path in local.store_tmp:
         print(f"control node: {verb} temporary file {path}")
-    for operation_id in local.run_records:
-        print(f"control node: {verb} the run record of {operation_id}")
+    for operation_id in local.run_locks:
+        print(f"control node: {verb} the run lock of {operation_id}")
     for r in results:
         if r.error:
             print(f"{r.host}: ERROR {r.error}")
@@ -209,7 +75,7 @@ def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> 
 
 
 def _handler(args: argparse.Namespace) -> int:
-    if args.operation is not None and not _ID.match(args.operation):
+    if args.operation is not None and not is_id(args.operation):
         return report_failure(f"--operation: {args.operation!r} is not an operation id")
     try:
         inventory = load_hosts_inventory(args)
@@ -229,10 +95,9 @@ def _handler(args: argparse.Namespace) -> int:
     results = asyncio.run(main())
     local = LocalSweep(
         [str(p) for p in store.sweep_tmp(older_than_s=TEMP_MAX_AGE_S, dry_run=args.dry_run)],
-        # Only once every host was judged: a pruned failed run's orphans would read as
-        # never recorded, and be kept.
+        # Only once every host was judged, as the records are read under the locks.
         [] if any(r.error for r in results)
-        else prune_records(store.root, dry_run=args.dry_run))
+        else prune_locks(store.root, dry_run=args.dry_run))
     if args.json:
         doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
                                "hosts": [asdict(r) for r in results], **asdict(local)}
@@ -251,14 +116,14 @@ def register(subparsers: Any) -> None:
         "gc", help="remove containers that a dead or failed operation left on the hosts",
         description="Find the containers labelled org.coldsnap.operation on every inventory "
                     "host and remove the orphans: those whose operation is not running on "
-                    "this control node (its run lock under <store>/run/ is free) and did not "
-                    "leave them on purpose (a succeeded operation's units, or units its "
+                    "this control node (its run lock under <store>/operations/ is free) and "
+                    "did not leave them on purpose (a succeeded operation's units, or units its "
                     "rollback returned to serving). The directories an operation names after "
                     "itself in a host's data_dir (dumps/ID, capsules/ID, "
                     "criu-images/.SET.ID.partial) are judged alike. Operations this store "
                     "never recorded are left alone. Also removes temporary files older than a "
                     "day (the store's tmp, partial transfers and commits in each host's "
-                    "data_dir) and the run records of operations that ended over 30 days ago. "
+                    "data_dir) and the run locks of operations that ended over 30 days ago. "
                     "Exit 1 when a host could not be reached or a removal failed.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--operation", metavar="ID",

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.commands.common import print_json, report_failure
+from coldsnap.commands.service_client import ServiceClient, ServiceLost, answers, socket_path
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-from coldsnap.service.client import DEFAULT_SOCKET, ServiceClient, ServiceLost, answers, socket_path
-from coldsnap.service.jobs import JOB_STATES
-from coldsnap.store.refs import is_capture_id
+from coldsnap.formats.fields import is_id
+from coldsnap.runner.service_api import DEFAULT_SOCKET, JOB_STATES
 
 _COLUMNS = ("ID", "OPERATION", "STATE", "UID", "SUBMITTED", "HOSTS", "DETAIL")
 
@@ -63,7 +63,7 @@ def _answer_failed(status: int, doc: dict[str, Any]) -> int:
 
 
 def _bad_id(job_id: str) -> int | None:
-    if is_capture_id(job_id):
+    if is_id(job_id):
         return None
     return report_failure(f"{job_id!r} is not a job id (an operation id)")
 

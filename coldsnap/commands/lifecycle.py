@@ -1,55 +1,14 @@
 """`coldsnapd sleep | wake | status --request-json PATH`: a restored workload put to sleep,
-woken, or reported on, in place."""
+woken, or reported on, in place (the operations themselves: coldsnap.runner.lifecycle_kinds)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
-from typing import Any, Literal, TextIO
+from typing import Any
 
-from coldsnap.commands.common import add_request_option, open_store, print_json, report_failure
-from coldsnap.commands.operation import (
-    Prepare,
-    Prepared,
-    Touches,
-    add_operation_arguments,
-    load_hosts_inventory,
-    operation_handler,
-)
-from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.formats.receipt import ReceiptResult
-from coldsnap.formats.request import Request
-from coldsnap.operations import lifecycle
-from coldsnap.operations.context import OperationContext, ReceiptKey
-from coldsnap.operations.hostset import HostSet
-from coldsnap.store import StoreError, resolve_reference
-
-LifecycleOperation = Literal["sleep", "wake", "status"]
-
-_COLUMNS = ("UNIT", "WORKER", "HOST", "CONTAINER", "STATE", "DEVICES")
-
-
-def status_rows(units: Sequence[lifecycle.UnitStatus]) -> list[tuple[str, ...]]:
-    """One row per worker (a unit without a container gets one row of its own)."""
-    rows: list[tuple[str, ...]] = []
-    for u in units:
-        container = u.container or "-"
-        if not u.workers:
-            rows.append((u.unit, "-", u.host, container, u.state, ",".join(u.devices) or "-"))
-        for w in u.workers:
-            rows.append((u.unit, w.id, u.host, container, w.state, ",".join(w.devices) or "-"))
-    return rows
-
-
-def print_table(units: Sequence[lifecycle.UnitStatus], out: TextIO) -> None:
-    rows = [_COLUMNS, *status_rows(units)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-    for row in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
-    for u in units:
-        if u.detail:
-            out.write(f"{u.unit} on {u.host}: {u.detail}\n")
+from coldsnap.commands.common import add_request_option
+from coldsnap.commands.operation import add_operation_arguments, operation_handler
+from coldsnap.runner.lifecycle_kinds import LifecycleOperation
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -57,48 +16,6 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--json prints the status on stdout; --receipt-json - or --timing-events - " \
                "would share it"
     return None
-
-
-def prepare_for(operation: LifecycleOperation) -> Prepare:
-    def prepare(args: argparse.Namespace, request: Request | None) -> Prepared | int:
-        assert request is not None and request.artifact is not None  # the request rules
-        inventory = load_hosts_inventory(args)
-        store = open_store(args).ensure()
-        try:
-            stored = resolve_reference(store, request.artifact)
-        except (StoreError, ArtifactInvalid) as exc:
-            return report_failure(f"artifact: {exc}")
-        as_json = getattr(args, "json", False)
-        # Progress and logs go to stderr; the status report to stdout unless a receipt or
-        # the timing events already own it.
-        stdout_taken = "-" in (args.receipt_json, args.timing_events)
-
-        async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
-            report = sys.stderr if stdout_taken or operation != "status" else sys.stdout
-            if operation == "sleep":
-                units = await lifecycle.sleep(stored, request, hosts, store, ctx)
-            elif operation == "wake":
-                units, validated = await lifecycle.wake(stored, request, hosts, store, ctx)
-                report.write(f"woke {stored.capture_id}: services {', '.join(validated)} "
-                             "answered the validation prompt\n")
-            else:
-                units = await lifecycle.status(stored, request, hosts, ctx)
-            if as_json:
-                print_json({"cluster_id": request.workload.cluster_id if request.workload
-                            else None, "artifact": stored.capture_id,
-                            "units": [u.to_json() for u in units]})
-            else:
-                print_table(units, report)
-            return ReceiptResult(artifact=stored.capture_id)
-
-        return Prepared(operation, ReceiptKey(request.id, operation, request.request_sha256),
-                        engine=request.launch.engine,
-                        snapshot_driver=request.snapshot_driver.id, inventory=inventory,
-                        store_root=store.root, body=body,
-                        touches=Touches.of(request.launch, stored.capture_id),
-                        deadline=getattr(args, "deadline", None))
-
-    return prepare
 
 
 _HELP: dict[LifecycleOperation, tuple[str, str]] = {
@@ -136,5 +53,4 @@ def register(subparsers: Any) -> None:
             parser.add_argument("--json", action="store_true",
                                 help="print the status as JSON on stdout")
         add_operation_arguments(parser)
-        parser.set_defaults(handler=operation_handler(operation, prepare_for(operation),
-                                                      check=_check))
+        parser.set_defaults(handler=operation_handler(operation, check=_check))

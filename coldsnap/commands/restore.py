@@ -1,87 +1,12 @@
-"""`coldsnapd restore --artifact REF | --request-json PATH|- [--prepare-only]`."""
+"""`coldsnapd restore --artifact REF | --request-json PATH|- [--prepare-only]` (the operation
+itself: coldsnap.runner.kinds)."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 from typing import Any
 
-from coldsnap.commands.common import add_request_option, human_bytes, open_store, report_failure
-from coldsnap.commands.operation import (
-    Prepared,
-    Touches,
-    add_operation_arguments,
-    load_hosts_inventory,
-    operation_handler,
-)
-from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.formats.receipt import ReceiptResult
-from coldsnap.formats.request import Request
-from coldsnap.operations.context import OperationContext, ReceiptKey, new_operation_id
-from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.restore import restore
-from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
-
-
-def _resolve(args: argparse.Namespace, request: Request | None,
-             store: LocalStore) -> StoredArtifact | str:
-    """The artifact named by `--artifact` and the request's `artifact`, or why not. Both may
-    be given, in any of their forms, as long as they name the same artifact."""
-    refs = [(f"--artifact {args.artifact}", args.artifact)] if args.artifact else []
-    if request is not None and request.artifact:
-        refs.append((f"the request's artifact {request.artifact}", request.artifact))
-    if not refs:
-        return "say which artifact: --artifact REF, or `artifact` in a restore request"
-    found: list[tuple[str, StoredArtifact]] = []
-    for label, ref in refs:
-        try:
-            found.append((label, resolve_reference(store, ref)))
-        except (StoreError, ArtifactInvalid) as exc:
-            return f"{label}: {exc}"
-    if len({stored.digest for _, stored in found}) > 1:
-        return " differs from ".join(f"{label} (capture {stored.capture_id}, {stored.digest})"
-                                     for label, stored in found) + \
-            "; both must name the same artifact"
-    return found[0][1]
-
-
-def prepare(args: argparse.Namespace, request: Request | None) -> Prepared | int:
-    inventory = load_hosts_inventory(args)
-    store = open_store(args)
-    stored = _resolve(args, request, store)
-    if isinstance(stored, str):
-        return report_failure(stored)
-    artifact = stored.artifact
-    # Without a request there is no id to use: one is generated, and the receipt says so.
-    key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
-        ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
-
-    async def body(hosts: HostSet, ctx: OperationContext) -> ReceiptResult:
-        out = await restore(stored, request, hosts, store, ctx, prepare_only=args.prepare_only,
-                            fallback=args.fallback)
-        for s in out.staging:
-            sys.stderr.write(f"{s.host}: {len(s.objects)} object(s) owned, "
-                             f"{human_bytes(s.owned_bytes)}; sent {human_bytes(s.sent_bytes)}, "
-                             f"{len(s.skipped)} already present\n")
-        if out.replayed_units:
-            sys.stderr.write("re-created natively from payloads (--fallback replay): "
-                             + ", ".join(out.replayed_units) + "\n")
-        if out.warm:
-            sys.stderr.write(f"restored {artifact.capture_id} warm: every unit asleep with its "
-                             "GPU state checkpointed; `coldsnapd wake` makes it serve\n")
-        elif not args.prepare_only:
-            sys.stderr.write(f"restored {artifact.capture_id}: services "
-                             f"{', '.join(out.validated)} answered the validation prompt\n")
-        return ReceiptResult(artifact=artifact.capture_id, prepared=args.prepare_only)
-
-    return Prepared("restore", key, engine=artifact.launch.engine,
-                    snapshot_driver=artifact.snapshot_driver.id, inventory=inventory,
-                    store_root=store.root, body=body,
-                    touches=Touches.of(request.launch if request else artifact.launch,
-                                       artifact.capture_id),
-                    prepare_only=args.prepare_only, id_generated=request is None,
-                    deadline=getattr(args, "deadline", None),
-                    bytes_to_move=sum(o.bytes for o in artifact.objects))
+from coldsnap.commands.common import add_request_option
+from coldsnap.commands.operation import add_operation_arguments, operation_handler
 
 
 def register(subparsers: Any) -> None:
@@ -114,4 +39,4 @@ def register(subparsers: Any) -> None:
                         help="replay: a unit whose process snapshot is not admissible is "
                              "re-created natively from its staged payloads and replay plans")
     add_operation_arguments(parser)
-    parser.set_defaults(handler=operation_handler("restore", prepare, request_required=False))
+    parser.set_defaults(handler=operation_handler("restore"))

@@ -26,8 +26,11 @@ from pydantic_core import PydanticCustomError
 
 from coldsnap.digests import DIGEST_RE
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# The one id pattern: request, operation, unit, worker, service and group ids, capture ids
+# (a capture's id is its request's), job ids. ID_CORE is embedded in larger patterns.
+ID_CORE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+ID_PATTERN = rf"^{ID_CORE}$"
+_ID = re.compile(ID_CORE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

@@ -13,10 +13,12 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator
 
+from coldsnap.formats.fields import ID_CORE
+
 OwnerKind = Literal["unit", "worker", "service", "group"]
 
 # The kind, then the id of the unit, worker, service or group (an id as requests define it).
-_OWNER = re.compile(r"(unit|worker|service|group)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
+_OWNER = re.compile(rf"(unit|worker|service|group)/({ID_CORE})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
-import os
 import secrets
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import structlog
-from pydantic import ValidationError
 
 from coldsnap.exits import EXIT_FAILED, exit_status_for_signal
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
@@ -36,7 +31,6 @@ from coldsnap.formats.request import DRIVER_MINIMUM_MAJOR
 from coldsnap.formats.timing import AttributeValue, TimingEvent, TimingRecorder
 from coldsnap.hosts.base import ProgressCallback
 from coldsnap.logs import get_logger
-from coldsnap.store.local import atomic_write_bytes
 
 _parent: contextvars.ContextVar[str | None] = contextvars.ContextVar("coldsnap_span",
                                                                      default=None)
@@ -93,52 +87,18 @@ def new_operation_id(operation: str) -> str:
     return f"{operation}-{stamp}-{secrets.token_hex(4)}"
 
 
-class EventSink:
-    """Writes timing events as NDJSON lines to stdout (`-`) or to an already opened file
-    (`open_events` creates it), flushing each line."""
-
-    def __init__(self, target: str | IO[bytes] | None) -> None:
-        self._own = False
-        self._stream: IO[bytes] | None = None
-        if target == "-":
-            self._stream = sys.stdout.buffer
-        elif isinstance(target, str):
-            self._stream = open_events(target)
-            self._own = True
-        elif target is not None:
-            self._stream = target
-            self._own = True
-
-    def __call__(self, event: TimingEvent) -> None:
-        if self._stream is not None:
-            self._stream.write(event.to_ndjson())
-            self._stream.flush()
-
-    def close(self) -> None:
-        if self._own and self._stream is not None:
-            self._stream.close()
-
-
-def open_events(path: str) -> IO[bytes]:
-    """Create the timing-events file; an existing file is refused (FileExistsError), never
-    truncated: it may be another operation's stream."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    return os.fdopen(fd, "wb")
-
-
 class OperationContext:
     def __init__(
         self,
         operation: Operation,
         *,
         operation_id: str | None = None,
-        timing_events: str | IO[bytes] | None = None,
+        timing_sink: Callable[[TimingEvent], None] | None = None,
     ) -> None:
         self.operation = operation
         self.operation_id = operation_id or new_operation_id(operation)
         self.started_ns = time.time_ns()
-        self._sink = EventSink(timing_events)
-        self.recorder = TimingRecorder(self.operation_id, operation, sink=self._sink)
+        self.recorder = TimingRecorder(self.operation_id, operation, sink=timing_sink)
         # Every log line of this operation, also those of the capsule and host layers,
         # carries its id (structlog merges context variables into each event).
         structlog.contextvars.bind_contextvars(operation_id=self.operation_id,
@@ -197,7 +157,6 @@ class OperationContext:
     ) -> Receipt:
         state: Literal["succeeded", "failed"] = "failed" if error else "succeeded"
         timing = self.recorder.complete(state)
-        self._sink.close()
         completed = max(time.time_ns(), self.started_ns)
         driver_id: Any = snapshot_driver
         return Receipt(
@@ -217,61 +176,3 @@ class OperationContext:
             error=(ReceiptError(code=error.code, message=self.failure_message(error))
                    if error else None),
         )
-
-
-def write_receipt(receipt: Receipt, target: str | None) -> None:
-    """`-` = stdout (the only thing written there), a path = atomic file, None = nowhere."""
-    if not target:
-        return
-    data = (json.dumps(receipt.to_json(), indent=2, sort_keys=True) + "\n").encode()
-    if target == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.flush()
-    else:
-        atomic_write_bytes(Path(target), data)
-
-
-class ReceiptTargetTaken(Exception):
-    """`--receipt-json PATH` holds something this run must not replace."""
-
-
-@dataclass(frozen=True)
-class ReceiptKey:
-    """What makes a receipt one of a given request: the same id, operation and request."""
-
-    operation_id: str
-    operation: str
-    request_sha256: str
-
-    def differences(self, receipt: Receipt) -> list[str]:
-        return [f"{name} {getattr(receipt, name)} (this run: {mine})"
-                for name, mine in (("operation_id", self.operation_id),
-                                   ("operation", self.operation),
-                                   ("request_sha256", self.request_sha256))
-                if getattr(receipt, name) != mine]
-
-
-def receipt_at(target: str | None, key: ReceiptKey) -> Receipt | None:
-    """The receipt of this same request that `target` already holds, or None (no file, or
-    stdout). Anything else there is refused with ReceiptTargetTaken: a receipt of another
-    request, or a file that is no receipt at all, is never replaced."""
-    if not target or target == "-":
-        return None
-    path = Path(target)
-    try:
-        raw: Any = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ReceiptTargetTaken(f"--receipt-json {target} exists and is not a readable "
-                                 f"receipt ({exc}); refusing to replace it") from None
-    try:
-        existing = Receipt.model_validate(raw)
-    except ValidationError:
-        raise ReceiptTargetTaken(f"--receipt-json {target} exists and is not an operation "
-                                 "receipt; refusing to replace it") from None
-    differences = key.differences(existing)
-    if differences:
-        raise ReceiptTargetTaken(f"--receipt-json {target} holds the receipt of another "
-                                 f"request ({'; '.join(differences)}); refusing to replace it")
-    return existing

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import struct
@@ -30,12 +29,12 @@ from typing import Any
 from aiohttp import web
 
 from coldsnap import __version__
+from coldsnap.formats.fields import is_id
 from coldsnap.formats.request import MAX_REQUEST_BYTES
-from coldsnap.service.jobs import JOB_STATES
+from coldsnap.runner.service_api import JOB_STATES
 from coldsnap.service.metrics import CONTENT_TYPE, Metrics
 from coldsnap.service.scheduler import Scheduler
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CANCEL_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
@@ -59,7 +58,7 @@ def _reply(status: int, doc: dict[str, Any]) -> web.Response:
 
 def _job_id(request: web.Request) -> str:
     job_id = request.match_info["id"]
-    if not _ID.match(job_id):
+    if not is_id(job_id):
         raise web.HTTPBadRequest(text=f"not a job id: {job_id!r}")
     return job_id
 

@@ -20,21 +20,20 @@ import grp
 import os
 import signal
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO, cast
+from typing import IO
 
 from aiohttp import web
 
 from coldsnap import logs
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.logs import get_logger
+from coldsnap.runner.ledger import Ledger
 from coldsnap.service.api import build_app, build_metrics_app
-from coldsnap.service.jobs import JobStore
+from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.notify import Notifier
-from coldsnap.service.output import RoutedStream
 from coldsnap.service.recovery import recover
 from coldsnap.service.scheduler import Scheduler
 
@@ -62,13 +61,9 @@ class ServeConfig:
 def serve(config: ServeConfig) -> int:
     logs.configure(verbose=config.verbose)
     lock = _lock_state_dir(config.state_dir)
-    # Each job's progress and reports go to its followers, not to the service's journal.
-    sys.stderr = cast(TextIO, RoutedStream("stderr", sys.__stderr__ or sys.stderr))
-    sys.stdout = cast(TextIO, RoutedStream("stdout", sys.__stdout__ or sys.stdout))
     try:
         return asyncio.run(_serve(config))
     finally:
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         lock.close()
 
 
@@ -125,7 +120,7 @@ def listening_socket(path: Path, group: str | None) -> tuple[socket.socket, bool
 async def _serve(config: ServeConfig) -> int:
     log = get_logger(component="serve")
     notifier = Notifier()
-    jobs = JobStore(config.state_dir / "jobs.sqlite3")
+    jobs = JobStore(config.state_dir / "jobs.sqlite3", Ledger(config.store))
     metrics = Metrics(jobs)
     scheduler = Scheduler(jobs, metrics, inventory=config.inventory_path,
                           store_root=config.store)

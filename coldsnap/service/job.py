@@ -1,5 +1,5 @@
-"""One job of the service: an admitted operation, run by the same code as the CLI's
-(`execute`, `conclude` of coldsnap.commands.operation) as a task on the service's loop.
+"""One job of the service: a claimed operation, run by the same runner as the CLI's
+(`execute`, `conclude` of coldsnap.runner.execute) as a task on the service's loop.
 
 Cancelling a job (`jobs cancel`, the submitting CLI's Ctrl-C, the end of the SIGTERM drain)
 cancels its operation's task once, as the CLI's first signal does: the operation rolls back
@@ -13,15 +13,24 @@ import asyncio
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TextIO, cast
 
-from coldsnap.commands.gate import Admission
-from coldsnap.commands.operation import Prepared, as_failure, conclude, execute
-from coldsnap.commands.signals import cancelled_by
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.operations.context import OperationCancelled, OperationContext, OperationFailed
-from coldsnap.operations.runs import OperationRun
 from coldsnap.progress import ProgressBoard
-from coldsnap.service.output import JobOutput, TimingFeed, route_to, unroute
+from coldsnap.runner.cancel import cancelled_by
+from coldsnap.runner.claim import Claim
+from coldsnap.runner.execute import (
+    Outcome,
+    as_failure,
+    conclude,
+    execute,
+    operation_run,
+    run_context,
+)
+from coldsnap.runner.prepared import Prepared
+from coldsnap.runner.report import Report
+from coldsnap.service.output import JobOutput, JobStream
 
 
 @dataclass
@@ -37,7 +46,7 @@ class Ended:
 @dataclass
 class Job:
     prepared: Prepared
-    admission: Admission
+    claim: Claim
     uid: int
     output: JobOutput
     on_end: Callable[[Job, Ended], None]
@@ -75,31 +84,38 @@ class Job:
             self._operation.cancel()
         return f"job {self.id} is being cancelled"
 
+    @property
+    def report(self) -> Report:
+        return Report(lambda line: self.output.write("stderr", line + "\n"),
+                      lambda line: self.output.write("stdout", line + "\n"))
+
     def _context(self) -> OperationContext:
-        return OperationContext(self.prepared.operation, operation_id=self.id,
-                                timing_events=TimingFeed(self.output))
+        return run_context(self.prepared, self.claim, timing_sink=self.output.timing)
+
+    def _conclude(self, ctx: OperationContext, result: ReceiptResult | None,
+                  error: OperationFailed | None) -> Outcome:
+        outcome = conclude(self.prepared, self.claim, ctx, result, error)
+        for line in [*outcome.notes, *([outcome.failure] if outcome.failure else [])]:
+            self.output.write("stderr", line + "\n")
+        return outcome
 
     def _end_unstarted(self, error: OperationFailed) -> None:
-        token = route_to(self.output)
-        try:
-            ctx = self._context()
-            receipt, status = conclude(self.prepared, self.admission, ctx, None, error, None)
-        finally:
-            unroute(token)
-        self.on_end(self, Ended(receipt, status, ctx, started=False))
+        ctx = self._context()
+        outcome = self._conclude(ctx, None, error)
+        self.on_end(self, Ended(outcome.receipt, outcome.exit_status, ctx, started=False))
 
     async def _run(self) -> None:
-        route_to(self.output)  # this task's context only: its writes are the job's
         ctx = self._context()
-        board = ProgressBoard(tty=False)
+        board = ProgressBoard(cast(TextIO, JobStream(self.output)), tty=False)
         ctx.progress = board
         result: ReceiptResult | None = None
         error: OperationFailed | None = None
         try:
-            with board, OperationRun(self.prepared.store_root, ctx):
+            with board, operation_run(self.prepared, ctx):
                 if self.cancel_signal is not None:
                     raise OperationCancelled(int(self.cancel_signal))
-                self._operation = asyncio.ensure_future(execute(self.prepared, ctx))
+                self._operation = asyncio.ensure_future(execute(self.prepared, ctx,
+                                                                self.report))
                 try:
                     result = await self._operation
                 except (asyncio.CancelledError, Exception) as exc:
@@ -107,6 +123,6 @@ class Job:
                         raise
                     raise cancelled_by(self.cancel_signal, exc) from exc
         except Exception as exc:
-            error = as_failure(exc, verbose=self.verbose)
-        receipt, status = conclude(self.prepared, self.admission, ctx, result, error, None)
-        self.on_end(self, Ended(receipt, status, ctx, started=True))
+            error = as_failure(exc, verbose=self.verbose, report=self.report)
+        outcome = self._conclude(ctx, result, error)
+        self.on_end(self, Ended(outcome.receipt, outcome.exit_status, ctx, started=True))

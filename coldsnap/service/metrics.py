@@ -25,7 +25,8 @@ from coldsnap.hosts.inventory import InventoryError, load_inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.logs import get_logger
 from coldsnap.operations.context import OperationContext
-from coldsnap.service.jobs import JOB_STATES, JobStore
+from coldsnap.runner.service_api import JOB_STATES
+from coldsnap.service.job_store import JobStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)

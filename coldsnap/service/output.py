@@ -1,59 +1,23 @@
 """What a job says while it runs: its stderr and stdout lines and its timing events, kept in
 order and streamed to whoever follows the job (the CLI that submitted it, `jobs show`).
 
-The operations code writes progress to `sys.stderr` and reports to `sys.stdout`, as it does in
-the CLI. The service replaces both with a `RoutedStream` that sends each write to the job whose
-task (or a task it started) is writing, through a context variable; anything else goes to the
-service's own stream (the journal).
+The runner sends an operation's lines to the `Report` its front end gives it; a job's report
+writes them here, as the CLI's writes them to its own stderr and stdout. The service's logs go
+to its own stream (the journal).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import io
 import json
 import threading
 from collections.abc import AsyncIterator
-from typing import Any, Literal, TextIO
+from typing import Any, Literal
+
+from coldsnap.formats.timing import TimingEvent
 
 Channel = Literal["stderr", "stdout"]
-
-_current: contextvars.ContextVar[JobOutput | None] = contextvars.ContextVar(
-    "coldsnap_job_output", default=None)
-
-
-def route_to(output: JobOutput | None) -> contextvars.Token[JobOutput | None]:
-    """Send this task's (and its children's) stdout and stderr to `output`."""
-    return _current.set(output)
-
-
-def unroute(token: contextvars.Token[JobOutput | None]) -> None:
-    _current.reset(token)
-
-
-class RoutedStream(io.TextIOBase):
-    def __init__(self, channel: Channel, fallback: TextIO) -> None:
-        super().__init__()
-        self.channel: Channel = channel
-        self.fallback = fallback
-
-    def write(self, text: str) -> int:
-        output = _current.get()
-        if output is None:
-            return self.fallback.write(text)
-        output.write(self.channel, text)
-        return len(text)
-
-    def flush(self) -> None:
-        if _current.get() is None:
-            self.fallback.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self.fallback.fileno()
 
 
 class JobOutput:
@@ -93,6 +57,10 @@ class JobOutput:
             self._items.append({"kind": "end", **item})
             self.ended = True
         self._wake()
+
+    def timing(self, event: TimingEvent) -> None:
+        """The sink of the operation's timing events (coldsnap.formats.timing)."""
+        self.add({"kind": "timing", "event": json.loads(event.to_ndjson())})
 
     def lines(self) -> list[str]:
         """The stderr and stdout lines so far."""
@@ -140,17 +108,16 @@ class JobOutput:
                 yield {"kind": "heartbeat"}
 
 
-class TimingFeed(io.BytesIO):
-    """The file-like sink the operation's timing events are written to (one NDJSON line per
-    write, see coldsnap.operations.context.EventSink)."""
+class JobStream(io.TextIOBase):
+    """A job's stderr as a text stream, for what writes to one (the progress board)."""
 
     def __init__(self, output: JobOutput) -> None:
         super().__init__()
         self._output = output
 
-    def write(self, data: Any) -> int:
-        blob = bytes(data)
-        for line in blob.splitlines():
-            if line.strip():
-                self._output.add({"kind": "timing", "event": json.loads(line)})
-        return len(blob)
+    def write(self, text: str) -> int:
+        self._output.write("stderr", text)
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False

@@ -3,13 +3,13 @@ interrupted by the end of the service's previous process (kill -9, a crash, the 
 
 Nothing is resumed. A job that was running is rolled back as `coldsnapd gc --operation ID`
 would: on every host it touched, the containers labelled with its operation are judged from
-the run records and removed (its run record says `running` and its lock is free, so they are
-orphans). Its run record then says `failed`, its operation record holds its receipt (`failed`,
-error code `interrupted`, with what the rollback did per unit), and so does its row. A queued
-job never touched a host: it only gets its receipt.
+the ledger and removed (its record says `running` and its lock is free, so they are orphans).
+Its record then holds its receipt (`failed`, error code `interrupted`, with what the rollback
+did per unit), and so does its row. A queued job never touched a host: it only gets its
+receipt.
 
-A job whose operation finished before the process died (its receipt is in the store's
-operation record already) keeps that receipt.
+A job whose operation finished before the process died (its receipt is in its ledger record
+already) keeps that receipt.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from coldsnap.commands.gc import Container, HostResult, Judge, gc_host
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationContext, OperationFailed, UnitRollback
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.runs import record_interrupted
-from coldsnap.service.jobs import ACTIVE, JobRow, JobStore
+from coldsnap.runner.ledger import Ledger, record_interrupted
+from coldsnap.runner.orphans import Container, HostResult, Judge, gc_host
+from coldsnap.runner.service_api import ACTIVE
+from coldsnap.service.job_store import JobRow, JobStore
 from coldsnap.store import StoreError
-from coldsnap.store.operations import OperationRecords
 
 
 async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> list[str]:
@@ -43,13 +43,15 @@ async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> lis
 
 async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Path,
                    row: JobRow) -> str:
-    records = OperationRecords(store_root)
+    ledger = Ledger(store_root)
+    prepare_only = bool(row.options.get("prepare_only"))
     try:
-        record = records.load(row.id)
+        record = ledger.load(row.id)
     except StoreError:
         record = None
-    if record is not None and record.state != "running" and record.receipt is not None:
-        receipt = record.receipt
+    ended = record.receipt_of(prepare_only=prepare_only) if record is not None else None
+    if record is not None and record.state != "running" and ended is not None:
+        receipt = ended
         _finish(jobs, row, receipt)
         return f"job {row.id}: had ended ({receipt.state}) before the service stopped"
     ctx = OperationContext(row.operation, operation_id=row.id)  # type: ignore[arg-type]
@@ -65,10 +67,9 @@ async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Pat
         else None
     receipt = ctx.finish(request_sha256=row.request_sha256, engine=row.options["engine"],
                          snapshot_driver=row.options["snapshot_driver"],
-                         prepare_only=bool(row.options.get("prepare_only")), result=result,
+                         prepare_only=prepare_only, result=result,
                          error=OperationFailed("interrupted", why))
-    if not row.options.get("prepare_only"):
-        records.complete(receipt)
+    ledger.complete(receipt, prepare_only=prepare_only)
     _finish(jobs, row, receipt)
     return f"job {row.id}: {receipt.error.message if receipt.error else receipt.state}"
 
@@ -77,7 +78,7 @@ def _finish(jobs: JobStore, row: JobRow, receipt: Receipt) -> None:
     error = receipt.error
     jobs.finished(row.id, "succeeded" if error is None else "failed",
                   exit_status=0 if error is None else 1,
-                  error_code=error.code if error else None, receipt=receipt.to_json())
+                  error_code=error.code if error else None)
 
 
 async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow) -> list[UnitRollback]:

@@ -16,14 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.gate import AlreadyDone, Refused, admit
-from coldsnap.commands.operation import Touches
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.runner.claim import claim
+from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
+from coldsnap.runner.service_api import JobState
 from coldsnap.service.job import Ended, Job
-from coldsnap.service.jobs import JobState, JobStore
+from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
-from coldsnap.service.output import JobOutput, route_to, unroute
-from coldsnap.service.submission import OPERATIONS, SubmissionInvalid, parse_submission
+from coldsnap.service.output import JobOutput
+from coldsnap.service.submission import SubmissionInvalid, parse_submission
 
 # After the drain's grace period, how long the cancelled jobs' rollbacks may take (each
 # rollback bounds itself at about 150 s; this is the backstop).
@@ -71,20 +73,19 @@ class Scheduler:
             return 400, {"error": "invalid submission", "lines": exc.lines,
                          "exit_status": EXIT_BAD_INPUT}
         output = JobOutput(asyncio.get_running_loop())
-        # What the command's checks say (a refusal names its reason on stderr) is collected
-        # and sent back instead of reaching the service's journal.
-        token = route_to(output)
+        # Why the operation cannot run is sent back, as the CLI would print it.
+        prepared: Prepared | None = None
         try:
             prepared = OPERATIONS[sub.operation].prepare(
-                sub.args(self.inventory, self.store_root), sub.request)
+                sub.run_options(self.inventory, self.store_root), sub.request)
+        except Refused as exc:
+            output.write("stderr", f"coldsnapd: {exc}\n")
         except Exception as exc:  # an inventory or store the service cannot read
             output.write("stderr", f"coldsnapd: {type(exc).__name__}: {exc}\n")
-            prepared = EXIT_BAD_INPUT
-        finally:
-            unroute(token)
-        if isinstance(prepared, int):
+        if prepared is None:
             output.end({})
-            return 400, {"error": "refused", "lines": output.lines(), "exit_status": prepared}
+            return 400, {"error": "refused", "lines": output.lines(),
+                         "exit_status": EXIT_BAD_INPUT}
         key = prepared.key
         if key.operation_id in self.active:
             return 409, {"error": f"job {key.operation_id} is already queued or running",
@@ -94,15 +95,13 @@ class Scheduler:
             return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
                                   f"{blockers}; refused (wait: false)",
                          "exit_status": EXIT_BAD_INPUT}
-        args = sub.args(self.inventory, self.store_root)
         try:
-            admission = admit(args, prepared.store_root, key, prepare_only=prepared.prepare_only,
-                              id_generated=prepared.id_generated)
+            held = claim(prepared)
         except Refused as exc:
             return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
         except AlreadyDone as done:
             return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
-        job = Job(prepared, admission, uid, output, self._ended,
+        job = Job(prepared, held, uid, output, self._ended,
                   verbose=bool(sub.options.get("verbose")))
         t = prepared.touches
         self.jobs.add(id=job.id, operation=sub.operation,
@@ -153,8 +152,7 @@ class Scheduler:
         state: JobState = ("succeeded" if error is None else
                            "cancelled" if error.code == "cancelled" else "failed")
         self.jobs.finished(job.id, state, exit_status=ended.exit_status,
-                           error_code=error.code if error else None,
-                           receipt=receipt.to_json())
+                           error_code=error.code if error else None)
         if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)

@@ -4,39 +4,23 @@
      "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false}}
 
 The request is the canonical JSON of a format-4 request (the CLI parsed and checked it
-first; the service parses it again: it never trusts a client). The options are the CLI's
-flags that change what runs. The command's own `prepare` then runs as it would in the CLI,
-with the service's inventory and store.
+first; the service parses it again: it never trusts a client). The options are the runner's
+`RunOptions` that a client may set (coldsnap.runner.service_api); with the service's inventory
+and store they make the options the operation's `prepare` runs with, as in the CLI.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands import capture, lifecycle, restore
-from coldsnap.commands.operation import Prepare
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
-
-
-@dataclass(frozen=True)
-class Kind:
-    prepare: Prepare
-    request_required: bool = True
-
-
-OPERATIONS: dict[str, Kind] = {
-    "capture": Kind(capture.prepare),
-    "restore": Kind(restore.prepare, request_required=False),
-    "sleep": Kind(lifecycle.prepare_for("sleep")),
-    "wake": Kind(lifecycle.prepare_for("wake")),
-    "status": Kind(lifecycle.prepare_for("status")),
-}
+from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.prepared import RunOptions
 
 # option -> (its type, its default, a check that says what is wrong or None)
 _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
@@ -64,12 +48,10 @@ class Submission:
     options: dict[str, Any]
     wait: bool
 
-    def args(self, inventory: Path, store: Path) -> argparse.Namespace:
-        """The arguments the command's `prepare` reads, as the CLI would have parsed them;
-        the outputs (receipt, timing events) are the client's, never the service's files."""
-        return argparse.Namespace(
-            request=None, inventory=inventory, store=store, receipt_json=None,
-            timing_events=None, local=True, socket=None, wait=self.wait, **self.options)
+    def run_options(self, inventory: Path, store: Path) -> RunOptions:
+        """The options the operation's `prepare` runs with; the outputs (receipt, timing
+        events) are the client's, never the service's files."""
+        return RunOptions(inventory=inventory, store=store, **self.options)
 
 
 def parse_submission(doc: Any) -> Submission:

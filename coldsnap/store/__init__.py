@@ -3,12 +3,11 @@
 Layout under the store root:
   objects/sha256/<hex>          object bytes, named by their digest (verified on write and read)
   artifacts/<capture_id>.json   format-9 artifacts, canonical JSON (the index)
-  operations/<id>.json          one record per operation id: claimed, then its receipt
+  operations/<id>.json, .lock   the ledger: one record per operation id (coldsnap.runner.ledger)
   tmp/                          partial writes; never read as objects
 
 `resolve_reference(store, ref)` (`refs.py`) turns an artifact reference (file path, capture
-id, digest prefix) into the indexed artifact; `OperationRecords` (`operations.py`) keeps the
-operation ids.
+id, digest prefix) into the indexed artifact.
 """
 
 from coldsnap.store.local import (

@@ -23,7 +23,7 @@ from typing import Any
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.formats.fields import is_clean_absolute
+from coldsnap.formats.fields import is_clean_absolute, is_id
 from coldsnap.store.local import (
     ArtifactAmbiguous,
     ArtifactExists,
@@ -37,7 +37,6 @@ MIN_PREFIX = 6
 # An artifact lists its launch and objects; even thousands of workers stay far below this.
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
 
-_CAPTURE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -47,7 +46,8 @@ class ArtifactRefInvalid(StoreError):
 
 
 def is_capture_id(ref: str) -> bool:
-    return _CAPTURE_ID.fullmatch(ref) is not None
+    """A capture id is the capture request's id (coldsnap.formats.fields.is_id)."""
+    return is_id(ref)
 
 
 def _digest_prefix(ref: str) -> str | None:

@@ -180,9 +180,9 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
     assert "unit-0 on host-2 removed" in receipt["error"]["message"]
     assert "unit-1 on host-3 removed" in receipt["error"]["message"]
     assert labelled(ops, op) == {}
-    # The run record and the id's record say so too: gc agrees, and the id stays used.
-    record = json.loads((ops.store / "run" / f"{op}.json").read_text())
-    assert record["state"] == "failed"
+    # The ledger says so too: gc agrees, and the id stays used.
+    record = json.loads((ops.store / "operations" / f"{op}.json").read_text())
+    assert record["state"] == "failed" and record["receipt"] == receipt
     again = ops.coldsnapd("restore", "--request", str(request))
     assert again.status == 2 and "already used" in again.stderr
     # The store is intact: every object of the artifact hashes right.

@@ -20,8 +20,8 @@ from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.formats.request import Request, parse_request
 from coldsnap.formats.timing import TimingEvent, check_event_stream
 from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.runner.ledger import Ledger
 from coldsnap.store import LocalStore
-from coldsnap.store.operations import OperationRecords
 from tests.unit.artifact_factory import make_artifact
 from tests.unit.conftest import minimal_request
 from tests.unit.test_artifact_refs import with_objects, write_output
@@ -64,7 +64,7 @@ def receipt_of(request: Request, state: str = "succeeded") -> Receipt:
 
 
 def record(tmp_path: Path, request: Request, state: str = "succeeded") -> Receipt | None:
-    records = OperationRecords(tmp_path / "store")
+    records = Ledger(tmp_path / "store")
     assert records.reserve(request.id, request.operation, request.request_sha256) is None
     if state == "running":
         return None
@@ -167,7 +167,7 @@ def test_an_existing_events_file_is_refused_and_kept(tmp_path: Path, stdin: Any,
     assert "already exists; it is never truncated" in capsys.readouterr().err
     assert events.read_text() == "someone else's stream\n"
     # Refused before the id was claimed: the request may run once the path is fixed.
-    assert OperationRecords(tmp_path / "store").load(request.id) is None
+    assert Ledger(tmp_path / "store").load(request.id) is None
 
 
 # -- receipts and used ids ---------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_a_succeeded_receipt_file_of_the_same_request_is_an_answer_too(
     stdin(json.dumps(doc))
     assert run(tmp_path, "capture", "--request-json", "-", "--receipt-json", str(target)) == 0
     assert target.read_bytes() == before
-    assert OperationRecords(tmp_path / "store").load("req-1") is None
+    assert Ledger(tmp_path / "store").load("req-1") is None
 
 
 # -- restore: artifact references and operation ids --------------------------------------------
@@ -279,7 +279,7 @@ def test_restore_without_request_gets_a_generated_id_and_says_so(tmp_path: Path)
     assert doc["result"] == {"operation_id_generated": True}
     assert doc["error"]["code"] == "object-corrupt"
     # Its id is recorded like any other, and a second run is a new operation.
-    records = OperationRecords(tmp_path / "store")
+    records = Ledger(tmp_path / "store")
     held = records.load(doc["operation_id"])
     assert held is not None and held.state == "failed"
 
@@ -333,7 +333,8 @@ def test_prepare_only_claims_no_id_but_respects_another_request(
     for _ in range(2):  # safe to repeat: each run runs (and fails on the rotten object)
         stdin(json.dumps(doc))
         assert run(tmp_path, "restore", "--request-json", "-", "--prepare-only") == 1
-    assert OperationRecords(tmp_path / "store").load("req-1") is None
+    held = Ledger(tmp_path / "store").load("req-1")
+    assert held is None or held.prepare_only  # its run is recorded, no id is claimed
     record(tmp_path, parse_request(capture_doc(tmp_path)))
     stdin(json.dumps(doc))
     assert run(tmp_path, "restore", "--request-json", "-", "--prepare-only") == 2

@@ -20,19 +20,24 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "coldsnap"
 MAX_MODULE_LINES = 500
 
-# From the bottom up: a module may import its own layer and the layers before it, never the
-# ones after (docs/ARCHITECTURE.md). A prefix names a package or a module; the longest wins.
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf helpers", ("coldsnap", "coldsnap.digests", "coldsnap.exits", "coldsnap.logs")),
-    ("formats", ("coldsnap.formats",)),
-    ("topology, admission", ("coldsnap.topology", "coldsnap.identity", "coldsnap.admission")),
-    ("hosts", ("coldsnap.hosts",)),
-    ("engines", ("coldsnap.engines",)),
-    ("capsule", ("coldsnap.capsule",)),
-    ("store", ("coldsnap.store",)),
-    ("operations", ("coldsnap.operations",)),
-    ("service, CLI", ("coldsnap.service", "coldsnap.commands", "coldsnap.cli",
-                      "coldsnap.progress", "coldsnap.__main__")),
+# From the bottom up: a module may import its own layer and the layers of a lower rank, never
+# those above, nor a layer beside it of the same rank: the CLI and the service are two clients
+# of the runner that never import each other (docs/ARCHITECTURE.md). A prefix names a package
+# or a module; the longest wins.
+LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
+    ("leaf helpers", 0, ("coldsnap", "coldsnap.digests", "coldsnap.exits", "coldsnap.logs")),
+    ("formats", 1, ("coldsnap.formats",)),
+    ("topology, admission", 2, ("coldsnap.topology", "coldsnap.identity",
+                                "coldsnap.admission")),
+    ("hosts", 3, ("coldsnap.hosts",)),
+    ("engines", 4, ("coldsnap.engines",)),
+    ("capsule", 5, ("coldsnap.capsule",)),
+    ("store", 6, ("coldsnap.store",)),
+    ("operations", 7, ("coldsnap.operations",)),
+    ("runner", 8, ("coldsnap.runner", "coldsnap.progress")),
+    ("service", 9, ("coldsnap.service",)),
+    ("CLI", 9, ("coldsnap.commands",)),
+    ("entry point", 10, ("coldsnap.cli", "coldsnap.__main__")),
 ]
 
 
@@ -77,12 +82,18 @@ def _graph() -> dict[str, list[tuple[int, str]]]:
 
 def _layer(module: str) -> int:
     best, best_len = -1, -1
-    for index, (_, prefixes) in enumerate(LAYERS):
+    for index, (_, _, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
             matches = module == prefix or module.startswith(prefix + ".")
             if matches and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     return best
+
+
+def _forbidden(name: str, target: str) -> bool:
+    """Whether `name` must not import `target`: a layer above it, or one beside it."""
+    mine, theirs = LAYERS[_layer(name)], LAYERS[_layer(target)]
+    return theirs[1] > mine[1] or (theirs[1] == mine[1] and theirs[0] != mine[0])
 
 
 def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
@@ -153,7 +164,7 @@ def test_imports_go_one_way() -> None:
         f"({LAYERS[_layer(name)][0]} must not use {LAYERS[_layer(target)][0]})"
         for name, imports in _graph().items()
         for line, target in imports
-        if _layer(target) > _layer(name)
+        if _forbidden(name, target)
     ]
     assert upward == []
 
@@ -172,6 +183,13 @@ def test_the_checks_see_what_they_should() -> None:
     assert "coldsnap.formats.request.launch" in graph["coldsnap.formats.request.parse"]
     assert "coldsnap.formats.request" in graph["coldsnap.topology"]
     assert _layer("coldsnap.formats.request.rules") < _layer("coldsnap.operations.restore")
+    # The service and the CLI sit side by side: neither may import the other, both the runner.
+    assert _forbidden("coldsnap.service.job", "coldsnap.commands.outputs")
+    assert _forbidden("coldsnap.commands.jobs", "coldsnap.service.job_store")
+    assert not _forbidden("coldsnap.service.job", "coldsnap.runner.execute")
+    assert not _forbidden("coldsnap.commands.operation", "coldsnap.runner.claim")
+    assert not _forbidden("coldsnap.cli", "coldsnap.service.command")
+    assert _forbidden("coldsnap.runner.claim", "coldsnap.commands.operation")
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert _cycles({"a": ["a"], "b": []}) == [["a"]]
     assert _cycles({"a": ["b"], "b": []}) == []

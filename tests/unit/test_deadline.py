@@ -10,7 +10,7 @@ import pytest
 
 from coldsnap.cli import main
 from coldsnap.operations.context import OperationFailed
-from coldsnap.operations.deadline import (
+from coldsnap.runner.deadline import (
     BYTES_PER_S,
     DeadlineExceeded,
     default_deadline,

@@ -176,7 +176,7 @@ hosts:
 
 @pytest.fixture(scope="module")
 def restore_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """An inventory and an empty store; `run_operation` is replaced by a tripwire, so the
+    """An inventory and an empty store; `run_here` is replaced by a tripwire, so the
     fuzzer sees whether a restore got past its input checks to the hosts."""
     where = tmp_path_factory.mktemp("restore-fuzz")
     (where / "inventory.yaml").write_text(INVENTORY)
@@ -206,7 +206,7 @@ def test_artifact_files_given_to_restore_are_refused_with_exit_2(
         return 0
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(operation_command, "run_operation", tripwire)
+        mp.setattr(operation_command, "run_here", tripwire)
         status, out, err = run_cli([
             "restore", "--local", "--artifact", str(path),
             "--inventory", str(restore_env / "inventory.yaml"),

@@ -1,5 +1,5 @@
 """What operations leave behind on the control node, and when it is swept: a fetch's partial
-file, the temporary files of a dead run, old ones (gc), and the run records of long-finished
+file, the temporary files of a dead run, old ones (gc), and the run locks of long-finished
 operations."""
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 
 from coldsnap.operations.context import OperationContext
-from coldsnap.operations.runs import OperationRun, prune_records, run_dir
+from coldsnap.runner.ledger import LEDGER_DIR, OperationRun, prune_locks
 from coldsnap.store import LocalStore
 
 DAY = 24 * 3600.0
+SHA = "sha256:" + "cd" * 32
+
+
+def run_dir(store_root: Path) -> Path:
+    return store_root / LEDGER_DIR
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -64,7 +69,7 @@ def test_a_dead_runs_files_are_swept_and_a_live_ones_kept(tmp_path: Path) -> Non
 def _record(store_root: Path, operation_id: str, *, fail: bool, age: float) -> None:
     ctx = OperationContext("restore", operation_id=operation_id)
     try:
-        with OperationRun(store_root, ctx):
+        with OperationRun(store_root, ctx, request_sha256=SHA):
             if fail:
                 raise RuntimeError("boom")
     except RuntimeError:
@@ -73,31 +78,35 @@ def _record(store_root: Path, operation_id: str, *, fail: bool, age: float) -> N
         _age(p, age)
 
 
-def test_only_long_finished_run_records_are_pruned(tmp_path: Path) -> None:
+def test_only_long_finished_run_locks_are_pruned(tmp_path: Path) -> None:
     _record(tmp_path, "old-ok", fail=False, age=40 * DAY)
     _record(tmp_path, "old-failed", fail=True, age=40 * DAY)
     _record(tmp_path, "recent", fail=True, age=DAY)
     # A run that died mid-way (its record still says running, its lock is free): the record
-    # is what makes its containers orphans, so it stays however old.
+    # is what makes its containers orphans, so its lock stays however old.
     died = run_dir(tmp_path) / "died.json"
     doc = json.loads((run_dir(tmp_path) / "recent.json").read_text())
     died.write_text(json.dumps(dict(doc, operation_id="died", state="running",
                                     completed_at=None)))
-    _age(died, 40 * DAY)
+    (run_dir(tmp_path) / "died.lock").touch()
+    for p in run_dir(tmp_path).glob("died.*"):
+        _age(p, 40 * DAY)
 
-    assert prune_records(tmp_path, dry_run=True) == ["old-failed", "old-ok"]
-    assert (run_dir(tmp_path) / "old-ok.json").exists()
-    assert prune_records(tmp_path) == ["old-failed", "old-ok"]
-    left = sorted(p.name for p in run_dir(tmp_path).iterdir())
-    assert left == ["died.json", "recent.json", "recent.lock"]
+    assert prune_locks(tmp_path, dry_run=True) == ["old-failed", "old-ok"]
+    assert (run_dir(tmp_path) / "old-ok.lock").exists()
+    assert prune_locks(tmp_path) == ["old-failed", "old-ok"]
+    left = sorted(p.name for p in run_dir(tmp_path).iterdir() if not p.name.startswith("."))
+    # Every record stays: it is its id's claim and holds its receipt.
+    assert left == ["died.json", "died.lock", "old-failed.json", "old-ok.json", "recent.json",
+                    "recent.lock"]
 
 
 def test_a_running_operations_record_is_never_pruned(tmp_path: Path) -> None:
     ctx = OperationContext("capture", operation_id="live")
-    with OperationRun(tmp_path, ctx):
+    with OperationRun(tmp_path, ctx, request_sha256=SHA):
         for p in run_dir(tmp_path).iterdir():
             _age(p, 40 * DAY)
-        assert prune_records(tmp_path) == []
+        assert prune_locks(tmp_path) == []
 
 
 @pytest.mark.parametrize("name", ["incoming.notapid.x", "incoming..x", "other.123.x"])

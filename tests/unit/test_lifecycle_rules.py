@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from coldsnap.capsule.lifecycle import container_devices
 from coldsnap.capsule.spec import ENGINE_LOG, UnitSpec, container_name
 from coldsnap.cli import main
-from coldsnap.commands.lifecycle import status_rows
 from coldsnap.formats.receipt import replay_semantics_for
 from coldsnap.formats.request import Mount, Validation, Workload, parse_request
 from coldsnap.operations.lifecycle import UnitStatus, WorkerStatus, unit_state, worker_state
 from coldsnap.operations.units import workload_labels
+from coldsnap.runner.lifecycle_kinds import status_rows
 from tests.unit.conftest import issues_for, minimal_request
 
 WORKLOAD = {"cluster_id": "c1", "intent_id": "i1", "recipe": "r", "runtime": "vllm",

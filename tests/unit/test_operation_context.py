@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.commands.outputs import EventSink, write_receipt
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.timing import TimingEvent, check_event_stream
-from coldsnap.operations.context import OperationContext, OperationFailed, write_receipt
+from coldsnap.operations.context import OperationContext, OperationFailed
 
 SHA = "sha256:" + "ab" * 32
 
 
 async def test_spans_nest_across_tasks_and_stream_matches_receipt(tmp_path: Path) -> None:
     events = tmp_path / "events.ndjson"
-    ctx = OperationContext("capture", timing_events=str(events))
+    sink = EventSink(str(events))
+    ctx = OperationContext("capture", timing_sink=sink)
 
     async def unit_step(unit: str) -> None:
         with ctx.span("capture.dump", unit=unit):
@@ -28,6 +30,7 @@ async def test_spans_nest_across_tasks_and_stream_matches_receipt(tmp_path: Path
             tg.create_task(unit_step("unit-0"))
             tg.create_task(unit_step("unit-1"))
     receipt = ctx.finish(request_sha256=SHA, engine="vllm", snapshot_driver="n610")
+    sink.close()
 
     spans = {s.id: s for s in receipt.timing.spans}
     dumps = [s for s in spans.values() if s.name == "capture.dump"]

@@ -1,5 +1,5 @@
-"""The store's operation records: an id is claimed once, even by concurrent runs, and its
-outcome replaces the claim atomically."""
+"""The ledger's records (coldsnap.runner.ledger): an id is claimed once, even by concurrent
+runs, and its outcome replaces the claim atomically."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 
 from coldsnap.formats.receipt import Receipt
 from coldsnap.operations.context import OperationContext
+from coldsnap.runner.ledger import Ledger, LedgerUnreadable
 from coldsnap.store import StoreError
-from coldsnap.store.operations import OperationRecords, RecordUnreadable
 
 SHA = "sha256:" + "cd" * 32
 
 
 def _claim(args: tuple[str, int]) -> bool:
     root, _ = args
-    return OperationRecords(Path(root)).reserve("op-1", "capture", SHA) is None
+    return Ledger(Path(root)).reserve("op-1", "capture", SHA) is None
 
 
 def test_of_many_concurrent_claims_exactly_one_wins(tmp_path: Path) -> None:
@@ -27,10 +27,11 @@ def test_of_many_concurrent_claims_exactly_one_wins(tmp_path: Path) -> None:
     with ctx.Pool(8) as pool:
         won = pool.map(_claim, [(str(tmp_path), i) for i in range(32)])
     assert won.count(True) == 1
-    held = OperationRecords(tmp_path).load("op-1")
+    held = Ledger(tmp_path).load("op-1")
     assert held is not None and held.state == "running"
     # No temporary file is left next to the record.
-    assert [p.name for p in (tmp_path / "operations").iterdir()] == ["op-1.json"]
+    assert [p.name for p in (tmp_path / "operations").iterdir()
+            if p.name != ".claim.lock"] == ["op-1.json"]
 
 
 def _receipt(state: str) -> Receipt:
@@ -43,7 +44,7 @@ def _receipt(state: str) -> Receipt:
 
 @pytest.mark.parametrize("state", ["succeeded", "failed"])
 def test_complete_replaces_the_claim_with_the_receipt(tmp_path: Path, state: str) -> None:
-    records = OperationRecords(tmp_path)
+    records = Ledger(tmp_path)
     assert records.reserve("op-1", "capture", SHA) is None
     receipt = _receipt(state)
     records.complete(receipt)
@@ -54,17 +55,17 @@ def test_complete_replaces_the_claim_with_the_receipt(tmp_path: Path, state: str
 
 
 def test_a_damaged_record_is_an_error_not_a_free_id(tmp_path: Path) -> None:
-    records = OperationRecords(tmp_path)
+    records = Ledger(tmp_path)
     records.dir.mkdir()
     (records.dir / "op-1.json").write_text("{")
-    with pytest.raises(RecordUnreadable, match="unreadable"):
+    with pytest.raises(LedgerUnreadable, match="unreadable"):
         records.load("op-1")
     (records.dir / "op-1.json").write_text(json.dumps({"format": 1}))
-    with pytest.raises(RecordUnreadable, match="invalid"):
+    with pytest.raises(LedgerUnreadable, match="invalid"):
         records.reserve("op-1", "capture", SHA)
 
 
 @pytest.mark.parametrize("bad", ["../op", "op/1", "", ".op", "a" * 129])
 def test_record_names_are_operation_ids(tmp_path: Path, bad: str) -> None:
     with pytest.raises(StoreError, match="not a valid operation id"):
-        OperationRecords(tmp_path).path(bad)
+        Ledger(tmp_path).path(bad)

@@ -1,5 +1,6 @@
-"""Operation run records (coldsnap.operations.runs) and what the receipt says about a rollback:
-the lock says "running", the record says how it ended, and `orphan_reason` decides from both."""
+"""An operation's run in the ledger (coldsnap.runner.ledger) and what the receipt says about a
+rollback: the lock says "running", the record says how it ended, and `orphan_reason`
+(coldsnap.runner.orphans) decides from both."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from coldsnap.operations.context import (
     OperationFailed,
     UnitRollback,
 )
-from coldsnap.operations.runs import OperationRun, RunRecord, RunStatus, orphan_reason, run_status
+from coldsnap.runner.ledger import Entry, OperationRun, RunStatus, run_status
+from coldsnap.runner.orphans import orphan_reason
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "sha256:" + "cd" * 32
@@ -28,7 +30,7 @@ SHA = "sha256:" + "cd" * 32
 def test_a_run_is_running_while_held_then_records_how_it_ended(tmp_path: Path) -> None:
     ctx = OperationContext("restore", operation_id="restore-ok")
     assert run_status(tmp_path, "restore-ok").record is None
-    with OperationRun(tmp_path, ctx):
+    with OperationRun(tmp_path, ctx, request_sha256=SHA):
         status = run_status(tmp_path, "restore-ok")
         assert status.running
         assert status.record is not None and status.record.state == "running"
@@ -36,7 +38,7 @@ def test_a_run_is_running_while_held_then_records_how_it_ended(tmp_path: Path) -
         assert orphan_reason(status, "unit-0") == (
             False, f"operation restore-ok is running (pid {os.getpid()})")
         with pytest.raises(OperationFailed, match="already running") as refused:
-            OperationRun(tmp_path, ctx).__enter__()
+            OperationRun(tmp_path, ctx, request_sha256=SHA).__enter__()
         assert refused.value.code == "operation-running"
     status = run_status(tmp_path, "restore-ok")
     assert not status.running
@@ -48,13 +50,13 @@ def test_a_run_is_running_while_held_then_records_how_it_ended(tmp_path: Path) -
 def test_a_failed_run_keeps_only_the_units_its_rollback_returned_to_serving(
         tmp_path: Path) -> None:
     ctx = OperationContext("capture", operation_id="cap-1")
-    with pytest.raises(OperationFailed), OperationRun(tmp_path, ctx):
+    with pytest.raises(OperationFailed), OperationRun(tmp_path, ctx, request_sha256=SHA):
         ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
                         UnitRollback("host-1", "unit-1", "failed", "host-1 unreachable")]
         raise OperationFailed("dump-failed", "host-1: dump failed")
     status = run_status(tmp_path, "cap-1")
     assert status.record is not None and status.record.state == "failed"
-    assert status.record.kept_units == ("unit-0",)
+    assert status.record.kept_units == ["unit-0"]
     assert orphan_reason(status, "unit-0") == (
         False, "the rollback of cap-1 returned unit-0 to serving")
     orphan, why = orphan_reason(status, "unit-1")
@@ -68,9 +70,9 @@ def test_a_run_killed_mid_way_leaves_orphans(tmp_path: Path) -> None:
     script = ("import sys, time\n"
               "from pathlib import Path\n"
               "from coldsnap.operations.context import OperationContext\n"
-              "from coldsnap.operations.runs import OperationRun\n"
+              "from coldsnap.runner.ledger import OperationRun\n"
               "with OperationRun(Path(sys.argv[1]), OperationContext('restore', "
-              "operation_id='restore-dies')):\n"
+              f"operation_id='restore-dies'), request_sha256='{SHA}'):\n"
               "    print('held', flush=True)\n"
               "    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
@@ -92,13 +94,13 @@ def test_a_run_killed_mid_way_leaves_orphans(tmp_path: Path) -> None:
 def test_unknown_and_unreadable_records_are_never_orphans(tmp_path: Path) -> None:
     assert orphan_reason(run_status(tmp_path, "elsewhere"), "unit-0") == (
         False, "operation elsewhere is not recorded in this store")
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "torn.json").write_text("{not json")
+    (tmp_path / "operations").mkdir()
+    (tmp_path / "operations" / "torn.json").write_text("{not json")
     orphan, why = orphan_reason(run_status(tmp_path, "torn"), "unit-0")
-    assert not orphan and "unreadable record" in why
-    (tmp_path / "run" / "odd.json").write_text(json.dumps({"state": "paused"}))
+    assert not orphan and "is unreadable" in why
+    (tmp_path / "operations" / "odd.json").write_text(json.dumps({"state": "paused"}))
     orphan, why = orphan_reason(run_status(tmp_path, "odd"), "unit-0")
-    assert not orphan and "bad record" in why
+    assert not orphan and "is invalid" in why
 
 
 @pytest.mark.parametrize("bad", ["../escape", "a/b", "", ".hidden", "x" * 129])
@@ -108,9 +110,10 @@ def test_operation_ids_from_labels_never_become_paths(tmp_path: Path, bad: str) 
 
 
 def test_record_round_trips() -> None:
-    record = RunRecord("op", "restore", 12, "node", "2026-12-01T00:00:00.000000000Z",
-                       "failed", "2026-12-01T00:00:01.000000000Z", ("unit-1",))
-    assert RunRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    record = Entry(operation_id="op", operation="restore", request_sha256=SHA, state="failed",
+                   started_at="2026-12-01T00:00:00.000000000Z", pid=12, control_node="node",
+                   completed_at="2026-12-01T00:00:01.000000000Z", kept_units=["unit-1"])
+    assert Entry.model_validate(json.loads(json.dumps(record.to_json()))) == record
     status = RunStatus("op", running=False, record=record)
     assert orphan_reason(status, "unit-1")[0] is False
 

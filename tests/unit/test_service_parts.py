@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.commands.operation import Touches
-from coldsnap.service.jobs import JobStore
+from coldsnap.runner.prepared import RunOptions, Touches
+from coldsnap.runner.service_api import SUBMISSION_OPTIONS
+from coldsnap.service import submission
+from coldsnap.service.job_store import JobStore
 from coldsnap.service.notify import Notifier
 from coldsnap.service.submission import SubmissionInvalid, parse_submission
 
@@ -35,8 +37,7 @@ def test_job_store_keeps_jobs_across_reopening_in_wal_mode(tmp_path: Path) -> No
     assert row.hosts == ("host-0", "host-1") and row.uid == 1000
     assert row.started_ns == 1_700_000_000_000_000_000
     assert [r.id for r in again.list(("running", "queued"))] == ["cap-1"]
-    again.finished("cap-1", "failed", exit_status=1, error_code="interrupted",
-                   receipt={"state": "failed"})
+    again.finished("cap-1", "failed", exit_status=1, error_code="interrupted")
     assert again.list(("running", "queued")) == []
     assert again.counts() == {("capture", "failed"): 1}
     mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
@@ -50,7 +51,7 @@ def test_a_finished_job_of_the_same_id_is_replaced_an_active_one_is_not(tmp_path
     store.add(id="r-1", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(sqlite3.IntegrityError):
         store.add(id="r-1", **kwargs)  # type: ignore[arg-type]
-    store.finished("r-1", "succeeded", exit_status=0, error_code=None, receipt={})
+    store.finished("r-1", "succeeded", exit_status=0, error_code=None)
     store.add(id="r-1", **kwargs)  # type: ignore[arg-type]
     assert store.get("r-1").state == "queued"  # type: ignore[union-attr]
 
@@ -91,15 +92,22 @@ def test_a_restore_submission_without_a_request() -> None:
     sub = parse_submission({"operation": "restore", "wait": False,
                             "options": {"artifact": "cap-1", "prepare_only": True}})
     assert (sub.operation, sub.request, sub.wait) == ("restore", None, False)
-    args = sub.args(Path("/inv.yaml"), Path("/store"))
-    assert (args.artifact, args.prepare_only, args.fallback) == ("cap-1", True, "none")
-    assert args.receipt_json is None and args.timing_events is None
-    assert args.deadline is None  # derived from the bytes the restore moves
+    options = sub.run_options(Path("/inv.yaml"), Path("/store"))
+    assert (options.artifact, options.prepare_only, options.fallback) == ("cap-1", True, "none")
+    # The outputs (receipt, timing events) are the client's files: the service has none.
+    assert not hasattr(options, "receipt_json") and not hasattr(options, "timing_events")
+    assert options.deadline is None  # derived from the bytes the restore moves
+
+
+def test_the_service_checks_every_option_a_client_sends() -> None:
+    assert tuple(submission._OPTIONS) == SUBMISSION_OPTIONS
+    fields = set(RunOptions.__dataclass_fields__)
+    assert set(SUBMISSION_OPTIONS) <= fields
 
 
 def test_a_submitted_deadline_reaches_the_operation() -> None:
     sub = parse_submission({"operation": "restore", "options": {"deadline": 90}})
-    assert sub.args(Path("/inv.yaml"), Path("/store")).deadline == 90.0
+    assert sub.run_options(Path("/inv.yaml"), Path("/store")).deadline == 90.0
 
 
 def test_notifications_reach_a_datagram_socket_also_an_abstract_one(tmp_path: Path) -> None:

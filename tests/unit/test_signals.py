@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM during an operation (coldsnap.commands.signals), with real signals sent
+"""SIGINT and SIGTERM during an operation (coldsnap.runner.signals), with real signals sent
 to a child process that runs a stand-in operation: it sleeps, and when cancelled it runs a
 shielded "rollback" of a chosen length before ending."""
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.commands.signals import OperationSignals
+from coldsnap.runner.signals import OperationSignals
 
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import asyncio, sys
-from coldsnap.commands.signals import OperationSignals
+from coldsnap.runner.signals import OperationSignals
 from coldsnap.operations.context import OperationFailed
 
 rollback_s, run_s = float(sys.argv[1]), float(sys.argv[2])

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from coldsnap.operations.context import OperationFailed
+from coldsnap.runner.cancel import ended_with
 
 T = TypeVar("T")
 
@@ -61,9 +62,6 @@ async def within_deadline(operation: Awaitable[T], seconds: float, *,
     except (asyncio.CancelledError, Exception) as exc:
         if not expired:
             raise
-        also = (None if isinstance(exc, asyncio.CancelledError)
-                else f"{exc.code}: {exc.message}" if isinstance(exc, OperationFailed)
-                else f"{type(exc).__name__}: {exc}")
-        raise DeadlineExceeded(seconds, also=also) from exc
+        raise DeadlineExceeded(seconds, also=ended_with(exc)) from exc
     finally:
         timer.cancel()

@@ -1,9 +1,11 @@
 """The service's jobs, one row each in SQLite (WAL) under the state dir.
 
 A row is written when a job is accepted (queued), when it starts (running), when what it waits
-for changes, and when it ends, with its receipt: the same format-2 receipt the CLI writes. The
-database is the service's memory across restarts: a row still `running` or `queued` when the
-service starts belongs to a job that a crash interrupted (coldsnap.service.recovery).
+for changes, and when it ends. It says what the service knows of a job (who submitted it, what
+it waits for, its exit status); the operation's own record, with its receipt, is the ledger's
+(coldsnap.runner.ledger), which a row points at by its id. The database is the service's memory
+across restarts: a row still `running` or `queued` when the service starts belongs to a job that
+a crash interrupted (coldsnap.service.recovery).
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from coldsnap.formats.receipt import rfc3339_ns
-
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-JOB_STATES: tuple[JobState, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
-ACTIVE: tuple[JobState, ...] = ("queued", "running")
+from coldsnap.runner.ledger import Ledger
+from coldsnap.runner.service_api import ACTIVE, JOB_STATES, JobState
+from coldsnap.store import StoreError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -42,7 +43,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     captures TEXT NOT NULL,
     exit_status INTEGER,
     error_code TEXT,
-    receipt TEXT
+    receipt TEXT -- unused: the receipt is the ledger's; kept for databases made before
 )
 """
 
@@ -66,7 +67,7 @@ class JobRow:
     captures: tuple[str, ...]
     exit_status: int | None
     error_code: str | None
-    receipt: dict[str, Any] | None
+    receipt: dict[str, Any] | None = None  # from the ledger, filled in by JobStore.get
 
     def summary(self) -> dict[str, Any]:
         """What `jobs list` shows of a job."""
@@ -93,7 +94,7 @@ def _row(r: sqlite3.Row) -> JobRow:
         hosts=tuple(json.loads(r["hosts"])),
         units=tuple((h, u) for h, u in json.loads(r["units"])),
         captures=tuple(json.loads(r["captures"])), exit_status=r["exit_status"],
-        error_code=r["error_code"], receipt=json.loads(r["receipt"]) if r["receipt"] else None)
+        error_code=r["error_code"])
 
 
 def _now() -> str:
@@ -104,8 +105,9 @@ class JobStore:
     """The jobs table. Every write is its own transaction, durable when it returns
     (synchronous=FULL): a job the API accepted is never lost."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, ledger: Ledger | None = None) -> None:
         self.path = path
+        self.ledger = ledger
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
@@ -152,16 +154,29 @@ class JobStore:
             db.execute("UPDATE jobs SET state = 'running', waiting_for = NULL, started_at = ?, "
                        "started_ns = ? WHERE id = ?", (rfc3339_ns(started_ns), started_ns, id))
 
-    def finished(self, id: str, state: JobState, *, exit_status: int, error_code: str | None,
-                 receipt: dict[str, Any]) -> None:
+    def finished(self, id: str, state: JobState, *, exit_status: int,
+                 error_code: str | None) -> None:
+        """The job ended; its receipt is in the ledger already."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET state = ?, waiting_for = NULL, completed_at = ?, "
-                       "exit_status = ?, error_code = ?, receipt = ? WHERE id = ?",
-                       (state, _now(), exit_status, error_code, json.dumps(receipt), id))
+                       "exit_status = ?, error_code = ? WHERE id = ?",
+                       (state, _now(), exit_status, error_code, id))
 
     def get(self, id: str) -> JobRow | None:
+        """The job, with the receipt its ledger record holds once it ended."""
         r = self._db.execute("SELECT * FROM jobs WHERE id = ?", (id,)).fetchone()
-        return _row(r) if r is not None else None
+        if r is None:
+            return None
+        row = _row(r)
+        if self.ledger is None or row.state in ACTIVE:
+            return row
+        try:
+            entry = self.ledger.load(row.id)
+        except StoreError:
+            return row
+        receipt = entry.receipt_of(prepare_only=bool(row.options.get("prepare_only"))) \
+            if entry is not None else None
+        return replace(row, receipt=receipt.to_json() if receipt is not None else None)
 
     def list(self, states: tuple[str, ...] = JOB_STATES, limit: int = 200) -> list[JobRow]:
         marks = ",".join("?" for _ in states)

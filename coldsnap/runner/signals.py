@@ -27,21 +27,12 @@ from types import FrameType, TracebackType
 from typing import TextIO, TypeVar
 
 from coldsnap.exits import exit_status_for_signal
-from coldsnap.operations.context import OperationCancelled, OperationFailed
+from coldsnap.runner.cancel import cancelled_by
 
 T = TypeVar("T")
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 FORCE_AFTER = 3  # the signal that forces exit; earlier ones are the cancel and a warning
-
-
-def cancelled_by(signum: int, exc: BaseException) -> OperationCancelled:
-    """The failure of an operation that a signal cancelled: whatever it ended with, the
-    signal is why it ended."""
-    also = (None if isinstance(exc, asyncio.CancelledError)
-            else f"{exc.code}: {exc.message}" if isinstance(exc, OperationFailed)
-            else f"{type(exc).__name__}: {exc}")
-    return OperationCancelled(int(signum), also=also)
 
 
 class OperationSignals:

@@ -22,22 +22,22 @@ from typing import Any
 import aiohttp
 
 from coldsnap.commands.common import report_failure
-from coldsnap.commands.gate import (
-    AlreadyDone,
-    Refused,
+from coldsnap.commands.outputs import (
+    EventSink,
     answer_again,
     check_receipt_target,
     discard_events,
     open_events_target,
+    write_receipt,
 )
-from coldsnap.commands.signals import OperationSignals
 from coldsnap.exits import EXIT_FAILED
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.request import Request
 from coldsnap.formats.timing import TimingEvent
-from coldsnap.operations.context import EventSink, ReceiptKey, write_receipt
+from coldsnap.runner.prepared import AlreadyDone, ReceiptKey, Refused
+from coldsnap.runner.service_api import DEFAULT_SOCKET, SUBMISSION_OPTIONS
+from coldsnap.runner.signals import OperationSignals
 
-DEFAULT_SOCKET = "/run/coldsnap/coldsnapd.sock"
 CALL_TIMEOUT_S = 30.0
 # The service sends a heartbeat every 15 s while a job is quiet: a minute of silence is a
 # lost service.
@@ -147,8 +147,7 @@ def _differs(args: argparse.Namespace, info: dict[str, Any]) -> str | None:
 
 def _submission(args: argparse.Namespace, operation: str,
                 request: Request | None) -> dict[str, Any]:
-    names = ("artifact", "prepare_only", "fallback", "json", "verbose", "deadline")
-    options = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    options = {name: getattr(args, name) for name in SUBMISSION_OPTIONS if hasattr(args, name)}
     return {"operation": operation, "request": request.canonical() if request else None,
             "options": options, "wait": bool(getattr(args, "wait", True))}
 

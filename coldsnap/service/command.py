@@ -1,18 +1,21 @@
-"""`coldsnapd serve [--socket PATH] [--state-dir DIR] [--metrics-listen ADDR:PORT]`."""
+"""`coldsnapd serve [--socket PATH] [--state-dir DIR] [--metrics-listen ADDR:PORT]`: the service's
+own command line, registered by coldsnap.cli beside the CLI's commands (the service imports
+nothing of the CLI)."""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import add_store_argument, open_store, report_failure
-from coldsnap.commands.operation import DEFAULT_INVENTORY, inventory_path
-from coldsnap.exits import EXIT_FAILED
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED
 from coldsnap.hosts.inventory import InventoryError, load_inventory
-from coldsnap.service.client import DEFAULT_SOCKET
+from coldsnap.runner.service_api import DEFAULT_INVENTORY, DEFAULT_SOCKET
 from coldsnap.service.daemon import ServeConfig, ServeError, serve
+from coldsnap.store import LocalStore, default_store_root
 
 DEFAULT_STATE_DIR = "/var/lib/coldsnap/service"
 
@@ -30,6 +33,11 @@ def parse_listen(text: str) -> tuple[str, int] | str:
     return host, int(port)
 
 
+def report_failure(message: str, status: int = EXIT_BAD_INPUT) -> int:
+    sys.stderr.write(f"coldsnapd: {message}\n")
+    return status
+
+
 def _handler(args: argparse.Namespace) -> int:
     listen = None
     if args.metrics_listen is not None:
@@ -39,12 +47,13 @@ def _handler(args: argparse.Namespace) -> int:
         listen = parsed
     if args.drain_seconds < 0 or args.host_check_seconds <= 0:
         return report_failure("--drain-seconds must be 0 or more, --host-check-seconds more than 0")
-    inventory = inventory_path(args).absolute()
+    inventory = Path(args.inventory or os.environ.get("COLDSNAP_INVENTORY", DEFAULT_INVENTORY))
+    inventory = inventory.absolute()
     try:
         hosts = load_inventory(inventory)
     except InventoryError as exc:
         return report_failure(str(exc))
-    store = open_store(args).ensure()
+    store = LocalStore(args.store if args.store is not None else default_store_root()).ensure()
     config = ServeConfig(
         socket=args.socket.absolute(), state_dir=args.state_dir.absolute(),
         inventory_path=inventory, inventory=hosts, store=store.root.absolute(),
@@ -85,6 +94,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--inventory", type=Path, default=None, metavar="FILE",
         help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")
-    add_store_argument(parser)
+    parser.add_argument(
+        "--store", type=Path, default=None, metavar="DIR",
+        help="content-addressed store on this node (default: $COLDSNAP_STORE or "
+             "/var/lib/coldsnap/store)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     parser.set_defaults(handler=_handler)

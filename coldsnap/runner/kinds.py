@@ -1,0 +1,126 @@
+"""Capture and restore, each settled into a `Prepared` operation from its options and request;
+the registry of every operation a front end can run (`OPERATIONS`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
+from coldsnap.formats.request import Request
+from coldsnap.hosts.inventory import load_inventory
+from coldsnap.operations.capture import capture
+from coldsnap.operations.context import OperationContext, new_operation_id
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.restore import restore
+from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
+from coldsnap.runner.prepared import (
+    Prepare,
+    Prepared,
+    ReceiptKey,
+    Refused,
+    RunOptions,
+    Touches,
+)
+from coldsnap.runner.report import Report, human_bytes
+from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
+
+
+def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
+    if request is None:
+        raise Refused("capture needs a request")
+    inventory = load_inventory(options.inventory)
+    store = LocalStore(options.store).ensure()
+
+    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
+        out = await capture(request, hosts, store, ctx)
+        for f in out.fetched:
+            report.say(f"{f.host}: fetched {f.fetched} object(s), "
+                       f"{human_bytes(f.fetched_bytes)}; {f.present} already in the store")
+        stored = out.stored
+        size = sum(o.bytes for o in stored.artifact.objects)
+        report.say(f"captured {stored.capture_id} ({stored.digest[:19]}): "
+                   f"{len(stored.artifact.capsule.images)} capsule(s), "
+                   f"{len(stored.artifact.objects)} objects, {human_bytes(size)}")
+        return ReceiptResult(artifact=stored.capture_id, output=request.output,
+                             units=[UnitQuiesce.of(m) for m in out.manifests])
+
+    return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
+                    engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
+                    inventory=inventory, store_root=store.root, body=body,
+                    touches=Touches.of(request.launch, request.id), deadline=options.deadline)
+
+
+def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -> StoredArtifact:
+    """The artifact named by `--artifact` and the request's `artifact`; raises Refused when
+    they are missing, unknown or differ. Both may be given, in any of their forms, as long
+    as they name the same artifact."""
+    refs = [(f"--artifact {artifact}", artifact)] if artifact else []
+    if request is not None and request.artifact:
+        refs.append((f"the request's artifact {request.artifact}", request.artifact))
+    if not refs:
+        raise Refused("say which artifact: --artifact REF, or `artifact` in a restore request")
+    found: list[tuple[str, StoredArtifact]] = []
+    for label, ref in refs:
+        try:
+            found.append((label, resolve_reference(store, ref)))
+        except (StoreError, ArtifactInvalid) as exc:
+            raise Refused(f"{label}: {exc}") from None
+    if len({stored.digest for _, stored in found}) > 1:
+        raise Refused(" differs from ".join(
+            f"{label} (capture {stored.capture_id}, {stored.digest})" for label, stored in found)
+            + "; both must name the same artifact")
+    return found[0][1]
+
+
+def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
+    inventory = load_inventory(options.inventory)
+    store = LocalStore(options.store)
+    stored = _resolve(options.artifact, request, store)
+    artifact = stored.artifact
+    # Without a request there is no id to use: one is generated, and the receipt says so.
+    key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
+        ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
+    prepare_only = options.prepare_only
+
+    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
+        out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
+                            fallback=options.fallback)
+        for s in out.staging:
+            report.say(f"{s.host}: {len(s.objects)} object(s) owned, "
+                       f"{human_bytes(s.owned_bytes)}; sent {human_bytes(s.sent_bytes)}, "
+                       f"{len(s.skipped)} already present")
+        if out.replayed_units:
+            report.say("re-created natively from payloads (--fallback replay): "
+                       + ", ".join(out.replayed_units))
+        if out.warm:
+            report.say(f"restored {artifact.capture_id} warm: every unit asleep with its "
+                       "GPU state checkpointed; `coldsnapd wake` makes it serve")
+        elif not prepare_only:
+            report.say(f"restored {artifact.capture_id}: services "
+                       f"{', '.join(out.validated)} answered the validation prompt")
+        return ReceiptResult(artifact=artifact.capture_id, prepared=prepare_only)
+
+    return Prepared("restore", key, engine=artifact.launch.engine,
+                    snapshot_driver=artifact.snapshot_driver.id, inventory=inventory,
+                    store_root=store.root, body=body,
+                    touches=Touches.of(request.launch if request else artifact.launch,
+                                       artifact.capture_id),
+                    prepare_only=prepare_only, id_generated=request is None,
+                    deadline=options.deadline,
+                    bytes_to_move=sum(o.bytes for o in artifact.objects))
+
+
+@dataclass(frozen=True)
+class Kind:
+    prepare: Prepare
+    request_required: bool = True
+
+
+OPERATIONS: dict[Operation, Kind] = {
+    "capture": Kind(prepare_capture),
+    "restore": Kind(prepare_restore, request_required=False),
+    "sleep": Kind(prepare_lifecycle("sleep")),
+    "wake": Kind(prepare_lifecycle("wake")),
+    "status": Kind(prepare_lifecycle("status")),
+}

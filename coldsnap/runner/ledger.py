@@ -1,0 +1,289 @@
+"""The ledger: one record per operation id, `<store>/operations/<id>.json`, read by the claim,
+the run, `coldsnapd gc`, the service's recovery and its job store.
+
+- **Claim.** An id is used once. Before an operation starts, its record is written with state
+  `running` (under the directory's claim lock, so of two concurrent claims of one id exactly
+  one proceeds). A record of a prepare-only restore holds no id: a full run may claim it.
+- **Run.** `<id>.lock` is held with `flock` for as long as the operation's process executes
+  it. The kernel drops the lock when that process dies, whatever kills it (kill -9 included),
+  so "locked" means "running" without trusting a PID that may have been reused.
+- **Outcome.** When the run ends, the record says `succeeded` or `failed`, with the units a
+  failed run's rollback returned to serving (`kept_units`: their containers stay on purpose),
+  published before the lock is dropped; then the receipt, which answers a retry of a request
+  that already succeeded without running anything.
+
+A record still `running` whose lock is free belongs to a process that died mid-operation (or a
+claim whose run never started): its id stays used, and its containers are orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Final, Literal
+
+from pydantic import ValidationError
+
+from coldsnap.formats.fields import Digest, Id, StrictModel, is_id
+from coldsnap.formats.receipt import Receipt, rfc3339_ns
+from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.store import StoreError
+from coldsnap.store.local import atomic_write_bytes
+
+LEDGER_DIR: Final = "operations"
+ENTRY_KIND: Final = "coldsnapd-operation-record"
+
+RunState = Literal["running", "succeeded", "failed"]
+
+
+class LedgerUnreadable(StoreError):
+    pass
+
+
+class Entry(StrictModel):
+    format: Literal[2] = 2
+    kind: Literal["coldsnapd-operation-record"] = ENTRY_KIND
+    operation_id: Id
+    operation: Id
+    request_sha256: Digest
+    state: RunState
+    prepare_only: bool = False
+    started_at: str
+    pid: int
+    control_node: str
+    completed_at: str | None = None
+    kept_units: list[str] = []
+    receipt: Receipt | None = None
+    # The last prepare-only run of an id that a full run holds: it never replaces that run's
+    # outcome, and its receipt is kept beside it.
+    prepared: Receipt | None = None
+
+    def receipt_of(self, *, prepare_only: bool) -> Receipt | None:
+        """The receipt of the id's full run, or of its last prepare-only run."""
+        if prepare_only and not self.prepare_only:
+            return self.prepared
+        return self.receipt
+
+    def describe(self) -> str:
+        if self.state == "running":
+            return (f"{self.operation} {self.operation_id} has been running since "
+                    f"{self.started_at} (pid {self.pid}), or its process ended without "
+                    "finishing it")
+        when = self.receipt.completed_at if self.receipt else self.completed_at
+        return f"{self.operation} {self.operation_id} {self.state} at {when}"
+
+
+def _now() -> str:
+    return rfc3339_ns(time.time_ns())
+
+
+class Ledger:
+    def __init__(self, store_root: Path) -> None:
+        self.dir = store_root / LEDGER_DIR
+
+    def path(self, operation_id: str) -> Path:
+        if not is_id(operation_id):
+            # Ids come from container labels on remote hosts too: never a path of theirs.
+            raise StoreError(f"not a valid operation id: {operation_id!r}")
+        return self.dir / f"{operation_id}.json"
+
+    def lock_path(self, operation_id: str) -> Path:
+        return self.path(operation_id).with_suffix(".lock")
+
+    def load(self, operation_id: str) -> Entry | None:
+        path = self.path(operation_id)
+        try:
+            raw: Any = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise LedgerUnreadable(f"operation record {path} is unreadable: {exc}") from None
+        try:
+            return Entry.model_validate(raw)
+        except ValidationError as exc:
+            raise LedgerUnreadable(f"operation record {path} is invalid: "
+                                   f"{exc.errors(include_url=False)[0]['msg']}") from None
+
+    def write(self, entry: Entry) -> None:
+        data = json.dumps(entry.to_json(), indent=2, sort_keys=True) + "\n"
+        atomic_write_bytes(self.path(entry.operation_id), data.encode())
+
+    @contextlib.contextmanager
+    def _claiming(self) -> Iterator[None]:
+        """Serialises claims of this store's ids across processes."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with (self.dir / ".claim.lock").open("ab") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            yield
+
+    def reserve(self, operation_id: str, operation: str, request_sha256: str) -> Entry | None:
+        """Claim `operation_id` for this process: None when claimed, else the record that
+        already holds it."""
+        with self._claiming():
+            existing = self.load(operation_id)
+            if existing is not None and not existing.prepare_only:
+                return existing
+            self.write(Entry(operation_id=operation_id, operation=operation,
+                             request_sha256=request_sha256, state="running",
+                             started_at=_now(), pid=os.getpid(),
+                             control_node=socket.gethostname()))
+        return None
+
+    def complete(self, receipt: Receipt, *, prepare_only: bool = False) -> None:
+        """The outcome of `receipt.operation_id`, with its receipt. A prepare-only run never
+        replaces the record of a full run of its id: its receipt is kept beside."""
+        with self._claiming():
+            existing = self.load(receipt.operation_id)
+            if prepare_only and existing is not None and not existing.prepare_only:
+                self.write(existing.model_copy(update={"prepared": receipt}))
+                return
+            kept = existing.kept_units if existing is not None else []
+            self.write(Entry(operation_id=receipt.operation_id, operation=receipt.operation,
+                             request_sha256=receipt.request_sha256, state=receipt.state,
+                             prepare_only=prepare_only, started_at=receipt.started_at,
+                             pid=os.getpid(), control_node=socket.gethostname(),
+                             completed_at=receipt.completed_at, kept_units=kept,
+                             receipt=receipt))
+
+
+class OperationRun:
+    """Held around one operation's execution: takes its lock and, on exit, publishes how it
+    ended (failed when an exception leaves the block) with the units its rollback kept
+    serving. A second run of the same id while the first runs is refused."""
+
+    def __init__(self, store_root: Path, ctx: OperationContext, *,
+                 request_sha256: str | None = None, prepare_only: bool = False) -> None:
+        self.ctx = ctx
+        self.ledger = Ledger(store_root)
+        self.lock_path = self.ledger.lock_path(ctx.operation_id)
+        self.request_sha256 = request_sha256
+        self.prepare_only = prepare_only
+        self._lock: IO[bytes] | None = None
+
+    def __enter__(self) -> OperationRun:
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = self.lock_path.open("ab")  # held until __exit__: the lock is the open file
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise OperationFailed("operation-running", f"operation {self.ctx.operation_id} is "
+                                  "already running on this control node") from None
+        self._lock = lock
+        try:
+            self._publish("running", ())
+        except BaseException:
+            lock.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc is None:
+                self._publish("succeeded", ())
+            else:
+                kept = tuple(u.unit for u in self.ctx.rollback or ()
+                             if u.outcome == "returned to serving")
+                self._publish("failed", kept)
+        finally:
+            # Published before the lock is dropped: whoever sees the lock free also sees
+            # the final state.
+            assert self._lock is not None
+            self._lock.close()
+
+    def _publish(self, state: RunState, kept: tuple[str, ...]) -> None:
+        with self.ledger._claiming():
+            entry = self.ledger.load(self.ctx.operation_id)
+            if entry is None:
+                if self.request_sha256 is None:
+                    return  # nothing claimed this id and nothing says which request ran
+                entry = Entry(operation_id=self.ctx.operation_id,
+                              operation=self.ctx.operation, request_sha256=self.request_sha256,
+                              state="running", prepare_only=self.prepare_only,
+                              started_at=rfc3339_ns(self.ctx.started_ns), pid=os.getpid(),
+                              control_node=socket.gethostname())
+            elif self.prepare_only and not entry.prepare_only:
+                return  # a full run's record: a repeated prepare-only run leaves it alone
+            self.ledger.write(entry.model_copy(update={
+                "state": state, "pid": os.getpid(), "control_node": socket.gethostname(),
+                "completed_at": None if state == "running" else _now(),
+                "kept_units": list(kept)}))
+
+
+def record_interrupted(store_root: Path, operation_id: str) -> None:
+    """The record of a run whose process died mid-operation (its lock is free, its record
+    still `running`) now says `failed`, nothing kept: whoever recovered it rolled it back."""
+    status = run_status(store_root, operation_id)
+    entry = status.record
+    if status.running or entry is None or entry.state != "running":
+        return
+    Ledger(store_root).write(entry.model_copy(update={"state": "failed",
+                                                      "completed_at": _now()}))
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    operation_id: str
+    running: bool
+    record: Entry | None  # None: this store never recorded the operation
+    problem: str | None = None  # an unreadable record, said instead of guessed
+
+
+def run_status(store_root: Path, operation_id: str) -> RunStatus:
+    """Whether the operation runs now (its lock is held) and its record."""
+    ledger = Ledger(store_root)
+    try:
+        lock_path = ledger.lock_path(operation_id)
+    except StoreError:
+        raise ValueError(f"not an operation id: {operation_id!r}") from None
+    running = False
+    if lock_path.exists():
+        with lock_path.open("ab") as lock:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                running = True
+            else:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    try:
+        return RunStatus(operation_id, running, ledger.load(operation_id))
+    except LedgerUnreadable as exc:
+        return RunStatus(operation_id, running, None, str(exc))
+
+
+LOCK_MAX_AGE_S = 30 * 24 * 3600.0
+
+
+def prune_locks(store_root: Path, *, older_than_s: float = LOCK_MAX_AGE_S,
+                dry_run: bool = False) -> list[str]:
+    """Remove the lock files of operations that ended more than `older_than_s` ago; returns
+    their ids. The records stay: each is its id's claim and holds its receipt. A lock that is
+    held, or whose record still says `running`, is never removed."""
+    ledger = Ledger(store_root)
+    if not ledger.dir.is_dir():
+        return []
+    cutoff = time.time() - older_than_s
+    pruned: list[str] = []
+    for lock_path in sorted(ledger.dir.glob("*.lock")):
+        operation_id = lock_path.stem
+        try:
+            if not is_id(operation_id) or lock_path.stat().st_mtime > cutoff:
+                continue
+            status = run_status(store_root, operation_id)
+        except (OSError, ValueError):
+            continue
+        if status.running or status.record is None or status.record.state == "running":
+            continue
+        pruned.append(operation_id)
+        if not dry_run:
+            lock_path.unlink(missing_ok=True)
+    return pruned

@@ -1,0 +1,108 @@
+"""An operation settled by its `prepare`, before any host is touched, and the typed options a
+front end gives it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
+from coldsnap.formats.request import Launch, Request
+from coldsnap.hosts.inventory import Inventory
+from coldsnap.operations.context import OperationContext
+from coldsnap.operations.hostset import HostSet
+from coldsnap.runner.report import Report
+from coldsnap.topology import resolve
+
+
+class Refused(Exception):
+    """The operation must not run: bad input, exit 2, nothing written."""
+
+
+class AlreadyDone(Exception):
+    """The same request already succeeded under this id: its receipt is the answer."""
+
+    def __init__(self, receipt: Receipt) -> None:
+        super().__init__(receipt.operation_id)
+        self.receipt = receipt
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a front end (the CLI's flags, a service submission's options) says about one
+    operation, beyond its request."""
+
+    inventory: Path
+    store: Path
+    artifact: str | None = None  # restore: the artifact reference
+    prepare_only: bool = False
+    fallback: Literal["none", "replay"] = "none"
+    json: bool = False  # status: the report as JSON
+    verbose: bool = False
+    deadline: float | None = None  # seconds; None: derived from the bytes it moves
+
+
+@dataclass(frozen=True)
+class ReceiptKey:
+    """What makes a receipt one of a given request: the same id, operation and request."""
+
+    operation_id: str
+    operation: str
+    request_sha256: str
+
+    def differences(self, receipt: Receipt) -> list[str]:
+        return [f"{name} {getattr(receipt, name)} (this run: {mine})"
+                for name, mine in (("operation_id", self.operation_id),
+                                   ("operation", self.operation),
+                                   ("request_sha256", self.request_sha256))
+                if getattr(receipt, name) != mine]
+
+
+@dataclass(frozen=True)
+class Touches:
+    """What an operation acts on: two operations that share a (host, unit) or a capture id
+    must not run at once."""
+
+    units: tuple[tuple[str, str], ...] = ()
+    captures: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, launch: Launch, capture_id: str) -> Touches:
+        return cls(tuple((u.host, u.id) for u in resolve(launch).units), (capture_id,))
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(host for host, _ in self.units))
+
+    def shared_with(self, other: Touches) -> list[str]:
+        """What both touch, said as `host/unit` and `capture ID`."""
+        units = sorted(set(self.units) & set(other.units))
+        captures = sorted(set(self.captures) & set(other.captures))
+        return [f"{h}/{u}" for h, u in units] + [f"capture {c}" for c in captures]
+
+
+Body = Callable[[HostSet, OperationContext, Report], Awaitable[ReceiptResult]]
+
+
+@dataclass
+class Prepared:
+    """An operation that its `prepare` settled, before any host is touched."""
+
+    operation: Operation
+    key: ReceiptKey
+    engine: Literal["vllm", "sglang"]
+    snapshot_driver: str
+    inventory: Inventory
+    store_root: Path
+    body: Body
+    touches: Touches = field(default_factory=Touches)
+    prepare_only: bool = False
+    id_generated: bool = False
+    deadline: float | None = None  # seconds; None: derived from bytes_to_move
+    bytes_to_move: int = 0
+
+
+# (options, request or None) -> the operation; raises Refused (or InventoryError) when not
+Prepare = Callable[[RunOptions, Request | None], Prepared]

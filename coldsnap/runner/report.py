@@ -1,0 +1,36 @@
+"""Where an operation's own lines go: the front end decides (a terminal, a job's stream)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Report:
+    """`say`: progress and outcome lines (a terminal's stderr); `out`: what the user asked to
+    see (a status table, JSON), stdout unless the receipt or the timing events own it. Each
+    takes one line, without its newline."""
+
+    say: Callable[[str], None]
+    out: Callable[[str], None]
+
+    @classmethod
+    def to_terminal(cls, *, stdout_taken: bool = False) -> Report:
+        def err(line: str) -> None:
+            sys.stderr.write(line + "\n")
+
+        def out(line: str) -> None:
+            sys.stdout.write(line + "\n")
+
+        return cls(err, err if stdout_taken else out)
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

@@ -1,0 +1,22 @@
+"""The contract between the CLI and the service, which never import each other: where the
+service listens, the states a job goes through, and the options a job submission carries.
+
+    POST /v1/jobs {"operation": "restore", "request": {...} | null, "wait": true,
+                   "options": {"artifact": "REF", "prepare_only": false, ...}}
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+DEFAULT_SOCKET: Final = "/run/coldsnap/coldsnapd.sock"
+DEFAULT_INVENTORY: Final = "/etc/coldsnap/inventory.yaml"
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+JOB_STATES: tuple[JobState, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+ACTIVE: tuple[JobState, ...] = ("queued", "running")
+
+# The RunOptions fields a submission may set (coldsnap.runner.prepared); the service checks
+# each value's type and range, the CLI sends those its command has.
+SUBMISSION_OPTIONS: Final = ("artifact", "prepare_only", "fallback", "json", "verbose",
+                             "deadline")

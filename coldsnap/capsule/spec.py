@@ -39,7 +39,7 @@ CRIU_SECURITY_OPT: tuple[str, ...] = (
     "seccomp=unconfined",
     "apparmor=unconfined",
 )
-# Starts the engine confined (deploy/test-capsule/capsule_init.py, copied into every capsule):
+# Starts the engine confined (deploy/capsule/capsule_init.py, copied into every capsule):
 # `launch --pid-floor N --stdin F --log F --seccomp-filter B64 -- ARGV...` prints its PID.
 ENGINE_LAUNCHER: tuple[str, ...] = ("/usr/local/bin/capsule-init", "launch")
 

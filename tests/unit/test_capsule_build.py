@@ -40,6 +40,10 @@ def test_the_rootfs_holds_the_engine_the_links_and_the_directories(tmp_path: Pat
     assert engine.isfile() and engine.mode == 0o755 and engine.mtime == test_capsule.EPOCH
     assert members["usr/local/bin/cuda-checkpoint"].linkname == "cuda-checkpoint-sim"
     assert members["usr/local/bin/capsule-init"].linkname.endswith("capsule_init.py")
+    # Every absolute link lands on a file the rootfs holds (the production programs included).
+    for target in test_capsule.LINKS.values():
+        if target.startswith("/"):
+            assert members[target.removeprefix("/")].isfile(), target
     assert all(members[d].isdir() for d in test_capsule.DIRS)
     assert "etc/debian_version" in members  # the base is kept under the additions
 
@@ -56,3 +60,14 @@ def test_a_changed_source_changes_the_inputs_key(tmp_path: Path,
     assert test_capsule.inputs_key(base) == before
     (sources / "engine.py").write_bytes(b"# changed\n")
     assert test_capsule.inputs_key(base) != before
+
+
+def test_the_gpu_capsule_dockerfiles_copy_the_programs_beside_them() -> None:
+    """deploy/capsule/ is the GPU capsules' build context for what the repository provides."""
+    deploy = test_capsule.CAPSULE_SOURCES
+    copied = [line.split()[1] for dockerfile in sorted(deploy.glob("Dockerfile.*"))
+              for line in dockerfile.read_text().splitlines()
+              if line.startswith("COPY ") and line.split()[1].endswith(".py")]
+    assert sorted(set(copied)) == ["capsule_http.py", "capsule_init.py"]
+    assert all((deploy / name).is_file() for name in copied)
+    assert sorted(src for src, _ in test_capsule.CAPSULE_FILES.values()) == sorted(set(copied))

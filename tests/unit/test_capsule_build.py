@@ -4,7 +4,9 @@ the capsule layout promises is in it."""
 
 from __future__ import annotations
 
+import ast
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -46,6 +48,28 @@ def test_the_rootfs_holds_the_engine_the_links_and_the_directories(tmp_path: Pat
             assert members[target.removeprefix("/")].isfile(), target
     assert all(members[d].isdir() for d in test_capsule.DIRS)
     assert "etc/debian_version" in members  # the base is kept under the additions
+    # What the capsule's programs import is the standard library or a module beside them.
+    for name in test_capsule.FILES | test_capsule.CAPSULE_FILES:
+        for imported in _imports(tar_bytes(out, name)):
+            assert (imported in sys.stdlib_module_names
+                    or f"opt/coldsnap-test/{imported}.py" in members), (name, imported)
+
+
+def tar_bytes(path: Path, name: str) -> bytes:
+    with tarfile.open(path) as tar:
+        f = tar.extractfile(f"./{name}")
+        assert f is not None
+        return f.read()
+
+
+def _imports(source: bytes) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out - {"__future__"}
 
 
 def test_a_changed_source_changes_the_inputs_key(tmp_path: Path,

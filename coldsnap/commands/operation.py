@@ -20,7 +20,6 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from coldsnap import logs
 from coldsnap.capsule.errors import CapsuleError
@@ -40,6 +39,7 @@ from coldsnap.commands.gate import (
 )
 from coldsnap.commands.signals import OperationSignals
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
 from coldsnap.formats.request import Launch, Request
@@ -93,7 +93,7 @@ class Prepared:
 
     operation: Operation
     key: ReceiptKey
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     snapshot_driver: str
     inventory: Inventory
     store_root: Path

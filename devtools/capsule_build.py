@@ -3,9 +3,10 @@
     scripts/build-test-capsule [--docker-host unix:///path/docker.sock] [--force]
     scripts/build-test-capsule stop-registry
 
-Debian forky rootfs (mmdebstrap, minbase + criu 4.2.1, python3, iproute2) + the test engine,
-the cuda-checkpoint SIMULATOR, the in-capsule HTTP client and the quiet PID-1 shim from
-deploy/test-capsule/ -> `docker import` into one host's dockerd (default: host-0's socket from
+Debian forky rootfs (mmdebstrap, minbase + criu 4.2.1, python3, iproute2) + the test engine
+and the cuda-checkpoint SIMULATOR from deploy/test-capsule/ + the production capsule programs
+from deploy/capsule/ (the quiet PID 1 and confined launcher, the in-capsule HTTP client)
+-> `docker import` into one host's dockerd (default: host-0's socket from
 .dev-cluster/inventory.yaml) -> `docker push` to the registry on the dev cluster's bridge,
 198.18.0.1:5000 (Debian's docker-registry, started here when it is not answering; storage under
 .dev-cluster/registry, pid in .dev-cluster/registry/registry.pid). The hosts live in their own
@@ -41,6 +42,7 @@ from devtools.layout import REGISTRY_ADDR, REPO
 PROG = "build-test-capsule"
 STATE = Path(os.environ.get("COLDSNAP_DEV_CLUSTER_DIR", REPO / ".dev-cluster"))
 SOURCES = REPO / "deploy" / "test-capsule"
+CAPSULE_SOURCES = REPO / "deploy" / "capsule"
 CACHE = STATE / "cache" / "test-capsule"
 REGISTRY_DIR = STATE / "registry"
 
@@ -55,6 +57,11 @@ PACKAGES = ["criu", "python3", "iproute2"]
 # (the engine imports its siblings, e.g. engine_http and engine_group, from its own directory).
 FILES = {
     f"opt/coldsnap-test/{src.name}": (src.name, 0o755) for src in sorted(SOURCES.glob("*.py"))
+}
+# name in the image -> (source file in deploy/capsule, mode): the programs every real capsule
+# carries, so the test capsule starts and confines its engine as production does.
+CAPSULE_FILES = {
+    f"opt/coldsnap-test/{src}": (src, 0o755) for src in ("capsule_init.py", "capsule_http.py")
 }
 LINKS = {
     "usr/local/bin/cuda-checkpoint-sim": "/opt/coldsnap-test/cuda_checkpoint_sim.py",
@@ -75,12 +82,19 @@ def base_rootfs() -> Path:
     return tools.base_rootfs(CACHE, SUITE, PACKAGES, APT_OPTIONS, PROG)
 
 
+def sources() -> list[tuple[str, Path, int]]:
+    """(name in the image, source file, mode) of every file the build adds, by name."""
+    return sorted([*((name, SOURCES / src, mode) for name, (src, mode) in FILES.items()),
+                   *((name, CAPSULE_SOURCES / src, mode)
+                     for name, (src, mode) in CAPSULE_FILES.items())])
+
+
 def inputs_key(base: Path) -> str:
     # The shared helpers shape the image too (tar entries, import), so they are inputs as well.
     parts = [base.name.encode(), Path(__file__).read_bytes(),
              Path(tools.__file__).read_bytes()]
-    for name, (src, mode) in sorted(FILES.items()):
-        parts += [name.encode(), str(mode).encode(), (SOURCES / src).read_bytes()]
+    for name, path, mode in sources():
+        parts += [name.encode(), str(mode).encode(), path.read_bytes()]
     return tools.sha256_bytes(*parts)
 
 
@@ -89,8 +103,8 @@ def compose(base: Path, out: Path) -> None:
     shutil.copyfile(base, tmp)
     with tarfile.open(tmp, "a") as tar:
         tools.add_dirs(tar, DIRS)
-        for name, (src, mode) in sorted(FILES.items()):
-            tools.add_file(tar, name, (SOURCES / src).read_bytes(), mode)
+        for name, path, mode in sources():
+            tools.add_file(tar, name, path.read_bytes(), mode)
         tools.add_links(tar, LINKS)
     publish(tmp, out)
 

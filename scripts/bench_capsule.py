@@ -127,7 +127,7 @@ def spec_for(ref: str, unit_id: str, entry: HostEntry, model_dir: str,
         validation=Validation(prompt=PROMPT, expected=EXPECTED),
         environment={"NCCL_SOCKET_IFNAME": interface(entry)},
         mounts=(Mount(source=model_dir, target="/models", read_only=True),),
-        address=entry.address)
+        address=entry.address, gpu_mode="simulated")
 
 
 def placement(spec: UnitSpec, entry: HostEntry, captured: tuple[str, ...]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ CRIU_SECURITY_OPT: tuple[str, ...] = (
     "seccomp=unconfined",
     "apparmor=unconfined",
 )
-# Starts the engine confined (deploy/test-capsule/capsule_init.py, copied into every capsule):
+# Starts the engine confined (deploy/capsule/capsule_init.py, copied into every capsule):
 # `launch --pid-floor N --stdin F --log F --seccomp-filter B64 -- ARGV...` prints its PID.
 ENGINE_LAUNCHER: tuple[str, ...] = ("/usr/local/bin/capsule-init", "launch")
 
@@ -179,9 +179,10 @@ class UnitSpec:
     must_release_weights: bool = False
     # Quiesce drops the KV cache (policy.process.kv_discard).
     discard_kv: bool = True
-    # "simulated": devices go only into the environment (test capsule, cuda-checkpoint
-    # simulator); "nvidia": a Docker device request for exactly these UUIDs.
-    gpu_mode: Literal["simulated", "nvidia"] = "simulated"
+    # "nvidia": a Docker device request for exactly these UUIDs. "simulated": devices go only
+    # into the environment (test capsule, cuda-checkpoint simulator), chosen only for the
+    # inventory's `simulated` hosts (coldsnap.operations.units).
+    gpu_mode: Literal["simulated", "nvidia"] = "nvidia"
     init_command: tuple[str, ...] = ("/usr/local/bin/capsule-init",)
     launcher: tuple[str, ...] = ENGINE_LAUNCHER
     # Set on every container of the unit, e.g. the operation that started it, so that a

@@ -3,8 +3,8 @@
 Pure: no I/O beyond reading the one file `load_request` (or `documents.read_document`) is
 given, no asyncio. Modules: `canonical` (canonical JSON, `sha256:` digests), `errors`
 (`ValidationIssue`, `RequestInvalid`), `fields` (the field types every format shares),
-`documents` (the strict YAML/JSON decoder), `request` (a package), `artifact`, `receipt`,
-`timing`, `replay`.
+`engines` (`EngineName`, the engines ColdSnap knows), `documents` (the strict YAML/JSON
+decoder), `request` (a package), `artifact`, `receipt`, `timing`, `replay`.
 """
 
 from coldsnap.formats.canonical import canonical_json, digest

@@ -21,6 +21,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.fields import Digest, Id, NonEmpty, StrictModel
 from coldsnap.formats.timing import Seconds, Timing
 
@@ -121,7 +122,7 @@ class Receipt(StrictModel):
     operation: Operation
     state: Literal["succeeded", "failed"]
     request_sha256: Digest
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     snapshot_driver: ArtifactSnapshotDriver
     replay_semantics: ReplaySemantics
     started_at: Timestamp

@@ -10,6 +10,7 @@ from typing import Final, Literal
 
 from pydantic import Field, ValidationError
 
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
 from coldsnap.formats.fields import AbsPath, Digest, Id, NonEmpty, StrictModel
 from coldsnap.formats.request.launch import Mount
@@ -37,7 +38,7 @@ class ReplayPayload(StrictModel):
 class ReplayPlan(StrictModel):
     format: Literal["coldsnap-replay-plan/1"] = REPLAY_PLAN_FORMAT
     unit_id: Id
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     worker: ReplayWorker
     image: NonEmpty
     image_digest: Digest

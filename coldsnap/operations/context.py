@@ -19,6 +19,7 @@ import structlog
 
 from coldsnap.exits import EXIT_FAILED, exit_status_for_signal
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.receipt import (
     Operation,
     Receipt,
@@ -149,7 +150,7 @@ class OperationContext:
         self,
         *,
         request_sha256: str,
-        engine: Literal["vllm", "sglang"],
+        engine: EngineName,
         snapshot_driver: str,
         prepare_only: bool = False,
         result: ReceiptResult | None = None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
 from coldsnap.formats.request import Launch, Request
 from coldsnap.hosts.inventory import Inventory
@@ -92,7 +93,7 @@ class Prepared:
 
     operation: Operation
     key: ReceiptKey
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     snapshot_driver: str
     inventory: Inventory
     store_root: Path

@@ -168,6 +168,7 @@ def unit_spec(capsule_ref: str, host: ClusterHost, unit_id: str, workers: int, m
         environment={"NCCL_SOCKET_IFNAME": host.interface},
         mounts=(Mount(source=model_dir, target="/models", read_only=True),),
         address=host.address,
+        gpu_mode="simulated",
     )
 
 

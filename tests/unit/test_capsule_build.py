@@ -4,7 +4,9 @@ the capsule layout promises is in it."""
 
 from __future__ import annotations
 
+import ast
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -40,8 +42,34 @@ def test_the_rootfs_holds_the_engine_the_links_and_the_directories(tmp_path: Pat
     assert engine.isfile() and engine.mode == 0o755 and engine.mtime == test_capsule.EPOCH
     assert members["usr/local/bin/cuda-checkpoint"].linkname == "cuda-checkpoint-sim"
     assert members["usr/local/bin/capsule-init"].linkname.endswith("capsule_init.py")
+    # Every absolute link lands on a file the rootfs holds (the production programs included).
+    for target in test_capsule.LINKS.values():
+        if target.startswith("/"):
+            assert members[target.removeprefix("/")].isfile(), target
     assert all(members[d].isdir() for d in test_capsule.DIRS)
     assert "etc/debian_version" in members  # the base is kept under the additions
+    # What the capsule's programs import is the standard library or a module beside them.
+    for name in test_capsule.FILES | test_capsule.CAPSULE_FILES:
+        for imported in _imports(tar_bytes(out, name)):
+            assert (imported in sys.stdlib_module_names
+                    or f"opt/coldsnap-test/{imported}.py" in members), (name, imported)
+
+
+def tar_bytes(path: Path, name: str) -> bytes:
+    with tarfile.open(path) as tar:
+        f = tar.extractfile(f"./{name}")
+        assert f is not None
+        return f.read()
+
+
+def _imports(source: bytes) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out - {"__future__"}
 
 
 def test_a_changed_source_changes_the_inputs_key(tmp_path: Path,
@@ -56,3 +84,14 @@ def test_a_changed_source_changes_the_inputs_key(tmp_path: Path,
     assert test_capsule.inputs_key(base) == before
     (sources / "engine.py").write_bytes(b"# changed\n")
     assert test_capsule.inputs_key(base) != before
+
+
+def test_the_gpu_capsule_dockerfiles_copy_the_programs_beside_them() -> None:
+    """deploy/capsule/ is the GPU capsules' build context for what the repository provides."""
+    deploy = test_capsule.CAPSULE_SOURCES
+    copied = [line.split()[1] for dockerfile in sorted(deploy.glob("Dockerfile.*"))
+              for line in dockerfile.read_text().splitlines()
+              if line.startswith("COPY ") and line.split()[1].endswith(".py")]
+    assert sorted(set(copied)) == ["capsule_http.py", "capsule_init.py"]
+    assert all((deploy / name).is_file() for name in copied)
+    assert sorted(src for src, _ in test_capsule.CAPSULE_FILES.values()) == sorted(set(copied))

@@ -95,7 +95,8 @@ def test_unit_environment_carries_identity_and_devices() -> None:
         unit_id="u1", image="r/x@" + DIGEST, image_digest=DIGEST, command=("engine",),
         devices=("GPU-a", "GPU-b"),
         workers=(WorkerSpec("w1", 3, 4, 1, (1,)), WorkerSpec("w0", 2, 4, 0, (0,))),
-        validation=Validation(prompt="p", expected="e"), environment={"RANK_HINT": "x"})
+        validation=Validation(prompt="p", expected="e"), environment={"RANK_HINT": "x"},
+        gpu_mode="simulated")
     env = spec.container_environment()
     manifest = json.loads(env["COLDSNAP_UNIT"])
     assert [w["id"] for w in manifest["workers"]] == ["w0", "w1"]  # by process slot

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "deploy" / "test-capsule" / "capsule_init.py"
+LAUNCHER = Path(__file__).resolve().parents[2] / "deploy" / "capsule" / "capsule_init.py"
 
 
 def test_the_engine_inherits_no_descriptor_above_stderr(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 def test_no_module_is_over_500_lines() -> None:
     too_long = {
         str(path.relative_to(ROOT)): n
-        for directory in (PACKAGE, ROOT / "devtools")
+        for directory in (PACKAGE, ROOT / "devtools", ROOT / "deploy")
         for path in sorted(directory.rglob("*.py"))
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }

@@ -35,6 +35,8 @@ PYTHON = os.environ.get("TEST_ENGINE_PYTHON") or sys.executable
 sys.path.insert(0, str(CAPSULE))
 import engine as engine_mod  # noqa: E402
 import engine_group  # noqa: E402
+import engine_state  # noqa: E402
+import engine_worker  # noqa: E402
 
 
 def free_ports(n: int) -> list[int]:
@@ -504,7 +506,7 @@ def test_a_discarding_sleep_gives_the_weight_memory_back(
     u.wait_healthy()
     if api == "sglang":
         # A payload with one flipped byte is refused, naming where it differs.
-        path = model / engine_mod.shard_name(0, 1)
+        path = model / engine_state.shard_name(0, 1)
         data = bytearray(path.read_bytes())
         data[-5] ^= 0xFF
         bad = tmp_path / "bad"
@@ -663,7 +665,7 @@ async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
     warm = anonymous_bytes(pid)
 
     await adapter.quiesce(ep)  # the KV cache goes, the weights stay
-    assert warm - shard // 2 < anonymous_bytes(pid) < warm - engine_mod.KV_CACHE_BYTES // 2
+    assert warm - shard // 2 < anonymous_bytes(pid) < warm - engine_worker.KV_CACHE_BYTES // 2
     await adapter.resume(ep)
     u.wait_healthy()
     assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
@@ -676,7 +678,7 @@ async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
 
     if adapter.can_keep_kv_cache:
         await adapter.quiesce(ep, discard_kv=False)
-        assert anonymous_bytes(pid) > warm - engine_mod.KV_CACHE_BYTES // 2
+        assert anonymous_bytes(pid) > warm - engine_worker.KV_CACHE_BYTES // 2
         await adapter.resume(ep, discard_kv=False)
         u.wait_healthy()
         assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER

@@ -6,10 +6,11 @@ request 4 and artifact 9.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field
 
+from coldsnap.formats.engines import EngineName
 from coldsnap.formats.fields import (
     AbsPath,
     Digest,
@@ -86,7 +87,7 @@ class Execution(StrictModel):
 
 
 class Launch(StrictModel):
-    engine: Literal["vllm", "sglang"]
+    engine: EngineName
     model: ModelRef
     units: Annotated[list[Unit], Field(min_length=1)]
     execution: Execution

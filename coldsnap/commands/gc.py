@@ -34,6 +34,7 @@ from coldsnap.capsule.runtime import (
 )
 from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
+from coldsnap.digests import HEX_DIGEST
 from coldsnap.exits import EXIT_FAILED, EXIT_OK
 from coldsnap.hosts.base import HostError
 from coldsnap.hosts.pool import HostPool
@@ -90,7 +91,7 @@ class HostResult:
 
 # What `find` lists: each operation's directories, the operation id at the end of the name.
 _LEFTOVER_DIRS = ("dumps", "capsules", "criu-images")
-_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(.+)\.partial$")
+_PARTIAL = re.compile(rf"^\.{HEX_DIGEST}\.(.+)\.partial$")
 
 
 def _leftover_operation(path: str) -> str | None:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from coldsnap.digests import DIGEST_RE
+from coldsnap.digests import is_digest
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -63,7 +63,7 @@ def _check_qualified(value: str) -> str:
 
 
 def _check_digest(value: str) -> str:
-    if DIGEST_RE.fullmatch(value) is None:
+    if not is_digest(value):
         raise invalid("must be sha256: followed by 64 lowercase hex digits")
     return value
 

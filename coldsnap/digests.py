@@ -1,4 +1,9 @@
-"""SHA-256 of files and streams, in the `sha256:<hex>` form every ColdSnap document uses."""
+"""SHA-256 of files and streams, in the `sha256:<hex>` form every ColdSnap document uses, and
+the one definition of that form: `HEX_DIGEST` (the 64 hex digits alone, as object and image-set
+names on disk spell them), `DIGEST_RE` (`sha256:` + those), `is_digest`, `check_digest`.
+
+The host-side helper programs are standalone stdlib scripts that cannot import this module, so
+they spell the pattern themselves."""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import os
 import re
 from pathlib import Path
 
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+HEX_DIGEST = r"[0-9a-f]{64}"
+# Match with fullmatch only: `$` would also accept a trailing newline, which then lands in a path.
+DIGEST_RE = re.compile("sha256:" + HEX_DIGEST)
 CHUNK = 1 << 20
 
 
@@ -15,10 +22,14 @@ class BadDigest(ValueError):
     """A string that is not `sha256:` + 64 lowercase hex characters."""
 
 
+def is_digest(value: str) -> bool:
+    """`sha256:` + 64 lowercase hex digits, nothing before or after."""
+    return DIGEST_RE.fullmatch(value) is not None
+
+
 def check_digest(value: str) -> str:
     """Return the hex part of a digest string, refusing anything that could escape a path."""
-    # fullmatch: `$` alone would also accept a trailing newline, which then lands in a path.
-    if not DIGEST_RE.fullmatch(value):
+    if not is_digest(value):
         raise BadDigest(f"not a sha256 digest: {value!r}")
     return value.removeprefix("sha256:")
 

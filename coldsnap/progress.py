@@ -1,5 +1,9 @@
-"""Transfer progress for the CLI: bars on a terminal, a few plain lines otherwise (logs and CI
-output should not fill up with carriage returns)."""
+"""Transfer progress for the CLI: rich's bars on a terminal, a few plain lines otherwise (logs
+and CI output should not fill up with carriage returns).
+
+Every terminal display here is a rich `Progress` with the same columns (`_bars`): one bar for a
+single transfer (`TransferProgress`), one per host plus a total for an operation's transfers
+(`ProgressBoard`)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from rich.progress import (
     DownloadColumn,
     Progress,
     TaskID,
+    TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -29,64 +34,75 @@ def _size(n: float) -> str:
     return f"{n / _MIB:.1f} MiB"
 
 
-class TransferProgress:
-    """A `ProgressCallback`: call it with (done_bytes, total_bytes)."""
+def _bars(stream: TextIO) -> Progress:
+    """The one terminal progress display: label, bar, percentage, bytes, rate, time left."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+        DownloadColumn(binary_units=True), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=Console(file=stream), transient=False)
 
-    def __init__(
-        self,
-        label: str,
-        stream: TextIO | None = None,
-        *,
-        tty: bool | None = None,
-        width: int = 30,
-    ) -> None:
+
+class TransferProgress:
+    """A `ProgressCallback` for one transfer: call it with (done_bytes, total_bytes).
+
+    On a terminal the bar starts with the first call and ends when the transfer is done; use
+    the object as a context manager around the transfer as well, so that a failed one ends the
+    bar too (rich hides the cursor while it draws)."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, *,
+                 tty: bool | None = None) -> None:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
-        self.width = width
         self._now = time.monotonic
         self._start = self._now()
-        self._last_draw = 0.0
         self._last_decile = -1
         self._first_done: int | None = None
-        self._finished = False
+        self._live: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> TransferProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the terminal bar, if one is drawn; a later call starts a new one."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
     def __call__(self, done: int, total: int) -> None:
         if self._first_done is None:
             self._first_done = done  # resumed bytes do not count towards the rate
-        now = self._now()
         if self.tty:
-            if done < total and now - self._last_draw < 0.1:
-                return
-            self._last_draw = now
-            self.stream.write("\r" + self._line(done, total, now) + "\x1b[K")
-            if done >= total:
-                self.stream.write("\n")
-                self._finished = True
+            self._draw(done, total)
+            return
+        decile = 10 if total == 0 else min(10, done * 10 // total)
+        if decile // 5 > self._last_decile // 5 or (decile == 10 and self._last_decile < 10):
+            # Start, halfway and done: enough to show life without flooding a log.
+            self._last_decile = decile
+            self.stream.write(self._line(done, total, self._now()) + "\n")
             self.stream.flush()
+
+    def _draw(self, done: int, total: int) -> None:
+        if self._live is None or self._task is None:
+            self._live = _bars(self.stream)
+            self._live.start()
+            # Starting the task at `done` keeps resumed bytes out of rich's rate, as on the
+            # plain lines: only an update is a sample.
+            self._task = self._live.add_task(self.label, total=total, completed=done)
         else:
-            decile = 10 if total == 0 else min(10, done * 10 // total)
-            if decile // 5 > self._last_decile // 5 or (decile == 10 and self._last_decile < 10):
-                # Start, halfway and done: enough to show life without flooding a log.
-                self._last_decile = decile
-                self.stream.write(self._line(done, total, now) + "\n")
-                self.stream.flush()
-                self._finished = decile == 10
+            self._live.update(self._task, completed=done, total=total)
+        if done >= total:
+            self.close()
 
     def _line(self, done: int, total: int, now: float) -> str:
         frac = 1.0 if total == 0 else done / total
         elapsed = max(now - self._start, 1e-6)
         rate = (done - (self._first_done or 0)) / elapsed
-        text = f"{self.label} {frac * 100:5.1f}% {_size(done)}/{_size(total)} {_size(rate)}/s"
-        if self.tty:
-            filled = int(frac * self.width)
-            text = (
-                f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}]"
-                + text[len(self.label) :]
-            )
-            if rate > 0 and done < total:
-                text += f" ETA {int((total - done) / rate)}s"
-        return text
+        return f"{self.label} {frac * 100:5.1f}% {_size(done)}/{_size(total)} {_size(rate)}/s"
 
 
 class ProgressBoard:
@@ -107,10 +123,7 @@ class ProgressBoard:
 
     def __enter__(self) -> ProgressBoard:
         if self.tty:
-            self._live = Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                TransferSpeedColumn(), TimeRemainingColumn(),
-                console=Console(file=self.stream), transient=False)
+            self._live = _bars(self.stream)
             self._live.start()
         return self
 

@@ -12,7 +12,6 @@ making sure it has the base image: Docker reads no layer it already holds.
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +23,16 @@ from coldsnap.capsule.images import helper_argv
 from coldsnap.capsule.runtime import fail
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name
+from coldsnap.digests import is_digest
 from coldsnap.formats.capsule import CapsuleManifest
 
 log = structlog.get_logger("coldsnap.capsule")
-
-_BARE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def split_reference(ref: str) -> tuple[str, str | None, str | None]:
     """`repo[:tag][@sha256:...]` -> (repo, tag, digest); a registry port is not a tag, and a
     bare `sha256:<hex>` (which the request format allows) has no repository at all."""
-    if _BARE_DIGEST.fullmatch(ref):
+    if is_digest(ref):
         return "", None, ref
     name, _, digest = ref.partition("@")
     slash = name.rfind("/")
@@ -129,7 +127,7 @@ async def push(s: CapsuleSession, unit: str, image_id: str, repo: str, tag: str)
         aux = line.get("aux") or {}
         if isinstance(aux, dict) and isinstance(aux.get("Digest"), str):
             pushed = aux["Digest"]
-    if pushed is None or not _BARE_DIGEST.fullmatch(pushed):
+    if pushed is None or not is_digest(pushed):
         raise fail(s, unit, step, f"push of {repo}:{tag} reported no manifest digest")
     return f"{repo}@{pushed}"
 

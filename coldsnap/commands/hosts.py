@@ -142,7 +142,8 @@ def _transfer(args: argparse.Namespace) -> int:
             return f"{r.sha256} {r.bytes} bytes ({r.sent_bytes} sent)"
 
     try:
-        print(asyncio.run(go()))
+        with progress:
+            print(asyncio.run(go()))
     except HostError as exc:
         print(f"coldsnapd: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -6,18 +6,18 @@ Public API:
   refused: they are not JSON, and two controllers would disagree on how to spell them.
 - `digest(obj) -> str`: `sha256:` + lowercase hex SHA-256 of `canonical_json(obj)`.
 - `digest_bytes(data) -> str`: the same prefix over raw bytes.
-- `is_digest(s) -> bool`.
+- `is_digest(s) -> bool` (defined in `coldsnap.digests`, the pattern's one home).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
-DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+from coldsnap.digests import is_digest
+
+__all__ = ["canonical_json", "digest", "digest_bytes", "is_digest"]
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -34,7 +34,3 @@ def digest_bytes(data: bytes) -> str:
 
 def digest(obj: Any) -> str:
     return digest_bytes(canonical_json(obj))
-
-
-def is_digest(value: str) -> bool:
-    return _DIGEST.fullmatch(value) is not None

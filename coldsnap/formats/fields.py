@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from coldsnap.digests import DIGEST_RE
+from coldsnap.digests import is_digest
 
 # The one id pattern: request, operation, unit, worker, service and group ids, capture ids
 # (a capture's id is its request's), job ids. ID_CORE is embedded in larger patterns.
@@ -66,7 +66,7 @@ def _check_qualified(value: str) -> str:
 
 
 def _check_digest(value: str) -> str:
-    if DIGEST_RE.fullmatch(value) is None:
+    if not is_digest(value):
         raise invalid("must be sha256: followed by 64 lowercase hex digits")
     return value
 

@@ -27,6 +27,7 @@ from coldsnap.capsule.runtime import (
     list_containers,
     remove_container,
 )
+from coldsnap.digests import HEX_DIGEST
 from coldsnap.formats.fields import is_id
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.context import OperationFailed
@@ -72,7 +73,7 @@ class HostResult:
 
 # What `find` lists: each operation's directories, the operation id at the end of the name.
 _LEFTOVER_DIRS = ("dumps", "capsules", "criu-images")
-_PARTIAL = re.compile(r"^\.[0-9a-f]{64}\.(.+)\.partial$")
+_PARTIAL = re.compile(rf"^\.{HEX_DIGEST}\.(.+)\.partial$")
 
 
 def _leftover_operation(path: str) -> str | None:

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from coldsnap.progress import ProgressBoard, TransferProgress
 
 
@@ -19,12 +21,31 @@ def test_plain_output_is_sparse() -> None:
 
 def test_tty_output_redraws_one_line_and_ends_it() -> None:
     out = io.StringIO()
-    p = TransferProgress("get host-1", out, tty=True, width=10)
+    p = TransferProgress("get host-1", out, tty=True)
     p(0, 100)
     p(100, 100)
+    assert p._live is None  # the finished transfer ended rich's bar itself
     text = out.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n")
-    assert "[##########]" in text and "100.0%" in text
+    assert text.startswith("get host-1 ") and "100%" in text and "100/100 bytes" in text
+
+
+def test_tty_bar_leaves_resumed_bytes_out_of_the_rate() -> None:
+    out = io.StringIO()
+    with TransferProgress("put host-0", out, tty=True) as p:
+        p(500, 1000)
+        assert p._live is not None
+        (task,) = p._live.tasks
+        assert task.completed == 500 and task.speed is None
+
+
+def test_tty_bar_of_a_failed_transfer_ends_with_the_context() -> None:
+    out = io.StringIO()
+    with pytest.raises(RuntimeError), TransferProgress("put host-0", out, tty=True) as p:
+        p(40, 100)
+        raise RuntimeError("connection lost")
+    assert p._live is None
+    assert out.getvalue().endswith("\n") and "40%" in out.getvalue()
 
 
 def test_resumed_transfer_starts_where_it_left_off() -> None:

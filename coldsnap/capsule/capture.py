@@ -1,14 +1,13 @@
-"""Capture steps for one unit on one host, each a separate coroutine so that the operations
-layer can put barriers between them (all units quiesced before any dump, ...)."""
+"""Capture of one unit on one host: its own steps (dump, commit, the rollback to serving) and
+`capture_unit`, the whole capture composed from the resource modules (containers, engine
+steps, GPU checkpoint, CRIU images, OCI). Each step is a separate coroutine so that the
+operations layer can put barriers between them (all units quiesced before any dump, ...)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import posixpath
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import dataclass
 
 import docker.errors
 import structlog
@@ -20,6 +19,7 @@ from coldsnap.capsule.collect import (
     collect_worker_objects,
     remove_capsule_files,
 )
+from coldsnap.capsule.containers import remove_unit, start_unit
 from coldsnap.capsule.criu_dump import (
     DUMP_SCRIPT,
     IO_URING_HELD,
@@ -27,75 +27,19 @@ from coldsnap.capsule.criu_dump import (
     criu_flags,
     io_uring_refusal,
 )
-from coldsnap.capsule.errors import (
-    CapsuleError,
-    CommitFailed,
-    DumpFailed,
-    EngineNotReady,
-    GpuCheckpointFailed,
-    QuiesceFailed,
-)
-from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir, pack_images
-from coldsnap.capsule.oci import (
-    capsule_repository,
-    ensure_image,
-    export_layers,
-    push,
-    rootfs_layers,
-)
-from coldsnap.capsule.runtime import (
-    LABEL_OPERATION,
-    UnitHandle,
-    create_container,
-    criu_errors,
-    cuda_sequence,
-    discover_workers,
-    endpoint,
-    fail,
-    gpu_return_to_running,
-    new_container_name,
-    pids_alive,
-    remove_container,
-)
-from coldsnap.capsule.seccomp import engine_filter_b64
+from coldsnap.capsule.criu_log import criu_errors
+from coldsnap.capsule.engine_steps import quiesce, resume, wait_ready
+from coldsnap.capsule.errors import CapsuleError, CommitFailed, DumpFailed
+from coldsnap.capsule.gpu_checkpoint import checkpoint_gpus, gpu_return_to_running
+from coldsnap.capsule.handle import UnitHandle, fail
+from coldsnap.capsule.images import discard_dir, make_private_dir, pack_images
+from coldsnap.capsule.oci import capsule_repository, export_layers, push, rootfs_layers
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
-from coldsnap.capsule.spec import (
-    CRIU_IMAGES_DIR,
-    CRIU_WORK_DIR,
-    ENGINE_LOG,
-    ENGINE_LOG_MODE,
-    ENGINE_PID_FLOOR,
-    ENGINE_STDIN,
-    LABEL_ACCELERATOR,
-    UnitSpec,
-    docker_name,
-)
-from coldsnap.engines import EngineCallFailed
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, UnitSpec, docker_name
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
-from coldsnap.formats.request import Mount
 
 log = structlog.get_logger("coldsnap.capsule")
-
-# Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
-# engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
-# inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
-# PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
-# the engine's seccomp filter. It prints the engine PID.
-_LAUNCH = f"""set -e
-mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
-: > {ENGINE_STDIN}
-: >> {ENGINE_LOG}
-chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
-exec "$@"
-"""
-
-
-def launch_argv(spec: UnitSpec) -> list[str]:
-    """The `docker exec` argv that starts the unit's engine, confined."""
-    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
-            "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
-            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
 
 
 @dataclass(frozen=True)
@@ -125,163 +69,6 @@ class CommittedCapsule:
     @property
     def unit_id(self) -> str:
         return self.manifest.unit_id
-
-
-def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
-    """The unit as its capture left it, for whatever brings its snapshot back: quiesced the
-    way the manifest says (its engine is woken, or not, accordingly) on the accelerator its
-    capsule was built for."""
-    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
-                   accelerator=meta.accelerator)
-
-
-async def start_unit(
-    s: CapsuleSession, spec: UnitSpec, *, role: Literal["capture", "replay"] = "capture"
-) -> UnitHandle:
-    """Pull and verify the image, start a quiet container and launch the engine in it
-    (for a capture, or natively for a restore's `--fallback replay`).
-
-    Returns at once; `wait_ready` waits for the engine's health endpoint."""
-    step = "start"
-    image_id = await ensure_image(s, spec.unit_id, spec.image, spec.image_digest)
-    spec = await with_accelerator(s, spec, image_id)
-    name = new_container_name(spec, role)
-    images: Mount | None = None
-    if role == "capture":
-        # CRIU dumps into the host, never into the rootfs that the capsule commits.
-        operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
-        host_dir = dump_dir(s.target.data_dir, operation, name)
-        await make_private_dir(s.target.host, host_dir)
-        images = Mount(source=host_dir, target=CRIU_IMAGES_DIR)
-    try:
-        handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
-                                        step=step, error=CapsuleError, images=images,
-                                        name=name)
-    except BaseException:
-        if images is not None:
-            await discard_dir(s.target.host, images.source)
-        raise
-    container = await s.container(handle.container_id, spec.unit_id, step)
-    out = await s.exec(container, launch_argv(spec), timeout_s=120)
-    try:
-        handle.engine_pid = int(out.stdout.split()[-1])
-    except (ValueError, IndexError):
-        await remove_unit(s, handle)
-        raise fail(s, spec.unit_id, step, f"engine launch failed: {out.tail()}") from None
-    log.info("capsule.started", host=s.host, unit=spec.unit_id, step=step,
-             container=handle.container_name, engine_pid=handle.engine_pid)
-    return handle
-
-
-async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> UnitSpec:
-    """The unit as its capsule image says it computes (LABEL_ACCELERATOR). A CPU engine keeps
-    its weights in the snapshot: a request that needs them released is refused by name."""
-    labels = (await s.image_config(image)).get("Labels") or {}
-    value = labels.get(LABEL_ACCELERATOR) or "gpu"
-    if value not in ("gpu", "cpu"):
-        raise fail(s, spec.unit_id, "start", f"the capsule image {spec.image} has "
-                   f"{LABEL_ACCELERATOR}={value!r}; coldsnapd knows 'gpu' and 'cpu'")
-    if value == "gpu":
-        return spec
-    if spec.must_release_weights:
-        raise fail(s, spec.unit_id, "start", "policy.weights.mode: 'native' releases the "
-                   "weights before the checkpoint, but this unit's capsule is a CPU build "
-                   f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
-                   "release them; use 'auto' or 'recovery'")
-    return replace(spec, accelerator="cpu", release_weights=False)
-
-
-async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) -> str:
-    out = await s.exec(container, ["tail", "-n", str(lines), ENGINE_LOG])
-    return out.stdout.strip()
-
-
-async def wait_ready(
-    s: CapsuleSession, handle: UnitHandle, *, timeout_s: float = 600.0, interval: float = 0.2
-) -> dict[str, int]:
-    """Wait until the engine's readiness probe answers 200 on its host, then map its workers
-    to PIDs from the host's view of the unit's processes."""
-    step = "wait-ready"
-    spec = handle.spec
-    adapter, ep = endpoint(s, handle)
-    container = await s.container(handle.container_id, handle.unit, step)
-    deadline = time.monotonic() + timeout_s
-    assert handle.engine_pid is not None
-    while True:
-        ans = await adapter.ready(ep, spec.validation.health_path)
-        if ans.status == 200:
-            break
-        if not await pids_alive(s, container, [handle.engine_pid]):
-            raise fail(s, handle.unit, step, "engine exited before it was healthy:\n"
-                       + await engine_log_tail(s, container), EngineNotReady)
-        if time.monotonic() > deadline:
-            raise fail(s, handle.unit, step,
-                       f"{ep}{spec.validation.health_path} not ready after {timeout_s:.0f}s "
-                       f"(last: {ans.describe()})", EngineNotReady)
-        await asyncio.sleep(interval)
-    handle.worker_pids = await discover_workers(s, handle, step)
-    return dict(handle.worker_pids)
-
-
-async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
-    """Put the engine to sleep through its own surface: requests drained, cross-worker
-    connections closed, the KV cache (`discard_kv`) and the weights (`release_weights`)
-    released."""
-    adapter, ep = endpoint(s, handle)
-    try:
-        if handle.spec.drains:
-            await adapter.drain(ep)
-        else:
-            await adapter.quiesce(ep, release_weights=handle.spec.release_weights,
-                                  discard_kv=handle.spec.discard_kv)
-    except EngineCallFailed as exc:
-        raise fail(s, handle.unit, "quiesce", f"{ep}: {exc}", QuiesceFailed) from None
-
-
-async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:
-    """Wake the engine (after a failed capture, or to release a restored unit): it reads any
-    new placement, rebuilds its cross-worker connections and, when its quiesce released
-    them, reloads its weights from its model directory."""
-    spec = handle.spec
-    if spec.drains:
-        return  # a drained engine was never put to sleep: there is nothing to wake
-    adapter, ep = endpoint(s, handle)
-    model_dir = adapter.model_dir(spec.command) if spec.release_weights else None
-    try:
-        await adapter.resume(ep, model_dir=model_dir, discard_kv=spec.discard_kv)
-    except EngineCallFailed as exc:
-        raise fail(s, handle.unit, step, f"{ep}: {exc}") from None
-
-
-async def checkpoint_gpus(
-    s: CapsuleSession, handle: UnitHandle, *, lock_timeout_ms: int = 30_000
-) -> None:
-    """cuda-checkpoint lock then checkpoint every worker. On failure every worker this call
-    touched is returned to running before GpuCheckpointFailed is raised."""
-    step = "gpu-checkpoint"
-    if handle.spec.accelerator == "cpu":
-        log.info("capsule.gpu-checkpoint-not-applicable", host=s.host, unit=handle.unit,
-                 step=step)
-        return
-    container = await s.container(handle.container_id, handle.unit, step)
-
-    async def one(wid: str, pid: int) -> None:
-        out = await cuda_sequence(s, container, [
-            ["--action", "lock", "--pid", str(pid), "--timeout", str(lock_timeout_ms)],
-            ["--action", "checkpoint", "--pid", str(pid)]])
-        if not out.ok:
-            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}",
-                       GpuCheckpointFailed)
-
-    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
-                                   return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        problems = await gpu_return_to_running(s, container, handle.worker_pids)
-        detail = "; ".join(e.detail if isinstance(e, CapsuleError) else repr(e) for e in errors)
-        if problems:
-            detail += " (rollback: " + "; ".join(problems) + ")"
-        raise fail(s, handle.unit, step, detail, GpuCheckpointFailed)
 
 
 async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
@@ -429,16 +216,6 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
     return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 
-async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
-    """Remove the unit's container and everything running in it."""
-    removed = await remove_container(s, handle.container_id)
-    if handle.role == "capture" and handle.images_dir is not None:
-        await discard_dir(s.target.host, handle.images_dir)
-    log.info("capsule.removed", host=s.host, unit=handle.unit, container=handle.container_name,
-             removed=removed)
-    return removed
-
-
 async def discard_capsule(s: CapsuleSession, capsule: CommittedCapsule) -> None:
     """Delete a committed capsule from its capture host (image, objects and the replay plans
     beside them), e.g. on rollback. A pushed capsule stays in the registry: nothing names it
@@ -486,14 +263,9 @@ __all__ = [
     "DumpResult",
     "capsule_reference",
     "capture_unit",
-    "checkpoint_gpus",
     "commit",
     "discard_capsule",
+    "discard_capsule_by_name",
     "dump",
-    "quiesce",
-    "remove_unit",
-    "resume",
     "return_to_serving",
-    "start_unit",
-    "wait_ready",
 ]

@@ -10,9 +10,10 @@ import json
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
 from coldsnap.hosts.base import Host
@@ -252,3 +253,12 @@ class CapsuleHost:
     @property
     def name(self) -> str:
         return self.host.name
+
+
+def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
+    """The unit as its capture left it, for whatever brings its snapshot back: quiesced the
+    way the manifest says (its engine is woken, or not, accordingly) on the accelerator its
+    capsule was built for."""
+    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
+                   accelerator=meta.accelerator)
+

@@ -24,14 +24,14 @@ from typing import Any
 import docker.errors
 
 from coldsnap import logs
-from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_OPERATION,
     LABEL_ROLE,
     LABEL_UNIT,
     list_containers,
     remove_container,
 )
+from coldsnap.capsule.errors import CapsuleError
 from coldsnap.commands.common import add_store_argument, open_store, report_failure
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
 from coldsnap.exits import EXIT_FAILED, EXIT_OK

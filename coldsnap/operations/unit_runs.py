@@ -12,7 +12,7 @@ from typing import TypeVar
 from coldsnap.capsule.capture import CommittedCapsule
 from coldsnap.capsule.collect import WorkerObjects
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import UnitHandle
+from coldsnap.capsule.handle import UnitHandle
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.context import OperationContext, OperationFailed, Undone, UnitRollback

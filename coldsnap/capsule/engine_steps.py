@@ -1,6 +1,7 @@
 """The unit's engine through its adapter (coldsnap.engines), reached from its own host: where
 it serves, its workers found from the host's view of its processes, the one readiness poll,
-quiesce (drain or sleep), resume (wake) and the validation prompt."""
+quiesce (drain or sleep), resume (wake), the validation prompt, and a unit of a failed
+capture back to serving."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import Any
 
 from coldsnap.capsule.containers import container_host_pids, pids_alive
 from coldsnap.capsule.errors import EngineNotReady, QuiesceFailed, ValidationFailed
+from coldsnap.capsule.gpu_checkpoint import gpu_return_to_running
 from coldsnap.capsule.handle import UnitHandle, fail
+from coldsnap.capsule.images import clear_dump
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import ENGINE_LOG
 from coldsnap.engines import EngineAdapter, EngineCallFailed, EngineEndpoint, adapter_for, discovery
@@ -137,6 +140,20 @@ async def release(s: CapsuleSession, handle: UnitHandle) -> None:
     """Wake the restored engine: it reads the placement, rebuilds its cross-worker
     connections and reopens intake."""
     await resume(s, handle, step="release")
+
+
+async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Roll a unit of a failed capture back: GPUs restored and unlocked, intake reopened.
+    Safe at any point after `start_unit`, also after a successful `dump`."""
+    step = "rollback"
+    container = await s.container(handle.container_id, handle.unit, step)
+    problems = await gpu_return_to_running(s, container, handle.worker_pids)
+    if problems:
+        raise fail(s, handle.unit, step, "; ".join(problems))
+    await resume(s, handle, step=step)
+    # A dump left beside a serving container is the engine's memory, kept for nothing (after
+    # a commit it lives in the capsule's objects; after a failure it is never used).
+    await clear_dump(s, handle)
 
 
 

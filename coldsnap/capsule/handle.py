@@ -1,5 +1,6 @@
-"""The handle the capsule steps pass each other for one unit's container, and the error
-every step raises through (`fail`: a CapsuleError naming host, unit and step)."""
+"""What the capsule steps pass each other (the handle of one unit's container; what a dump
+left, for the commit), and the error every step raises through (`fail`: a CapsuleError naming
+host, unit and step)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ class UnitHandle:
     @property
     def unit(self) -> str:
         return self.spec.unit_id
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    unit_id: str
+    images_bytes: int
+    seconds: float
 
 
 def fail(s: CapsuleSession, unit: str, step: str, detail: str,

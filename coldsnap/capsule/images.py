@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from coldsnap.capsule.handle import UnitHandle
+from coldsnap.capsule.session import CapsuleSession
 from coldsnap.digests import check_digest
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, HostError
@@ -138,6 +140,13 @@ async def finish_assembly(host: Host, part: str, data_dir: str,
 
 async def discard_dir(host: Host, path: str) -> None:
     await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
+
+
+async def clear_dump(s: CapsuleSession, handle: UnitHandle) -> None:
+    """Empty the unit's dump directory, keeping it (its container's bind mount source)."""
+    if handle.images_dir is not None:
+        await s.target.host.run(["find", handle.images_dir, "-mindepth", "1", "-delete"],
+                                timeout=120, check=False)
 
 
 __all__ = [

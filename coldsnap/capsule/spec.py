@@ -71,7 +71,7 @@ ENGINE_PID_FLOOR = 9999
 # The tmpfs of the unit's container that CRIU does not put in its images: it reopens the files
 # an engine maps from /dev/shm (vLLM's shared-memory message queues, POSIX semaphores) by
 # path. Their content is captured into this file of the image set, with the tree frozen, and
-# put back, exactly, before every CRIU restore (coldsnap.capsule.capture / .restore).
+# put back, exactly, before every CRIU restore (coldsnap.capsule.criu_dump / .criu_restore).
 SHM_DIR = "/dev/shm"  # noqa: S108 (inside the container, not a temp file)
 SHM_IMAGE = "tmpfs-dev-shm.tar"
 # Docker's default /dev/shm is 64 MiB; vLLM's CPU build alone maps about 420 MB there. A

@@ -25,9 +25,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coldsnap.capsule.capture import return_to_serving
 from coldsnap.capsule.containers import UnitContainer
-from coldsnap.capsule.engine_steps import quiesce, release, validate
+from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving, validate
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import device_map, gpu_return_to_running
 from coldsnap.capsule.lifecycle import (

@@ -88,7 +88,7 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     if handle.images_dir is None:
         raise fail(s, handle.unit, step, "the container has no host directory for its CRIU "
                    "images (started for a capture?)", DumpFailed)
-    await clear_dump(s, handle)
+    await clear_dump(s.target.host, handle.images_dir)
     await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
     t0 = time.monotonic()
     out = await s.exec(container, ["sh", "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
@@ -104,7 +104,7 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
         why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
     await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
     if not out.ok:
-        await clear_dump(s, handle)
+        await clear_dump(s.target.host, handle.images_dir)
         detail = (why if out.exit_code == IO_URING_HELD
                   else f"criu dump exited {out.exit_code}:\n{why}")
         try:

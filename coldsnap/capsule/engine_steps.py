@@ -153,7 +153,7 @@ async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
     await resume(s, handle, step=step)
     # A dump left beside a serving container is the engine's memory, kept for nothing (after
     # a commit it lives in the capsule's objects; after a failure it is never used).
-    await clear_dump(s, handle)
+    await clear_dump(s.target.host, handle.images_dir)
 
 
 

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from coldsnap.capsule.handle import UnitHandle
-from coldsnap.capsule.session import CapsuleSession
 from coldsnap.digests import check_digest
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, HostError
@@ -142,11 +140,12 @@ async def discard_dir(host: Host, path: str) -> None:
     await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
 
 
-async def clear_dump(s: CapsuleSession, handle: UnitHandle) -> None:
-    """Empty the unit's dump directory, keeping it (its container's bind mount source)."""
-    if handle.images_dir is not None:
-        await s.target.host.run(["find", handle.images_dir, "-mindepth", "1", "-delete"],
-                                timeout=120, check=False)
+async def clear_dump(host: Host, images_dir: str | None) -> None:
+    """Empty a unit's dump directory (`UnitHandle.images_dir`; None: it has none), keeping the
+    directory itself: its container's bind mount source."""
+    if images_dir is not None:
+        await host.run(["find", images_dir, "-mindepth", "1", "-delete"],
+                       timeout=120, check=False)
 
 
 __all__ = [
@@ -155,6 +154,7 @@ __all__ = [
     "ImageSetError",
     "PackedObject",
     "begin_assembly",
+    "clear_dump",
     "discard_dir",
     "dump_dir",
     "finish_assembly",

@@ -254,7 +254,7 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
                                               size_hint=dumped.images_bytes)
         objects += [CapsuleObject(ROLE_CRIU_IMAGE, HostFile(s.host, p.path, p.sha256, p.bytes))
                     for p in packed]
-        await clear_dump(s, handle)
+        await clear_dump(s.target.host, handle.images_dir)
         marks.append(time.monotonic())
         image = await s.call(container.commit, repository=repo, tag=tag,
                              message=f"coldsnap capsule of unit {spec.unit_id}",

@@ -5,6 +5,32 @@ and the docker SDK over the host's Docker socket forwarded through that same tra
 step is its own coroutine so that `coldsnap.operations` can put barriers between units
 (all quiesced before any dump; all restored before any released) and roll back.
 
+What lives where: the steps by the resource they act on, and the three compositions that
+put them in order (capture, restore, lifecycle import the resource modules, never each other):
+
+    handle          what the steps pass each other (UnitHandle, DumpResult) and `fail`
+    containers      labels; create/start/stop/remove/list the unit's containers; the PIDs in
+                    them; start_unit (image pulled, quiet container, engine launched), remove_unit
+    runtime_files   files written into a container's RUNTIME_DIR
+    engine_steps    the engine through its adapter: endpoint, worker discovery, the one
+                    readiness poll (wait_ready, validate), quiesce, resume/release, and
+                    return_to_serving (a failed capture's unit: GPUs running, engine awake)
+    gpu_checkpoint  cuda-checkpoint lock/checkpoint/restore/unlock, device maps, the GPU record
+    criu_probe      `criu check` from the capsule's image (the kernel-capability probe)
+    criu_dump       dump: the engine tree's CRIU images, /dev/shm captured beside them
+    criu_restore    the restore exec: /dev/shm put back, placement seeded, CRIU, GPUs
+    criu_log        CRIU's error lines from its log
+    images          CRIU image sets on a host: dump directories, packing, assembly
+    placement       the restore placement the engine reads on wake
+    oci             capsule images: pull and verify, commit (CRIU images packed, rootfs diff
+                    committed, pushed or exported), load, discard
+    collect         each worker's payload and replay plan after a capture
+    capture         capture_unit: the capture steps in order
+    restore         the restore container from a capsule; restore_unit: the steps in order
+    lifecycle       a restored unit found, put to sleep and woken
+    session, spec, errors, seccomp, docker_exec: the Docker session, the unit's description,
+    the errors, the engine's seccomp filter, exec over the Docker API.
+
 Setup (one per host, shared by all units there)::
 
     target = CapsuleHost(host, docker_socket="/run/docker.sock", data_dir="/var/lib/coldsnap")
@@ -66,23 +92,21 @@ Rollback: `remove_unit(s, h)`.
 Every failure is a `CapsuleError` subclass carrying `.host`, `.unit`, `.step`, `.detail`.
 """
 
-from coldsnap.capsule.capture import (
-    CapsuleObject,
-    CommittedCapsule,
-    DumpResult,
-    capture_unit,
-    checkpoint_gpus,
-    commit,
-    discard_capsule,
-    dump,
+from coldsnap.capsule.capture import capture_unit
+from coldsnap.capsule.collect import HostFile, WorkerObjects, collect_worker_objects
+from coldsnap.capsule.containers import remove_unit, start_unit
+from coldsnap.capsule.criu_dump import dump
+from coldsnap.capsule.criu_probe import CriuProbe, probe_criu
+from coldsnap.capsule.criu_restore import RestoreResult, criu_restore
+from coldsnap.capsule.engine_steps import (
+    ValidationResult,
     quiesce,
-    remove_unit,
+    release,
     resume,
     return_to_serving,
-    start_unit,
+    validate,
     wait_ready,
 )
-from coldsnap.capsule.collect import HostFile, WorkerObjects, collect_worker_objects
 from coldsnap.capsule.errors import (
     CapsuleError,
     CommitFailed,
@@ -95,24 +119,23 @@ from coldsnap.capsule.errors import (
     RestoreFailed,
     ValidationFailed,
 )
-from coldsnap.capsule.oci import ensure_image, load_capsule
+from coldsnap.capsule.gpu_checkpoint import checkpoint_gpus, device_map, restore_gpus
+from coldsnap.capsule.handle import DumpResult, UnitHandle
+from coldsnap.capsule.oci import (
+    CapsuleObject,
+    CommittedCapsule,
+    commit,
+    discard_capsule,
+    ensure_image,
+    load_capsule,
+)
+from coldsnap.capsule.placement import deliver_placement
 from coldsnap.capsule.restore import (
-    CriuProbe,
-    RestoreResult,
-    ValidationResult,
     create_restore_container,
-    criu_restore,
-    deliver_placement,
-    device_map,
-    probe_criu,
-    release,
-    restore_gpus,
     restore_unit,
     start_created_container,
     start_restore_container,
-    validate,
 )
-from coldsnap.capsule.runtime import UnitHandle
 from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost, UnitSpec, WorkerSpec
 from coldsnap.formats.request import Mount, Validation

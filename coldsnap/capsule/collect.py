@@ -9,7 +9,7 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coldsnap.capsule.runtime import UnitHandle, fail
+from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import WorkerSpec, container_path_for, docker_name
 from coldsnap.engines import adapter_for

@@ -1,10 +1,23 @@
-"""What a CRIU dump inside a capsule runs, beside `criu dump` itself: the search for what CRIU
-cannot dump (io_uring), the archive of the unit's /dev/shm taken while the tree is frozen, and
-the options a unit's dump needs (which its restore repeats)."""
+"""The CRIU dump of a unit's engine tree (`dump`), and what it runs inside the capsule beside
+`criu dump` itself: the search for what CRIU cannot dump (io_uring), the archive of the unit's
+/dev/shm taken while the tree is frozen, and the options a unit's dump needs (which its restore
+repeats)."""
 
 from __future__ import annotations
 
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR, SHM_DIR, SHM_IMAGE, UnitSpec
+import time
+
+import structlog
+
+from coldsnap.capsule.criu_log import criu_errors
+from coldsnap.capsule.engine_steps import return_to_serving
+from coldsnap.capsule.errors import CapsuleError, DumpFailed
+from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
+from coldsnap.capsule.images import clear_dump
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, SHM_DIR, SHM_IMAGE, UnitSpec
+
+log = structlog.get_logger("coldsnap.capsule")
 
 # The dump's exec: $1 the engine's PID, $2 the images, $3 CRIU's work directory, $4 the text
 # of its action script, then the flags the unit's dump needs (criu_flags). First every
@@ -59,3 +72,50 @@ def io_uring_refusal(stdout: str) -> str:
             + "). coldsnapd's launcher answers io_uring_setup with ENOSYS so that engines "
             "fall back to epoll: this engine was started without that seccomp filter (a unit "
             "launcher other than `capsule-init launch`?)")
+
+
+async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
+    """CRIU dump of the engine tree into the host directory mounted at CRIU_IMAGES_DIR,
+    leaving the tree running (quiesced, GPUs checkpointed) so that a later failure elsewhere
+    can still roll it back. CRIU's log goes to CRIU_WORK_DIR, removed afterwards so that the
+    capsule's rootfs diff does not carry it.
+
+    On failure the partial images are deleted, the unit is returned to serving and
+    DumpFailed carries CRIU's own error lines."""
+    step = "dump"
+    container = await s.container(handle.container_id, handle.unit, step)
+    assert handle.engine_pid is not None
+    if handle.images_dir is None:
+        raise fail(s, handle.unit, step, "the container has no host directory for its CRIU "
+                   "images (started for a capture?)", DumpFailed)
+    await clear_dump(s.target.host, handle.images_dir)
+    await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
+    t0 = time.monotonic()
+    out = await s.exec(container, ["sh", "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
+                                   CRIU_IMAGES_DIR, CRIU_WORK_DIR, SHM_CAPTURE,
+                                   *criu_flags(handle.spec)],
+                       timeout_s=LONG_DOCKER_CALL)
+    seconds = time.monotonic() - t0
+    if out.exit_code == IO_URING_HELD:
+        why = io_uring_refusal(out.stdout)
+    elif out.ok:
+        why = ""
+    else:
+        why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
+    await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
+    if not out.ok:
+        await clear_dump(s.target.host, handle.images_dir)
+        detail = (why if out.exit_code == IO_URING_HELD
+                  else f"criu dump exited {out.exit_code}:\n{why}")
+        try:
+            await return_to_serving(s, handle)
+        except CapsuleError as exc:
+            detail += f"\n(rollback failed: {exc.detail})"
+        raise fail(s, handle.unit, step, detail, DumpFailed)
+    du = await s.target.host.run(["du", "-sb", "--", handle.images_dir], timeout=60,
+                                 check=False)
+    first = du.stdout.split()[:1]
+    size = int(first[0]) if du.ok and first and first[0].isdigit() else 0  # only logged
+    log.info("capsule.dumped", host=s.host, unit=handle.unit, step=step, bytes=size,
+             seconds=round(seconds, 3))
+    return DumpResult(handle.unit, size, seconds)

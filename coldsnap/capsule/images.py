@@ -140,12 +140,21 @@ async def discard_dir(host: Host, path: str) -> None:
     await host.run(["rm", "-rf", "--", path], timeout=120, check=False)
 
 
+async def clear_dump(host: Host, images_dir: str | None) -> None:
+    """Empty a unit's dump directory (`UnitHandle.images_dir`; None: it has none), keeping the
+    directory itself: its container's bind mount source."""
+    if images_dir is not None:
+        await host.run(["find", images_dir, "-mindepth", "1", "-delete"],
+                       timeout=120, check=False)
+
+
 __all__ = [
     "CHUNK_BYTES",
     "SMALL_FILE_BYTES",
     "ImageSetError",
     "PackedObject",
     "begin_assembly",
+    "clear_dump",
     "discard_dir",
     "dump_dir",
     "finish_assembly",

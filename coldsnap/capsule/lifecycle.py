@@ -6,67 +6,55 @@ Order for a sleep (the operations layer puts barriers between units):
     found = await find_unit_containers(s, unit, cluster_id=..., artifact=...)
     h = handle_for(found[0], spec, host)
     h.worker_pids = await unit_workers(s, h)
-    quiesce(s, h)  (capture.py; skipped when the engine is asleep already)
+    quiesce(s, h)  (engine_steps.py; skipped when the engine is asleep already)
     await checkpoint_unit(s, h)     # GPU record written, then lock + checkpoint every worker
 and for a wake:
     await restore_unit_gpus(s, h, captured_devices)   # restore with the device map, unlock
-    deliver_placement, release, validate              (restore.py)
+    deliver_placement, release, validate              (placement.py, engine_steps.py)
 
-The GPU record (RUNTIME_DIR/gpu-checkpoint.json in the container) says on which devices the
-workers' GPU state was checkpointed and which PIDs they are. A wake needs the first: the
-device map goes from those devices to the ones the container holds now. A unit restored warm
-was checkpointed on the captured devices; one put to sleep here, on its own. The PIDs stand
-in for worker discovery when the GPUs are checkpointed: a checkpointed process holds no
-device file, so the host's view of the unit cannot find it.
+The GPU record (RUNTIME_DIR/gpu-checkpoint.json in the container, gpu_checkpoint.py) says on
+which devices the workers' GPU state was checkpointed and which PIDs they are. A wake needs
+the first: the device map goes from those devices to the ones the container holds now. A unit
+restored warm was checkpointed on the captured devices; one put to sleep here, on its own.
+The PIDs stand in for worker discovery when the GPUs are checkpointed: a checkpointed process
+holds no device file, so the host's view of the unit cannot find it.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
-from coldsnap.capsule.capture import checkpoint_gpus
-from coldsnap.capsule.errors import CapsuleError, EngineNotReady, GpuCheckpointFailed
-from coldsnap.capsule.restore import device_map
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_ARTIFACT,
     LABEL_CLUSTER_ID,
     SERVING_ROLES,
     UnitContainer,
-    UnitHandle,
-    container_devices,
-    cuda_state,
-    discover_workers,
-    endpoint,
-    fail,
-    gpu_return_to_running,
     list_unit_containers,
     pids_alive,
-    put_runtime_file,
 )
+from coldsnap.capsule.engine_steps import discover_workers, endpoint
+from coldsnap.capsule.errors import CapsuleError, EngineNotReady
+from coldsnap.capsule.gpu_checkpoint import (
+    GpuRecord,
+    checkpoint_gpus,
+    clear_gpu_record,
+    cuda_state,
+    device_map,
+    gpu_return_to_running,
+    read_gpu_record,
+    write_gpu_record,
+)
+from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import RUNTIME_DIR, UnitSpec
+from coldsnap.capsule.spec import UnitSpec
 from coldsnap.engines import EngineCallFailed
 
-GPU_RECORD = "gpu-checkpoint.json"
-GPU_RECORD_FORMAT = "coldsnap-gpu-checkpoint/1"
 # A lifecycle operation acts on units a restore started (from their snapshot, or natively
 # with --fallback replay), never on a capture's own containers.
 LIFECYCLE_ROLES = SERVING_ROLES
 
 EngineState = Literal["awake", "asleep", "down"]
-
-
-@dataclass(frozen=True)
-class GpuRecord:
-    devices: tuple[str, ...]  # where the workers' GPU state was checkpointed, by device slot
-    workers: Mapping[str, int]  # worker id -> PID inside the container
-
-    def to_json(self) -> bytes:
-        return json.dumps({"format": GPU_RECORD_FORMAT, "devices": list(self.devices),
-                           "workers": dict(self.workers)}, sort_keys=True).encode() + b"\n"
 
 
 async def find_unit_containers(s: CapsuleSession, unit_id: str, *, cluster_id: str,
@@ -80,30 +68,6 @@ async def find_unit_containers(s: CapsuleSession, unit_id: str, *, cluster_id: s
 
 def handle_for(found: UnitContainer, spec: UnitSpec, host: str) -> UnitHandle:
     return UnitHandle(spec, host, found.id, found.name, found.role, found.devices)
-
-
-async def read_gpu_record(s: CapsuleSession, handle: UnitHandle) -> GpuRecord | None:
-    container = await s.container(handle.container_id, handle.unit, "gpu-record")
-    out = await s.exec(container, ["cat", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)
-    if not out.ok:
-        return None
-    try:
-        data = json.loads(out.stdout)
-        return GpuRecord(tuple(str(d) for d in data["devices"]),
-                         {str(w): int(p) for w, p in data["workers"].items()})
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise fail(s, handle.unit, "gpu-record", f"{RUNTIME_DIR}/{GPU_RECORD} is not a GPU "
-                   f"record: {out.stdout[:200]!r}") from None
-
-
-async def write_gpu_record(s: CapsuleSession, handle: UnitHandle, record: GpuRecord) -> None:
-    await put_runtime_file(s, handle, GPU_RECORD, record.to_json(), step="gpu-record",
-                           error=GpuCheckpointFailed)
-
-
-async def clear_gpu_record(s: CapsuleSession, handle: UnitHandle) -> None:
-    container = await s.container(handle.container_id, handle.unit, "gpu-record")
-    await s.exec(container, ["rm", "-f", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)
 
 
 async def unit_workers(s: CapsuleSession, handle: UnitHandle,
@@ -193,20 +157,13 @@ def _gpu_map(s: CapsuleSession, handle: UnitHandle, step: str,
 
 
 __all__ = [
-    "GPU_RECORD",
     "LIFECYCLE_ROLES",
     "EngineState",
-    "GpuRecord",
-    "UnitContainer",
     "checkpoint_unit",
-    "clear_gpu_record",
-    "container_devices",
     "engine_state",
     "find_unit_containers",
     "gpu_states",
     "handle_for",
-    "read_gpu_record",
     "restore_unit_gpus",
     "unit_workers",
-    "write_gpu_record",
 ]

@@ -12,18 +12,27 @@ making sure it has the base image: Docker reads no layer it already holds.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import docker.errors
 import structlog
 
-from coldsnap.capsule.errors import CapsuleError, ImageDigestMismatch, RestoreFailed
-from coldsnap.capsule.images import helper_argv
-from coldsnap.capsule.runtime import fail
+from coldsnap.capsule.collect import HostFile, capsule_dir, remove_capsule_files
+from coldsnap.capsule.errors import CapsuleError, CommitFailed, ImageDigestMismatch, RestoreFailed
+from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
+from coldsnap.capsule.images import (
+    clear_dump,
+    discard_dir,
+    helper_argv,
+    make_private_dir,
+    pack_images,
+)
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name
 from coldsnap.digests import is_digest
+from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
 
 log = structlog.get_logger("coldsnap.capsule")
@@ -189,9 +198,134 @@ async def load_capsule(s: CapsuleSession, manifest: CapsuleManifest,
     return manifest.image_id
 
 
+@dataclass(frozen=True)
+class CapsuleObject:
+    """One object of a committed capsule, where it lies on the capture host."""
+
+    role: str  # ROLE_CAPSULE (the layers above the base) or ROLE_CRIU_IMAGE
+    file: HostFile
+
+
+@dataclass(frozen=True)
+class CommittedCapsule:
+    """A committed capsule: its manifest (what the artifact records) and the objects on the
+    capture host that the controller pulls into the store."""
+
+    manifest: CapsuleManifest
+    objects: tuple[CapsuleObject, ...]
+    capture_id: str
+
+    @property
+    def unit_id(self) -> str:
+        return self.manifest.unit_id
+
+
+def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
+    """Repository and tag of a unit's committed capsule on its capture host."""
+    return capsule_repository(unit_id), docker_name(capture_id)
+
+
+async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
+                 *, registry: str | None = None) -> CommittedCapsule:
+    """The dumped unit as a capsule, all or nothing:
+    - its CRIU images packed into objects on this host, under
+      <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
+    - `docker commit` of its container: the rootfs diff over the base image only;
+    - with a `registry`, that image pushed there (the manifest names it by digest); without
+      one, its layers above the base exported to .../capsule.tar (the `oci-capsule` object).
+    """
+    step = "commit"
+    spec = handle.spec
+    container = await s.container(handle.container_id, handle.unit, step)
+    repo, tag = capsule_reference(spec.unit_id, capture_id)
+    out_dir = capsule_dir(s.target.data_dir, capture_id, spec.unit_id)
+    host = s.target.host
+    image_id: str | None = None
+    marks = [time.monotonic()]
+    objects: list[CapsuleObject] = []
+    pushed: str | None = None
+    try:
+        if handle.images_dir is None:
+            raise ValueError("the unit has no dumped CRIU images")
+        await make_private_dir(host, out_dir)
+        image_set, packed = await pack_images(host, handle.images_dir, f"{out_dir}/criu",
+                                              size_hint=dumped.images_bytes)
+        objects += [CapsuleObject(ROLE_CRIU_IMAGE, HostFile(s.host, p.path, p.sha256, p.bytes))
+                    for p in packed]
+        await clear_dump(s.target.host, handle.images_dir)
+        marks.append(time.monotonic())
+        image = await s.call(container.commit, repository=repo, tag=tag,
+                             message=f"coldsnap capsule of unit {spec.unit_id}",
+                             timeout_s=LONG_DOCKER_CALL)
+        image_id = str(image.id)
+        base = await rootfs_layers(s, spec.image)
+        layers = await rootfs_layers(s, image_id)
+        if layers[:len(base)] != base:
+            raise ValueError(f"the committed capsule {image_id} is not layered on its base "
+                             f"{spec.image}")
+        marks.append(time.monotonic())
+        if registry:
+            pushed = await push(s, spec.unit_id, image_id, capsule_repository(spec.unit_id,
+                                                                               registry), tag)
+        else:
+            exported = await export_layers(s, spec.unit_id, f"{repo}:{tag}", len(base),
+                                           f"{out_dir}/capsule.tar")
+            objects.append(CapsuleObject(ROLE_CAPSULE, HostFile(
+                s.host, exported.path, exported.sha256, exported.bytes)))
+        marks.append(time.monotonic())
+    except Exception as exc:
+        await discard_dir(host, out_dir)
+        if image_id is not None:
+            with contextlib.suppress(docker.errors.DockerException):
+                await s.call(s.client.images.remove, image_id, force=True)
+        raise fail(s, handle.unit, step, f"{type(exc).__name__}: {exc}", CommitFailed) from exc
+    assert handle.engine_pid is not None
+    log.info("capsule.committed", host=s.host, unit=handle.unit, step=step, image=image_id,
+             pushed=pushed, criu_objects=len(packed), criu_bytes=image_set.total_bytes,
+             pack_seconds=round(marks[1] - marks[0], 3),
+             commit_seconds=round(marks[2] - marks[1], 3),
+             export_seconds=round(marks[3] - marks[2], 3))
+    manifest = CapsuleManifest(
+        unit_id=spec.unit_id,
+        image=CapsuleImage(unit=spec.unit_id, reference=pushed or f"{repo}:{tag}",
+                                   digest=pushed.partition("@")[2] if pushed else image_id),
+        image_id=image_id, pushed=pushed, base_image=spec.image,
+        base_image_digest=spec.image_digest, criu_images=image_set,
+        engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
+        captured_devices=list(handle.devices), weights_released=spec.release_weights,
+        kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
+        quiesce="drain" if spec.drains else "sleep")
+    return CommittedCapsule(manifest, tuple(objects), capture_id)
+
+
+async def discard_capsule(s: CapsuleSession, capsule: CommittedCapsule) -> None:
+    """Delete a committed capsule from its capture host (image, objects and the replay plans
+    beside them), e.g. on rollback. A pushed capsule stays in the registry: nothing names it
+    once no artifact does."""
+    await remove_capsule_files(s.target.host, s.target.data_dir, capsule.capture_id,
+                               capsule.unit_id)
+    with contextlib.suppress(docker.errors.DockerException):
+        await s.call(s.client.images.remove, capsule.manifest.image_id, force=True)
+
+
+async def discard_capsule_by_name(s: CapsuleSession, unit_id: str, capture_id: str) -> None:
+    """What a commit of this unit for `capture_id` may have left (its tagged image, its files
+    on the host), known by name only: the commit was cancelled before it returned."""
+    repo, tag = capsule_reference(unit_id, capture_id)
+    with contextlib.suppress(docker.errors.DockerException):
+        await s.call(s.client.images.remove, f"{repo}:{tag}", force=True)
+    await remove_capsule_files(s.target.host, s.target.data_dir, capture_id, unit_id)
+
+
 __all__ = [
+    "CapsuleObject",
+    "CommittedCapsule",
     "ExportedLayers",
+    "capsule_reference",
     "capsule_repository",
+    "commit",
+    "discard_capsule",
+    "discard_capsule_by_name",
     "ensure_image",
     "export_layers",
     "load_capsule",

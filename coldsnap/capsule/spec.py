@@ -10,9 +10,10 @@ import json
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
 from coldsnap.hosts.base import Host
@@ -70,7 +71,7 @@ ENGINE_PID_FLOOR = 9999
 # The tmpfs of the unit's container that CRIU does not put in its images: it reopens the files
 # an engine maps from /dev/shm (vLLM's shared-memory message queues, POSIX semaphores) by
 # path. Their content is captured into this file of the image set, with the tree frozen, and
-# put back, exactly, before every CRIU restore (coldsnap.capsule.capture / .restore).
+# put back, exactly, before every CRIU restore (coldsnap.capsule.criu_dump / .criu_restore).
 SHM_DIR = "/dev/shm"  # noqa: S108 (inside the container, not a temp file)
 SHM_IMAGE = "tmpfs-dev-shm.tar"
 # Docker's default /dev/shm is 64 MiB; vLLM's CPU build alone maps about 420 MB there. A
@@ -253,3 +254,12 @@ class CapsuleHost:
     @property
     def name(self) -> str:
         return self.host.name
+
+
+def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
+    """The unit as its capture left it, for whatever brings its snapshot back: quiesced the
+    way the manifest says (its engine is woken, or not, accordingly) on the accelerator its
+    capsule was built for."""
+    return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
+                   accelerator=meta.accelerator)
+

@@ -1,4 +1,5 @@
-"""Engine adapters (one per `launch.engine`) and worker discovery from a host's processes."""
+"""Engine adapters (one per `launch.engine`) and worker discovery from a host's processes
+(discovery; its one simulation seam, the GPU simulator's state, is simulated_gpus)."""
 
 from coldsnap.engines.base import (
     EngineAdapter,

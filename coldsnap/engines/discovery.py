@@ -2,7 +2,8 @@
 
 The accelerator-owning processes of a unit are found the way an operator finds them: on a real
 host, the processes that hold `/dev/nvidia<N>` open; on a simulated host, the processes the
-cuda-checkpoint simulator's driver state knows (its stand-in for NVML's compute processes).
+cuda-checkpoint simulator's driver state knows, read through the simulation seam
+(coldsnap.engines.simulated_gpus, the only module that knows the simulator's files).
 Each one's `RANK`, `LOCAL_RANK` and `WORLD_SIZE` come from its environment as the kernel shows
 it (`/proc/PID/environ`). Nothing is asked of the engine.
 
@@ -10,21 +11,21 @@ Matching, per GPU process: a `RANK` must be the world rank of one of the unit's 
 `WORLD_SIZE` the world's size), otherwise the unit is refused; without `RANK`, `LOCAL_RANK`
 names the process slot; without either (vLLM's multiprocessing workers), processes are taken
 in PID order as process slots 0, 1, ... On a simulated host each process's devices must also be
-the ones its worker's device slots select.
+the ones its worker's device slots select (simulated_gpus.device_mismatch).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coldsnap.engines import simulated_gpus
 from coldsnap.hosts.base import Host
 
 # One host command for every PID: its PID inside the container (last NSpid field), the rank
 # variables of its environment (nothing else of it leaves the host), the NVIDIA device files
-# it holds open and, for the simulator, its driver state file inside the container's rootfs.
+# it holds open and, on a simulated host, simulated_gpus.PROBE_LINES (its driver state file).
 _PROBE = r"""
 for p in "$@"; do
   [ -d "/proc/$p" ] || continue
@@ -36,16 +37,9 @@ for p in "$@"; do
     t=$(readlink "$f" 2>/dev/null) || continue
     case "$t" in /dev/nvidia[0-9]*) echo "dev $t" ;; esac
   done
-  if [ "$SIM" = 1 ]; then
-    n=$(grep '^NSpid:' "/proc/$p/status" 2>/dev/null | awk '{print $NF}')
-    s="/proc/$p/root$SIMDIR/$n.json"
-    [ -f "$s" ] && { printf 'sim '; head -c 65536 "$s"; echo; }
-  fi
-done
+""" + simulated_gpus.PROBE_LINES + """done
 true
 """
-
-SIMULATOR_STATE_DIR = "/var/lib/cuda-sim"
 
 
 class WorkerLike(Protocol):
@@ -96,12 +90,9 @@ def parse_probe(text: str) -> list[ProcessFacts]:
             cur.title = line[4:].strip()
         elif line.startswith("dev "):
             cur.device_files.append(line[4:].strip())
-        elif line.startswith("sim "):
-            try:
-                state = json.loads(line[4:])
-                cur.simulated_devices = [str(d) for d in state.get("devices", [])]
-            except (ValueError, AttributeError):
-                cur.simulated_devices = []
+        elif line.startswith(simulated_gpus.PROBE_TAG):
+            cur.simulated_devices = simulated_gpus.state_devices(
+                line[len(simulated_gpus.PROBE_TAG):])
         elif "=" in line:
             key, _, value = line.partition("=")
             cur.env[key] = value
@@ -112,8 +103,8 @@ async def read_processes(host: Host, host_pids: Sequence[int], *, simulated: boo
                          timeout: float = 30.0) -> list[ProcessFacts]:  # noqa: ASYNC109
     pids = [str(int(p)) for p in host_pids]
     res = await host.run(
-        ["env", f"SIM={1 if simulated else 0}", f"SIMDIR={SIMULATOR_STATE_DIR}",
-         "sh", "-c", _PROBE, "sh", *pids], timeout=timeout)
+        ["env", *simulated_gpus.probe_env(simulated), "sh", "-c", _PROBE, "sh", *pids],
+        timeout=timeout)
     return parse_probe(res.stdout.decode(errors="replace"))
 
 
@@ -174,10 +165,10 @@ def match_workers(procs: Sequence[ProcessFacts], workers: Sequence[WorkerLike],
     if simulated:
         for worker in workers:
             proc = found[worker.id]
-            want = [unit_devices[s] for s in worker.device_slots if s < len(unit_devices)]
-            if proc.simulated_devices != want:
-                raise DiscoveryError(f"worker {worker.id} (process {proc.pid}) holds devices "
-                                     f"{proc.simulated_devices}, its device slots select {want}")
+            why = simulated_gpus.device_mismatch(worker.id, proc.pid, proc.simulated_devices,
+                                                 worker.device_slots, unit_devices)
+            if why is not None:
+                raise DiscoveryError(why)
     return {wid: p.pid for wid, p in found.items()}
 
 

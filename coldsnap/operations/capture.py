@@ -15,20 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap.admission import HostFacts
-from coldsnap.capsule.capture import (
-    checkpoint_gpus,
-    commit,
-    discard_capsule,
-    discard_capsule_by_name,
-    dump,
-    quiesce,
-    remove_unit,
-    return_to_serving,
-    start_unit,
-    wait_ready,
-)
 from coldsnap.capsule.collect import collect_worker_objects, remove_capsule_files
-from coldsnap.capsule.runtime import remove_operation_containers
+from coldsnap.capsule.containers import remove_operation_containers, remove_unit, start_unit
+from coldsnap.capsule.criu_dump import dump
+from coldsnap.capsule.engine_steps import quiesce, return_to_serving, wait_ready
+from coldsnap.capsule.gpu_checkpoint import checkpoint_gpus
+from coldsnap.capsule.oci import commit, discard_capsule, discard_capsule_by_name
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     CAPTURE_REQUEST_PATH,

@@ -25,11 +25,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coldsnap.capsule.capture import quiesce, return_to_serving, spec_as_captured
+from coldsnap.capsule.containers import UnitContainer
+from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving, validate
 from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.gpu_checkpoint import device_map, gpu_return_to_running
 from coldsnap.capsule.lifecycle import (
     EngineState,
-    UnitContainer,
     checkpoint_unit,
     engine_state,
     find_unit_containers,
@@ -38,10 +39,9 @@ from coldsnap.capsule.lifecycle import (
     restore_unit_gpus,
     unit_workers,
 )
-from coldsnap.capsule.restore import deliver_placement, device_map, release, validate
-from coldsnap.capsule.runtime import gpu_return_to_running
+from coldsnap.capsule.placement import deliver_placement
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import UnitSpec
+from coldsnap.capsule.spec import UnitSpec, spec_as_captured
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request import Launch, Request, Validation
 from coldsnap.hosts.base import HostError

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from coldsnap.admission import HostFacts
-from coldsnap.capsule.restore import PROBE_RECIPE, CriuProbe, check_criu_version, probe_criu
+from coldsnap.capsule.criu_probe import PROBE_RECIPE, CriuProbe, check_criu_version, probe_criu
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.store.local import atomic_write_bytes

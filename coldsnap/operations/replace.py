@@ -15,21 +15,22 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coldsnap.capsule.capture import spec_as_captured
-from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.restore import criu_restore, device_map, release, validate
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_ARTIFACT,
     LABEL_CLUSTER_ID,
     UnitContainer,
-    UnitHandle,
-    gpu_return_to_running,
     list_unit_containers,
     remove_container,
     start_stopped_container,
     stop_container,
 )
+from coldsnap.capsule.criu_restore import criu_restore
+from coldsnap.capsule.engine_steps import release, validate
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.gpu_checkpoint import device_map, gpu_return_to_running
+from coldsnap.capsule.handle import UnitHandle
 from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import spec_as_captured
 from coldsnap.formats.artifact import Artifact
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request import Request

@@ -26,26 +26,22 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from coldsnap.admission import HostFacts, check_admission
-from coldsnap.capsule.capture import spec_as_captured, start_unit, wait_ready
-from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.images import image_set_dir
-from coldsnap.capsule.lifecycle import GpuRecord, write_gpu_record
-from coldsnap.capsule.oci import load_capsule
-from coldsnap.capsule.restore import (
-    criu_restore,
-    device_map,
-    lazy_restore_pays,
-    release,
-    start_restore_container,
-    validate,
-)
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_OPERATION,
     LABEL_UNIT,
     UnitContainer,
     remove_operation_containers,
+    start_unit,
 )
+from coldsnap.capsule.criu_restore import criu_restore, lazy_restore_pays
+from coldsnap.capsule.engine_steps import release, validate, wait_ready
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.gpu_checkpoint import GpuRecord, device_map, write_gpu_record
+from coldsnap.capsule.images import image_set_dir
+from coldsnap.capsule.oci import load_capsule
+from coldsnap.capsule.restore import start_restore_container
 from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import spec_as_captured
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,

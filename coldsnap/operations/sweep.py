@@ -9,7 +9,7 @@ from coldsnap.hosts.base import Host
 from coldsnap.hosts.transfer_protocol import PART_SUFFIX
 
 TEMP_MAX_AGE_S = 24 * 3600.0
-# The commit's `docker save` target before its rename (coldsnap.capsule.capture.commit).
+# The commit's `docker save` target before its rename (coldsnap.capsule.oci.commit).
 COMMIT_PARTIAL_SUFFIX = ".partial"
 SWEEP_TIMEOUT_S = 60.0
 

@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coldsnap.capsule.capture import CommittedCapsule
 from coldsnap.capsule.collect import WorkerObjects
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import UnitHandle
+from coldsnap.capsule.handle import UnitHandle
+from coldsnap.capsule.oci import CommittedCapsule
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.context import OperationContext, OperationFailed, Undone, UnitRollback

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from coldsnap.admission import GpuFact, HostFacts, select_gpu
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_ARTIFACT,
     LABEL_ARTIFACT_DIGEST,
     LABEL_OPERATION,

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import docker.errors
 
-from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.runtime import (
+from coldsnap.capsule.containers import (
     LABEL_OPERATION,
     LABEL_ROLE,
     LABEL_UNIT,
     list_containers,
     remove_container,
 )
+from coldsnap.capsule.errors import CapsuleError
 from coldsnap.digests import HEX_DIGEST
 from coldsnap.formats.fields import is_id
 from coldsnap.hosts.base import HostError

@@ -31,7 +31,7 @@ from coldsnap.capsule import (
 )
 from coldsnap.capsule.collect import capsule_dir
 from coldsnap.capsule.images import dump_dir
-from coldsnap.capsule.restore import PLACEMENT_ARG_MAX, deliver_placement
+from coldsnap.capsule.placement import PLACEMENT_ARG_MAX, deliver_placement
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, PLACEMENT_FILE, RUNTIME_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request
 from coldsnap.hosts.inventory import Inventory

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from coldsnap.capsule import remove_unit, start_unit, wait_ready
-from coldsnap.capsule.capture import launch_argv
+from coldsnap.capsule.containers import launch_argv
 from coldsnap.capsule.spec import ENGINE_PID_FLOOR
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (

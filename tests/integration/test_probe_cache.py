@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from coldsnap.capsule import CriuProbeFailed
-from coldsnap.capsule.runtime import LABEL_OPERATION, LABEL_ROLE
+from coldsnap.capsule.containers import LABEL_OPERATION, LABEL_ROLE
 from coldsnap.hosts.probe import probe_hosts
 from coldsnap.operations.probe_cache import (
     PROBES_DIR,

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
+from coldsnap.capsule.criu_probe import criu_check_passed, criu_version
+from coldsnap.capsule.criu_restore import lazy_restore_pays
 from coldsnap.capsule.oci import split_reference
-from coldsnap.capsule.restore import criu_check_passed, criu_version, lazy_restore_pays
 from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
 from coldsnap.formats.capsule import CriuExtent, CriuImageFile, CriuImageObject, CriuImageSet
 

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coldsnap.capsule.lifecycle import container_devices
+from coldsnap.capsule.containers import container_devices
 from coldsnap.capsule.spec import ENGINE_LOG, UnitSpec, container_name
 from coldsnap.cli import main
 from coldsnap.formats.receipt import replay_semantics_for

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from coldsnap.admission import HostFacts
-from coldsnap.capsule.restore import PROBE_RECIPE, CriuProbe
+from coldsnap.capsule.criu_probe import PROBE_RECIPE, CriuProbe
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.operations.probe_cache import PROBES_DIR, ProbeCache, ProbeKey, probe_key
 

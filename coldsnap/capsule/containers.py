@@ -1,34 +1,42 @@
-"""Container, process-tree and cuda-checkpoint helpers shared by capture and restore."""
+"""The unit's containers on one host: labels, create/start/stop/remove, listing, the PIDs
+inside, and the unit started with its engine launched (`start_unit`) or removed (`remove_unit`).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import io
 import posixpath
 import secrets
-import tarfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 import docker.errors
 import docker.types
+import structlog
 
-from coldsnap.capsule.errors import CapsuleError, EngineNotReady
-from coldsnap.capsule.session import CapsuleSession, ExecOutput
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.handle import UnitHandle, fail
+from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
+from coldsnap.capsule.oci import ensure_image
+from coldsnap.capsule.seccomp import engine_filter_b64
+from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import (
     CRIU_CAPABILITIES,
+    CRIU_IMAGES_DIR,
     CRIU_SECURITY_OPT,
-    RUNTIME_DIR,
+    ENGINE_LOG,
+    ENGINE_LOG_MODE,
+    ENGINE_PID_FLOOR,
+    ENGINE_STDIN,
+    LABEL_ACCELERATOR,
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
 )
-from coldsnap.engines import EngineAdapter, EngineEndpoint, adapter_for, discovery
 from coldsnap.formats.request import Mount
 
-CUDA_CHECKPOINT = "cuda-checkpoint"
+log = structlog.get_logger("coldsnap.capsule")
+
 LABEL_UNIT = "org.coldsnap.unit"
 LABEL_ROLE = "org.coldsnap.role"
 LABEL_OPERATION = "org.coldsnap.operation"
@@ -43,37 +51,6 @@ LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
 # The roles of the containers a restore leaves serving (from a snapshot, or natively with
 # --fallback replay): what lifecycle operations act on and what a later restore replaces.
 SERVING_ROLES: tuple[Literal["restore", "replay"], ...] = ("restore", "replay")
-
-# CRIU prints these on every run in a container without CAP_SYS_RESOURCE;
-# they never decide success, so they are left out of error messages.
-HARMLESS_CRIU_ERRORS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE",
-                        "Can't keep kdat cache")
-
-
-@dataclass
-class UnitHandle:
-    """A unit's container on one host, as the steps hand it to each other."""
-
-    spec: UnitSpec
-    host: str
-    container_id: str
-    container_name: str
-    role: Literal["capture", "restore", "replay"]
-    devices: tuple[str, ...]  # GPU UUIDs this container was given, by device slot
-    engine_pid: int | None = None  # PID of the engine tree's root inside the container
-    worker_pids: dict[str, int] = field(default_factory=dict)  # worker id -> PID inside
-    # Host directory mounted at CRIU_IMAGES_DIR: a capture's dump target (private to this
-    # container), or a restore's published image set (read-only, shared).
-    images_dir: str | None = None
-
-    @property
-    def unit(self) -> str:
-        return self.spec.unit_id
-
-
-def fail(s: CapsuleSession, unit: str, step: str, detail: str,
-         kind: type[CapsuleError] = CapsuleError) -> CapsuleError:
-    return kind(s.host, unit, step, detail)
 
 
 async def create_container(
@@ -164,52 +141,6 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
 
 
-def _runtime_tar(path: str, data: bytes) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        d = tarfile.TarInfo(RUNTIME_DIR.lstrip("/"))
-        d.type, d.mode = tarfile.DIRTYPE, 0o700
-        tar.addfile(d)
-        f = tarfile.TarInfo(path.lstrip("/"))
-        f.size, f.mode, f.mtime = len(data), 0o600, int(time.time())
-        tar.addfile(f, io.BytesIO(data))
-    return buf.getvalue()
-
-
-async def _put_archive(s: CapsuleSession, handle: UnitHandle, container: Any, path: str,
-                       data: bytes, *, step: str, error: type[CapsuleError]) -> None:
-    try:
-        ok = await s.call(container.put_archive, "/", _runtime_tar(path, data))
-    except docker.errors.DockerException as exc:
-        raise fail(s, handle.unit, step, f"cannot write {path}: {exc}", error) from exc
-    if not ok:
-        raise fail(s, handle.unit, step, f"docker refused {path}", error)
-
-
-async def seed_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, data: bytes, *,
-                            step: str, error: type[CapsuleError]) -> None:
-    """Write RUNTIME_DIR/`name` into a container where nothing that reads it runs yet
-    (created, or running only its init before CRIU brings the engine back): nobody can see
-    half a file, so one call does (no temporary name, no rename)."""
-    container = await s.container(handle.container_id, handle.unit, step)
-    await _put_archive(s, handle, container, f"{RUNTIME_DIR}/{name}", data, step=step,
-                       error=error)
-
-
-async def put_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, data: bytes, *,
-                           step: str, error: type[CapsuleError]) -> None:
-    """Publish `data` as RUNTIME_DIR/`name` inside the unit's running container: written
-    under a temporary name, synced, then renamed, so a reader never sees half a file."""
-    container = await s.container(handle.container_id, handle.unit, step)
-    final = f"{RUNTIME_DIR}/{name}"
-    tmp = f"{final}.partial"
-    await _put_archive(s, handle, container, tmp, data, step=step, error=error)
-    out = await s.exec(container, ["sh", "-c", 'sync "$1" && mv -f "$1" "$2"', "sh", tmp, final],
-                       timeout_s=60)
-    if not out.ok:
-        raise fail(s, handle.unit, step, f"cannot publish {final}: {out.tail(300)}", error)
-
-
 async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> list[int]:
     """The subset of `pids` that exist in the container's PID namespace. An exec that did
     not run (the script itself always exits 0) proves nothing: then all of them count as
@@ -226,31 +157,6 @@ async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> 
     return [int(x) for x in out.stdout.split()]
 
 
-async def cuda(
-    s: CapsuleSession, container: Any, args: Sequence[str]
-) -> ExecOutput:
-    return await s.exec(container, [CUDA_CHECKPOINT, *args], timeout_s=600)
-
-
-async def cuda_sequence(
-    s: CapsuleSession, container: Any, calls: Sequence[Sequence[str]]
-) -> ExecOutput:
-    """Several cuda-checkpoint calls on one process in one exec, stopping at the first
-    failure (its stderr names the action)."""
-    script = " && ".join(
-        " ".join(["\"$0\"", *(f"'{a}'" for a in call)]) for call in calls)
-    for call in calls:
-        for a in call:
-            if "'" in a:
-                raise ValueError(f"unsafe cuda-checkpoint argument {a!r}")
-    return await s.exec(container, ["sh", "-c", script, CUDA_CHECKPOINT], timeout_s=600)
-
-
-async def cuda_state(s: CapsuleSession, container: Any, pid: int) -> str | None:
-    out = await cuda(s, container, ["--get-state", "--pid", str(pid)])
-    return out.stdout.strip() if out.ok else None
-
-
 async def container_host_pids(s: CapsuleSession, container: Any, unit: str,
                               step: str) -> list[int]:
     """The host PIDs of every process in the container (`docker top`)."""
@@ -263,71 +169,6 @@ async def container_host_pids(s: CapsuleSession, container: Any, unit: str,
         raise fail(s, unit, step, f"docker top gave no PID column: {titles}")
     col = titles.index("PID")
     return [int(row[col]) for row in top.get("Processes") or [] if str(row[col]).isdigit()]
-
-
-async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:
-    """Map every worker of the unit to its PID inside the container, from the host's view of
-    the unit's processes (coldsnap.engines.discovery); never from the engine's own word."""
-    spec = handle.spec
-    container = await s.container(handle.container_id, handle.unit, step)
-    pids = await container_host_pids(s, container, handle.unit, step)
-    try:
-        if spec.accelerator == "cpu":
-            return await discovery.discover_cpu_workers(
-                s.target.host, pids, spec.workers, adapter_for(spec.engine).cpu_worker_titles)
-        return await discovery.discover_workers(
-            s.target.host, pids, spec.workers, handle.devices,
-            simulated=spec.gpu_mode == "simulated")
-    except discovery.DiscoveryError as exc:
-        raise fail(s, handle.unit, step, str(exc), EngineNotReady) from None
-
-
-def endpoint(s: CapsuleSession, handle: UnitHandle) -> tuple[EngineAdapter, EngineEndpoint]:
-    """The unit's engine adapter and where its engine serves, reached from its own host."""
-    spec = handle.spec
-    adapter = adapter_for(spec.engine)
-    return adapter, EngineEndpoint(s.target.host, spec.address,
-                                   adapter.serving_port(spec.command))
-
-
-def device_map_args(devices: Mapping[str, str] | None) -> list[str]:
-    """`--device-map OLD=NEW,...`; an all-identity map is left out: the real tool needs none
-    when nothing moved."""
-    if not devices or all(o == n for o, n in devices.items()):
-        return []
-    return ["--device-map", ",".join(f"{o}={n}" for o, n in devices.items())]
-
-
-async def gpu_return_to_running(
-    s: CapsuleSession, container: Any, pids: Mapping[str, int],
-    devices: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Undo lock/checkpoint on every worker that is not running (a checkpointed one restored
-    with the `devices` map, checkpointed UUID -> UUID now); returns the problems."""
-
-    async def one(wid: str, pid: int) -> str | None:
-        state = await cuda_state(s, container, pid)
-        if state == "checkpointed":
-            out = await cuda(s, container, ["--action", "restore", "--pid", str(pid),
-                                            *device_map_args(devices)])
-            if not out.ok:
-                return f"worker {wid} (pid {pid}): restore: {out.tail(300)}"
-            state = "locked"
-        if state == "locked":
-            out = await cuda(s, container, ["--action", "unlock", "--pid", str(pid)])
-            if not out.ok:
-                return f"worker {wid} (pid {pid}): unlock: {out.tail(300)}"
-        return None
-
-    results = await asyncio.gather(*(one(w, p) for w, p in pids.items()))
-    return [r for r in results if r]
-
-
-async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
-    out = await s.exec(container, ["tail", "-n", "200", log_path])
-    lines = [ln for ln in out.stdout.splitlines()
-             if "Error" in ln and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]
-    return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"
 
 
 async def list_containers(s: CapsuleSession, labels: Sequence[str], *,
@@ -441,3 +282,92 @@ async def start_stopped_container(s: CapsuleSession, container_id: str, *, unit:
         await s.call(container.start)
     except docker.errors.DockerException as exc:
         raise fail(s, unit, step, f"cannot start container {container_id[:12]}: {exc}") from exc
+
+
+# Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
+# engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
+# inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
+# PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
+# the engine's seccomp filter. It prints the engine PID.
+_LAUNCH = f"""set -e
+mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
+: > {ENGINE_STDIN}
+: >> {ENGINE_LOG}
+chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
+exec "$@"
+"""
+
+
+def launch_argv(spec: UnitSpec) -> list[str]:
+    """The `docker exec` argv that starts the unit's engine, confined."""
+    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
+            "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
+            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
+
+
+
+async def start_unit(
+    s: CapsuleSession, spec: UnitSpec, *, role: Literal["capture", "replay"] = "capture"
+) -> UnitHandle:
+    """Pull and verify the image, start a quiet container and launch the engine in it
+    (for a capture, or natively for a restore's `--fallback replay`).
+
+    Returns at once; `wait_ready` waits for the engine's health endpoint."""
+    step = "start"
+    image_id = await ensure_image(s, spec.unit_id, spec.image, spec.image_digest)
+    spec = await with_accelerator(s, spec, image_id)
+    name = new_container_name(spec, role)
+    images: Mount | None = None
+    if role == "capture":
+        # CRIU dumps into the host, never into the rootfs that the capsule commits.
+        operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
+        host_dir = dump_dir(s.target.data_dir, operation, name)
+        await make_private_dir(s.target.host, host_dir)
+        images = Mount(source=host_dir, target=CRIU_IMAGES_DIR)
+    try:
+        handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,
+                                        step=step, error=CapsuleError, images=images,
+                                        name=name)
+    except BaseException:
+        if images is not None:
+            await discard_dir(s.target.host, images.source)
+        raise
+    container = await s.container(handle.container_id, spec.unit_id, step)
+    out = await s.exec(container, launch_argv(spec), timeout_s=120)
+    try:
+        handle.engine_pid = int(out.stdout.split()[-1])
+    except (ValueError, IndexError):
+        await remove_unit(s, handle)
+        raise fail(s, spec.unit_id, step, f"engine launch failed: {out.tail()}") from None
+    log.info("capsule.started", host=s.host, unit=spec.unit_id, step=step,
+             container=handle.container_name, engine_pid=handle.engine_pid)
+    return handle
+
+
+async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> UnitSpec:
+    """The unit as its capsule image says it computes (LABEL_ACCELERATOR). A CPU engine keeps
+    its weights in the snapshot: a request that needs them released is refused by name."""
+    labels = (await s.image_config(image)).get("Labels") or {}
+    value = labels.get(LABEL_ACCELERATOR) or "gpu"
+    if value not in ("gpu", "cpu"):
+        raise fail(s, spec.unit_id, "start", f"the capsule image {spec.image} has "
+                   f"{LABEL_ACCELERATOR}={value!r}; coldsnapd knows 'gpu' and 'cpu'")
+    if value == "gpu":
+        return spec
+    if spec.must_release_weights:
+        raise fail(s, spec.unit_id, "start", "policy.weights.mode: 'native' releases the "
+                   "weights before the checkpoint, but this unit's capsule is a CPU build "
+                   f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
+                   "release them; use 'auto' or 'recovery'")
+    return replace(spec, accelerator="cpu", release_weights=False)
+
+
+async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:
+    """Remove the unit's container and everything running in it."""
+    removed = await remove_container(s, handle.container_id)
+    if handle.role == "capture" and handle.images_dir is not None:
+        await discard_dir(s.target.host, handle.images_dir)
+    log.info("capsule.removed", host=s.host, unit=handle.unit, container=handle.container_name,
+             removed=removed)
+    return removed
+

@@ -1,0 +1,45 @@
+"""What the capsule steps pass each other (the handle of one unit's container; what a dump
+left, for the commit), and the error every step raises through (`fail`: a CapsuleError naming
+host, unit and step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import UnitSpec
+
+
+@dataclass
+class UnitHandle:
+    """A unit's container on one host, as the steps hand it to each other."""
+
+    spec: UnitSpec
+    host: str
+    container_id: str
+    container_name: str
+    role: Literal["capture", "restore", "replay"]
+    devices: tuple[str, ...]  # GPU UUIDs this container was given, by device slot
+    engine_pid: int | None = None  # PID of the engine tree's root inside the container
+    worker_pids: dict[str, int] = field(default_factory=dict)  # worker id -> PID inside
+    # Host directory mounted at CRIU_IMAGES_DIR: a capture's dump target (private to this
+    # container), or a restore's published image set (read-only, shared).
+    images_dir: str | None = None
+
+    @property
+    def unit(self) -> str:
+        return self.spec.unit_id
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    unit_id: str
+    images_bytes: int
+    seconds: float
+
+
+def fail(s: CapsuleSession, unit: str, step: str, detail: str,
+         kind: type[CapsuleError] = CapsuleError) -> CapsuleError:
+    return kind(s.host, unit, step, detail)

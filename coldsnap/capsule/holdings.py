@@ -20,8 +20,8 @@ from coldsnap.capsule.images import HELPER as IMAGE_HELPER
 from coldsnap.capsule.images import ImageSetError, image_set_dir, verify_plan
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host
-from coldsnap.hosts.transfer_protocol import HELPER as TRANSFER_HELPER
-from coldsnap.hosts.transfer_protocol import parse_stats
+from coldsnap.hosts.transfer.protocol import HELPER as TRANSFER_HELPER
+from coldsnap.hosts.transfer.protocol import parse_stats
 
 # Unstamped copies are hashed there, at disk speed: two minutes plus this rate bound the call.
 _BYTES_PER_SECOND = 50 * 1024 * 1024

@@ -43,7 +43,6 @@ from coldsnap.hosts.base import (
     TcpStream,
     TransferResult,
 )
-from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.host_keys import (
     TrustingClient,
     host_key_error,
@@ -51,8 +50,8 @@ from coldsnap.hosts.host_keys import (
 )
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.streams import RemoteStream, exit_status
-from coldsnap.hosts.transfer import put_file
+from coldsnap.hosts.transfer.driver import fetch_file, put_file
+from coldsnap.hosts.transfer.streams import RemoteStream, exit_status
 
 log = structlog.get_logger("coldsnap.hosts")
 

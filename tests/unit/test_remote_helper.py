@@ -21,8 +21,8 @@ from coldsnap.hosts.remote_helper import (
     STAMP_ATTR,
 )
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.transfer_openssh import openssh_argv
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX, classify, helper_argv, parse_part
+from coldsnap.hosts.transfer.openssh_client import openssh_argv
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX, classify, helper_argv, parse_part
 
 
 def run(mode: str, *args: str, data: bytes = b"") -> subprocess.CompletedProcess[bytes]:

@@ -11,7 +11,7 @@ from coldsnap.hosts.base import HostAuthFailed, HostKeyRejected
 from coldsnap.hosts.host_keys import known_hosts_pattern
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.ssh import SSHSettings, _transient
-from coldsnap.hosts.transfer import openssh_argv
+from coldsnap.hosts.transfer.openssh_client import openssh_argv
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,11 @@ import docker.errors
 import structlog
 
 from coldsnap.capsule.errors import CapsuleError, ImageDigestMismatch, RestoreFailed
-from coldsnap.capsule.images import helper_argv
 from coldsnap.capsule.runtime import fail
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.hosts.helper import helper_argv
 
 log = structlog.get_logger("coldsnap.capsule")
 

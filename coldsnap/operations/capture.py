@@ -56,6 +56,7 @@ from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
@@ -68,7 +69,6 @@ from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
-from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
 

@@ -35,8 +35,8 @@ from coldsnap.formats.receipt import (
 from coldsnap.formats.request import DRIVER_MINIMUM_MAJOR
 from coldsnap.formats.timing import AttributeValue, TimingEvent, TimingRecorder
 from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.logs import get_logger
-from coldsnap.store.local import atomic_write_bytes
 
 _parent: contextvars.ContextVar[str | None] = contextvars.ContextVar("coldsnap_span",
                                                                      default=None)

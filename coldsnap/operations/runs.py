@@ -29,8 +29,8 @@ from types import TracebackType
 from typing import IO, Literal
 
 from coldsnap.formats.receipt import rfc3339_ns
+from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.operations.context import OperationContext, OperationFailed
-from coldsnap.store.local import atomic_write_bytes
 
 RUN_DIR = "run"
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from coldsnap.formats.fields import Digest, Id, StrictModel
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
-from coldsnap.store.local import StoreError, atomic_write_bytes
+from coldsnap.hosts.durable import atomic_write_bytes
+from coldsnap.store.local import StoreError
 from coldsnap.store.refs import is_capture_id
 
 RECORD_KIND: Final = "coldsnapd-operation-record"

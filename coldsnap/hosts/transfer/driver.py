@@ -4,7 +4,7 @@ Why not SFTP: measured here, one exec'd stream with aes128-gcm moves 1 GiB faste
 asyncssh's SFTP client (no per-request round trips or acknowledgements), and the far side can
 hash while it writes.
 
-The far side runs a small Python helper (`coldsnap/hosts/remote_helper.py`, sent as
+The far side runs the host-side helper program (`coldsnap.hosts.helper`, sent as
 `python3 -c` with every call, nothing installed). It hashes with OpenSSL's SHA-256 (SHA-NI:
 ~0.6 s/GiB here), where coreutils' `sha256sum` takes ~3 s/GiB on the same CPU, which alone
 would make staging slower than scp.

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.helper.common import F_SETPIPE_SZ
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.transfer.protocol import CHUNK, F_SETPIPE_SZ, Retry
+from coldsnap.hosts.transfer.protocol import CHUNK, Retry
 
 T = TypeVar("T")
 

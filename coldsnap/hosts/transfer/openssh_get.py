@@ -30,7 +30,9 @@ import structlog
 
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE, Writeback
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_OFFSET, EXIT_USAGE
+from coldsnap.hosts.helper.files import Writeback
 from coldsnap.hosts.transfer.openssh_client import (
     SSH_CLIENT_FAILED,
     OpenSSHClientFailed,
@@ -47,7 +49,6 @@ from coldsnap.hosts.transfer.protocol import (
     Tamper,
     classify,
     hash_file_prefix,
-    helper_argv,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
-from coldsnap.hosts.remote_helper import PUT_MARK
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.files import PUT_MARK
 from coldsnap.hosts.transfer.openssh_client import (
     SSH_CLIENT_FAILED,
     OpenSSHClientFailed,
@@ -33,7 +34,6 @@ from coldsnap.hosts.transfer.protocol import (
     Retry,
     Tamper,
     classify,
-    helper_argv,
     parse_part,
     resume_offset,
 )

@@ -16,7 +16,8 @@ import structlog
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import EXIT_OFFSET
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_OFFSET
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     FAR_SIDE_END_S,
@@ -26,7 +27,6 @@ from coldsnap.hosts.transfer.protocol import (
     Tamper,
     classify,
     hash_file_prefix,
-    helper_argv,
     parse_part,
     resume_offset,
 )

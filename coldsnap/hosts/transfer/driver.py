@@ -33,26 +33,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
-import asyncssh
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    RetryError,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
+from tenacity import RetryCallState, RetryError
 
 from coldsnap.digests import check_digest, sha256_file
 from coldsnap.hosts.base import (
-    HostAuthFailed,
-    HostKeyRejected,
-    HostUnreachable,
     ProgressCallback,
     TransferError,
     TransferResult,
 )
+from coldsnap.hosts.retry import transfer_policy
 from coldsnap.hosts.transfer.openssh_client import OpenSSHClientFailed, openssh_argv
 from coldsnap.hosts.transfer.openssh_get import get_once_openssh
 from coldsnap.hosts.transfer.openssh_put import put_once_openssh
@@ -60,7 +50,6 @@ from coldsnap.hosts.transfer.over_asyncssh import get_once_stream, put_once_stre
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     DigestMismatch,
-    Retry,
     Tamper,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
@@ -68,21 +57,6 @@ from coldsnap.hosts.transfer.streams import StreamHost
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
 Transport = Literal["auto", "openssh", "asyncssh"]
-
-_RETRYABLE: tuple[type[BaseException], ...] = (
-    Retry,
-    HostUnreachable,
-    asyncssh.DisconnectError,
-    asyncssh.ChannelOpenError,
-    ConnectionError,
-    asyncio.IncompleteReadError,
-)
-
-
-def _should_retry(exc: BaseException) -> bool:
-    if isinstance(exc, HostKeyRejected | HostAuthFailed | TransferError):
-        return False
-    return isinstance(exc, _RETRYABLE)
 
 
 async def _with_resume(host: StreamHost, what: str, attempts: int,
@@ -93,12 +67,8 @@ async def _with_resume(host: StreamHost, what: str, attempts: int,
                  attempt=state.attempt_number, error=str(exc) or type(exc).__name__)
 
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(attempts),
-            wait=wait_random_exponential(multiplier=0.5, max=8.0),
-            retry=retry_if_exception(_should_retry),
-            before_sleep=before_sleep,
-        ):
+        async for attempt in transfer_policy(attempts).retrying(before_sleep=before_sleep,
+                                                                 reraise=False):
             with attempt:
                 return await once()
     except RetryError as exc:

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from bench_common import REPO, cluster_inventory, emit, log
 
-from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
-from coldsnap.hosts.transfer_protocol import remote_file_digest
+from coldsnap.hosts.transfer.driver import fetch_file
+from coldsnap.hosts.transfer.protocol import remote_file_digest
 
 DEST = REPO / ".cache" / "bench" / "fetch"
 

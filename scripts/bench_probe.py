@@ -28,7 +28,7 @@ from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.probe import probe_command, probe_pool
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.transfer_openssh import openssh_argv
+from coldsnap.hosts.transfer.openssh_client import openssh_argv
 
 BENCH_DIR = REPO / ".cache" / "bench-cluster"
 BENCH_PORT = "2222"

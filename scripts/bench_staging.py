@@ -26,7 +26,7 @@ from bench_common import REPO, cluster_inventory, emit, log
 
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
-from coldsnap.hosts.transfer import Transport, put_file
+from coldsnap.hosts.transfer.driver import Transport, put_file
 
 
 def make_source(size: int) -> Path:

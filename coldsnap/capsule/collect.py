@@ -17,7 +17,7 @@ from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
 from coldsnap.formats.request import Mount
 from coldsnap.hosts.base import Host
-from coldsnap.hosts.transfer_protocol import remote_file_digest
+from coldsnap.hosts.transfer.protocol import remote_file_digest
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,10 @@
 """What a host already holds, asked with one python start there: the digest of each staged
-object (the transfer helper's stamped `file_state`) and whether each published CRIU image
-set still verifies (the image helper's `check_set`).
+object (from its verified stamp, else hashed there) and whether each published CRIU image set
+still verifies: the host-side helper's `holdings` mode (`coldsnap.hosts.helper`).
 
-A restore asks this beside the host's facts, on every host, before anything is written. Two
-helper processes (one per helper) cost a second python start and a second SSH channel per
-host, on the path of every restore; one process that loads both helpers does not. The helpers'
-sources travel on stdin and each runs in its own namespace, so neither changes for this.
+A restore asks this beside the host's facts, on every host, before anything is written: one
+process for both questions spares a second python start and a second SSH channel per host, on
+the path of every restore.
 """
 
 from __future__ import annotations
@@ -15,29 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coldsnap.capsule.image_helper import EXIT_ABSENT, EXIT_MISMATCH
-from coldsnap.capsule.images import HELPER as IMAGE_HELPER
 from coldsnap.capsule.images import ImageSetError, image_set_dir, verify_plan
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host
-from coldsnap.hosts.transfer_protocol import HELPER as TRANSFER_HELPER
-from coldsnap.hosts.transfer_protocol import parse_stats
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_ABSENT, EXIT_MISMATCH
+from coldsnap.hosts.transfer.protocol import parse_stats
 
 # Unstamped copies are hashed there, at disk speed: two minutes plus this rate bound the call.
 _BYTES_PER_SECOND = 50 * 1024 * 1024
-
-_SURVEY = """
-import json, sys
-req = json.load(sys.stdin)
-transfer = {"__name__": "coldsnap_transfer_helper"}
-exec(compile(req["transfer"], "remote_helper.py", "exec"), transfer)
-images = {"__name__": "coldsnap_image_helper"}
-exec(compile(req["images"], "image_helper.py", "exec"), images)
-mv = memoryview(bytearray(transfer["CH"]))
-files = [transfer["file_state"](p, mv, "absent").decode() for p in req["paths"]]
-sets = [list(images["check_set"](root, plan)) for root, plan in req["sets"]]
-sys.stdout.write(json.dumps({"files": files, "sets": sets}))
-"""
 
 
 @dataclass(frozen=True)
@@ -55,10 +40,10 @@ async def survey(host: Host, data_dir: str, paths: Mapping[str, int],
     Nothing is written, except that a published directory whose bytes differ from its set is
     removed (it would only ever be refused)."""
     roots = {st.digest: image_set_dir(data_dir, st) for st in image_sets}
-    request = {"transfer": TRANSFER_HELPER, "images": IMAGE_HELPER, "paths": list(paths),
+    request = {"paths": list(paths),
                "sets": [[roots[st.digest], verify_plan(st)] for st in image_sets]}
     hashed_at_most = sum(paths.values()) + sum(st.total_bytes for st in image_sets)
-    res = await host.run(["python3", "-c", _SURVEY], input=json.dumps(request).encode(),
+    res = await host.run(helper_argv("holdings"), input=json.dumps(request).encode(),
                          timeout=120.0 + hashed_at_most / _BYTES_PER_SECOND, check=False)
     if res.exit_status != 0:
         raise ImageSetError(host.name, f"asking what {data_dir} holds: "

@@ -18,17 +18,16 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from coldsnap.digests import check_digest
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, HostError
+from coldsnap.hosts.helper import helper_argv
 
 CHUNK_BYTES = 64 * 1024 * 1024
 SMALL_FILE_BYTES = 1024 * 1024
 
-HELPER = resources.files("coldsnap.capsule").joinpath("image_helper.py").read_text()
 # Packing, placing and verifying read and write at disk speed on the host; a minute plus this
 # rate bounds each call.
 _BYTES_PER_SECOND = 50 * 1024 * 1024
@@ -36,10 +35,6 @@ _BYTES_PER_SECOND = 50 * 1024 * 1024
 
 class ImageSetError(HostError):
     """Packing, placing or verifying CRIU images on a host failed; names the host."""
-
-
-def helper_argv(mode: str, *args: str) -> list[str]:
-    return ["python3", "-c", HELPER, mode, *args]
 
 
 def _limit(size: int) -> float:
@@ -158,7 +153,6 @@ __all__ = [
     "discard_dir",
     "dump_dir",
     "finish_assembly",
-    "helper_argv",
     "image_set_dir",
     "make_private_dir",
     "pack_images",

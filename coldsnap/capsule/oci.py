@@ -25,7 +25,6 @@ from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
 from coldsnap.capsule.images import (
     clear_dump,
     discard_dir,
-    helper_argv,
     make_private_dir,
     pack_images,
 )
@@ -34,6 +33,7 @@ from coldsnap.capsule.spec import docker_name
 from coldsnap.digests import is_digest
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.hosts.helper import helper_argv
 
 log = structlog.get_logger("coldsnap.capsule")
 

@@ -20,8 +20,8 @@ from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.timing import TimingEvent
+from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.runner.prepared import AlreadyDone, ReceiptKey, Refused
-from coldsnap.store.local import atomic_write_bytes
 
 
 class EventSink:

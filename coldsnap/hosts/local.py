@@ -23,7 +23,7 @@ from coldsnap.hosts.base import (
     TransferResult,
 )
 from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import stamp
+from coldsnap.hosts.helper.stamps import stamp
 
 _CHUNK = 4 * 1024 * 1024
 PART_SUFFIX = ".coldsnap-part"

@@ -35,5 +35,5 @@ class SSHSettings:
     # A bigger receive window than asyncssh's 2 MiB keeps get() streaming.
     recv_window: int = 16 * 1024 * 1024
     # How put() moves bulk bytes: "auto" (the OpenSSH client when usable, else asyncssh),
-    # "openssh" or "asyncssh". See coldsnap.hosts.transfer.put_file.
+    # "openssh" or "asyncssh". See coldsnap.hosts.transfer.driver.put_file.
     bulk_transport: Literal["auto", "openssh", "asyncssh"] = "auto"

@@ -22,13 +22,7 @@ from typing import Any
 
 import asyncssh
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
+from tenacity import RetryCallState
 
 from coldsnap.hosts.base import (
     DEFAULT_RUN_TIMEOUT,
@@ -43,16 +37,16 @@ from coldsnap.hosts.base import (
     TcpStream,
     TransferResult,
 )
-from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.host_keys import (
     TrustingClient,
     host_key_error,
     load_known_hosts,
 )
 from coldsnap.hosts.inventory import HostEntry
+from coldsnap.hosts.retry import REOPEN_POLICY, LostOnOpen, connect_policy
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.streams import RemoteStream, exit_status
-from coldsnap.hosts.transfer import put_file
+from coldsnap.hosts.transfer.driver import fetch_file, put_file
+from coldsnap.hosts.transfer.streams import RemoteStream, exit_status
 
 log = structlog.get_logger("coldsnap.hosts")
 
@@ -61,17 +55,6 @@ log = structlog.get_logger("coldsnap.hosts")
 _PID_WRAPPER = 'echo "$$" && exec "$@"'
 _KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0'
 _STREAM_END_S = 5.0
-
-
-def _transient(exc: BaseException) -> bool:
-    """Connection-level failures worth another try; auth and host-key refusals are final."""
-    if isinstance(exc, asyncssh.HostKeyNotVerifiable | asyncssh.PermissionDenied):
-        return False
-    if isinstance(exc, HostKeyRejected | HostAuthFailed):
-        return False
-    if isinstance(exc, asyncssh.KeyExchangeFailed | asyncssh.ProtocolNotSupported):
-        return False
-    return isinstance(exc, OSError | TimeoutError | asyncssh.DisconnectError)
 
 
 class SSHHost:
@@ -120,15 +103,7 @@ class SSHHost:
                 assert self._conn is not None
                 return self._conn
             self._drop()
-            retrying = AsyncRetrying(
-                stop=stop_after_attempt(self.settings.connect_attempts),
-                wait=wait_random_exponential(
-                    multiplier=self.settings.retry_initial, max=self.settings.retry_max
-                ),
-                retry=retry_if_exception(_transient),
-                before_sleep=self._log_retry,
-                reraise=True,
-            )
+            retrying = connect_policy(self.settings).retrying(before_sleep=self._log_retry)
             try:
                 async for attempt in retrying:
                     with attempt:
@@ -230,29 +205,32 @@ class SSHHost:
 
     async def _open(self, command: str) -> RemoteStream:
         """Open an exec channel. A dead connection found here is replaced once: the command
-        has not started, so trying again cannot run it twice."""
-        for attempt in (1, 2):
-            conn = await self.connection()
-            try:
-                stdin, stdout, stderr = await conn.open_session(
-                    command, encoding=None, window=self.settings.recv_window
-                )
-                return RemoteStream(stdin, stdout, stderr)
-            except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-                # asyncssh fails a channel open that was pending when its connection died
-                # with this reason; the connection is gone even if not marked closed yet.
-                lost = (isinstance(exc, asyncssh.ChannelOpenError)
-                        and exc.reason == "SSH connection closed")
-                still_up = (self._connected() and not lost
-                            and not isinstance(exc, asyncssh.DisconnectError))
-                if still_up and isinstance(exc, asyncssh.ChannelOpenError):
-                    raise HostError(self.name, f"host refused a channel: {exc.reason}") from None
-                self._drop()
-                if attempt == 2:
-                    raise HostUnreachable(
-                        self.name, f"connection lost opening a channel: {_describe(exc)}"
-                    ) from None
+        has not started, so trying again cannot run it twice (REOPEN_POLICY)."""
+        async for attempt in REOPEN_POLICY.retrying():
+            with attempt:
+                return await self._open_once(command)
         raise AssertionError("unreachable")
+
+    async def _open_once(self, command: str) -> RemoteStream:
+        conn = await self.connection()
+        try:
+            stdin, stdout, stderr = await conn.open_session(
+                command, encoding=None, window=self.settings.recv_window
+            )
+            return RemoteStream(stdin, stdout, stderr)
+        except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
+            # asyncssh fails a channel open that was pending when its connection died
+            # with this reason; the connection is gone even if not marked closed yet.
+            lost = (isinstance(exc, asyncssh.ChannelOpenError)
+                    and exc.reason == "SSH connection closed")
+            still_up = (self._connected() and not lost
+                        and not isinstance(exc, asyncssh.DisconnectError))
+            if still_up and isinstance(exc, asyncssh.ChannelOpenError):
+                raise HostError(self.name, f"host refused a channel: {exc.reason}") from None
+            self._drop()
+            raise LostOnOpen(
+                self.name, f"connection lost opening a channel: {_describe(exc)}"
+            ) from None
 
     async def _open_owned(self, command: str, *, kill: bool) -> RemoteStream:
         """`_open`, never leaving a command running unseen: cancelled while the channel

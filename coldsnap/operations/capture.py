@@ -48,19 +48,20 @@ from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.durable import atomic_write_bytes
+from coldsnap.hosts.retry import is_transient
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
     Undone,
 )
 from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
-from coldsnap.operations.hostset import HostSet, is_transient
+from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
 from coldsnap.store import LocalStore, StoredArtifact
-from coldsnap.store.local import atomic_write_bytes
 from coldsnap.topology import resolve
 
 

@@ -7,46 +7,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TypeVar
 
-import requests.exceptions
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_incrementing
-
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.session import CapsuleSession, open_session
 from coldsnap.capsule.spec import CapsuleHost
-from coldsnap.hosts.base import Host, HostAuthFailed, HostKeyRejected, HostUnreachable
+from coldsnap.hosts.base import Host
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.probe import probe_hosts
+from coldsnap.hosts.retry import is_transient, session_policy
 from coldsnap.operations.context import OperationFailed
 
 T = TypeVar("T")
-
-# Between fresh sessions to a host that was lost: 2, 4, then 5 s. With on_session's 8
-# reconnects that is about 36 s, for a host whose connection dropped to come back; a rollback
-# (ROLLBACK_UNIT_S per unit) is never held longer by one that won't.
-RECONNECT_WAIT = wait_incrementing(start=2.0, increment=2.0, max=5.0)
-
-# What a dropped SSH connection or a dead Docker relay looks like from above: worth a fresh
-# session. Anything else (a refused host key, an engine error, a failed command) is not.
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    HostUnreachable,
-    ConnectionError,
-    requests.exceptions.ConnectionError,
-)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """A lost connection, also when a capsule step wrapped it in its own error."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, HostKeyRejected | HostAuthFailed):
-            return False  # never retried: a changed key or refused login stays so
-        if isinstance(cur, _TRANSIENT):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
 
 class HostSet:
     """The inventory's entries and a transport per host: any `Host`s (a `HostPool` of SSH
@@ -105,8 +75,9 @@ class HostSet:
         reconnects: int = 8,
         give_up: Callable[[CapsuleSession, BaseException], Awaitable[T]] | None = None,
     ) -> T:
-        """Run a clean-up step on a host's session. When it fails with a lost connection,
-        retry on fresh sessions with backoff (about 36 s), so a host that comes back in the
+        """Run a clean-up step on a host's session. When it fails with a lost connection
+        (`coldsnap.hosts.retry`: the session stage), retry on fresh sessions with backoff
+        (`session_policy`: about 36 s), so a host that comes back in the
         meantime is still cleaned. Any other error is the step's answer and is raised at
         once.
 
@@ -114,10 +85,7 @@ class HostSet:
         last error (to remove what the step could not restore, say); its result is returned.
         Otherwise the last error is raised."""
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(1 + reconnects),
-                                               wait=RECONNECT_WAIT,
-                                               retry=retry_if_exception(is_transient),
-                                               reraise=True):
+            async for attempt in session_policy(reconnects).retrying():
                 with attempt:
                     if attempt.retry_state.attempt_number == 1:
                         return await fn(session)  # the operation's own session first

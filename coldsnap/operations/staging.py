@@ -35,7 +35,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.topology import Topology
 

@@ -6,7 +6,7 @@ passed, no run will resume them."""
 from __future__ import annotations
 
 from coldsnap.hosts.base import Host
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 
 TEMP_MAX_AGE_S = 24 * 3600.0
 # The commit's `docker save` target before its rename (coldsnap.capsule.oci.commit).

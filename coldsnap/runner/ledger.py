@@ -34,9 +34,9 @@ from pydantic import ValidationError
 
 from coldsnap.formats.fields import Digest, Id, StrictModel, is_id
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
+from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.store import StoreError
-from coldsnap.store.local import atomic_write_bytes
 
 LEDGER_DIR: Final = "operations"
 ENTRY_KIND: Final = "coldsnapd-operation-record"

@@ -20,8 +20,8 @@ from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ArtifactInvalid
-from coldsnap.hosts.durable import fsync_dir, publish
-from coldsnap.hosts.remote_helper import stamp, stamped_digest
+from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir, publish
+from coldsnap.hosts.helper.stamps import stamp, stamped_digest
 
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -62,28 +62,6 @@ def default_store_root() -> Path:
     """`$COLDSNAP_STORE`, else /var/lib/coldsnap/store (the service's state directory)."""
     env = os.environ.get("COLDSNAP_STORE")
     return Path(env) if env else Path("/var/lib/coldsnap/store")
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None:
-    """Write to a temporary sibling, fsync, then rename: readers never see a partial file.
-
-    With replace=False an existing `path` is never replaced (FileExistsError): the final
-    step is a hard link, which fails when the name appeared in the meantime."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 _INCOMING = "incoming."

@@ -1,4 +1,4 @@
-"""get over the OpenSSH client (coldsnap.hosts.fetch_openssh) against the dev cluster:
+"""get over the OpenSSH client (coldsnap.hosts.transfer.openssh_get) against the dev cluster:
 digests, the known-digest path where the host only reads, corruption, resume, and the
 fallback to the pooled asyncssh connection when the OpenSSH client fails."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import coldsnap.hosts.transfer as transfer
+import coldsnap.hosts.transfer.driver as transfer
 from coldsnap.hosts.base import TransferError
-from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.ssh import SSHHost, SSHSettings
-from coldsnap.hosts.transfer import PART_SUFFIX
+from coldsnap.hosts.transfer.driver import fetch_file
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 
 from .conftest import ClusterControl
 from .test_transfer import flip_byte_at

@@ -24,7 +24,7 @@ from coldsnap.hosts.host_keys import known_hosts_pattern
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.ssh import SSHHost, SSHSettings
-from coldsnap.hosts.streams import RemoteStream
+from coldsnap.hosts.transfer.streams import RemoteStream
 
 from .conftest import ClusterControl
 

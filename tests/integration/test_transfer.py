@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-import coldsnap.hosts.transfer as transfer
+import coldsnap.hosts.transfer.driver as transfer
 from coldsnap.hosts.base import TransferError
-from coldsnap.hosts.fetch_openssh import fetch_file
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.hosts.ssh import SSHHost, SSHSettings
-from coldsnap.hosts.transfer import PART_SUFFIX, Transport, put_file
+from coldsnap.hosts.transfer.driver import Transport, fetch_file, put_file
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 
 from .conftest import ClusterControl
 

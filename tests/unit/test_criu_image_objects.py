@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from coldsnap.capsule.holdings import image_set_ready
-from coldsnap.capsule.image_helper import SET_STAMP_ATTR
 from coldsnap.capsule.images import (
     ImageSetError,
     begin_assembly,
@@ -28,6 +27,7 @@ from coldsnap.capsule.images import (
 )
 from coldsnap.formats.artifact import ArtifactObject, criu_image_path
 from coldsnap.formats.capsule import CriuImageSet
+from coldsnap.hosts.helper.stamps import SET_STAMP_ATTR
 from coldsnap.hosts.local import LocalHost
 from coldsnap.operations.staging import stage_host, survey_host
 from coldsnap.store import LocalStore, ObjectCorrupt

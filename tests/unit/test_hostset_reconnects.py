@@ -15,13 +15,14 @@ from tenacity import wait_none
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.session import CapsuleSession
+from coldsnap.hosts import retry
 from coldsnap.hosts.base import HostKeyRejected, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry, Inventory
-from coldsnap.operations import hostset
-from coldsnap.operations.hostset import HostSet, is_transient
+from coldsnap.hosts.retry import is_transient
+from coldsnap.operations.hostset import HostSet
 
 # Read before the fixture below replaces it for the tests that need no real waiting.
-PRODUCTION_WAIT = hostset.RECONNECT_WAIT
+PRODUCTION_WAIT = retry.RECONNECT_WAIT
 
 
 class _Lost(ConnectionResetError):
@@ -45,7 +46,7 @@ def _hosts(tmp_path: Path, opened: list[str]) -> HostSet:
 
 @pytest.fixture(autouse=True)
 def _no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hostset, "RECONNECT_WAIT", wait_none())
+    monkeypatch.setattr(retry, "RECONNECT_WAIT", wait_none())
 
 
 async def test_a_step_that_works_uses_the_session_it_was_given(tmp_path: Path) -> None:

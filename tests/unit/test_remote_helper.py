@@ -11,18 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_BUSY, EXIT_MISMATCH, EXIT_OFFSET, EXIT_SHORT
+from coldsnap.hosts.helper.files import PUT_MARK
+from coldsnap.hosts.helper.stamps import STAMP_ATTR
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.remote_helper import (
-    EXIT_BUSY,
-    EXIT_MISMATCH,
-    EXIT_OFFSET,
-    EXIT_SHORT,
-    PUT_MARK,
-    STAMP_ATTR,
-)
 from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.transfer_openssh import openssh_argv
-from coldsnap.hosts.transfer_protocol import PART_SUFFIX, classify, helper_argv, parse_part
+from coldsnap.hosts.transfer.openssh_client import openssh_argv
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX, classify, parse_part
 
 
 def run(mode: str, *args: str, data: bytes = b"") -> subprocess.CompletedProcess[bytes]:

@@ -130,7 +130,7 @@ def test_verify_trusts_a_matching_stamp_and_hashes_once_without_one(
     import os
 
     import coldsnap.store.local as local
-    from coldsnap.hosts.remote_helper import STAMP_ATTR
+    from coldsnap.hosts.helper.stamps import STAMP_ATTR
 
     store = LocalStore(tmp_path).ensure()
     d, _ = store.add_bytes(b"weights" * 1000)

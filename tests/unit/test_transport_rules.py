@@ -10,8 +10,9 @@ import pytest
 from coldsnap.hosts.base import HostAuthFailed, HostKeyRejected
 from coldsnap.hosts.host_keys import known_hosts_pattern
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.ssh import SSHSettings, _transient
-from coldsnap.hosts.transfer import openssh_argv
+from coldsnap.hosts.retry import connect_stage, is_transient
+from coldsnap.hosts.ssh import SSHSettings
+from coldsnap.hosts.transfer.openssh_client import openssh_argv
 
 
 @pytest.mark.parametrize(
@@ -24,7 +25,7 @@ from coldsnap.hosts.transfer import openssh_argv
     ],
 )
 def test_connection_errors_are_retried(exc: BaseException) -> None:
-    assert _transient(exc)
+    assert is_transient(exc, connect_stage())
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_connection_errors_are_retried(exc: BaseException) -> None:
     ],
 )
 def test_refusals_and_bugs_are_not_retried(exc: BaseException) -> None:
-    assert not _transient(exc)
+    assert not is_transient(exc, connect_stage())
 
 
 def entry(**over: object) -> HostEntry:

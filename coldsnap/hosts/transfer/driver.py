@@ -4,7 +4,7 @@ Why not SFTP: measured here, one exec'd stream with aes128-gcm moves 1 GiB faste
 asyncssh's SFTP client (no per-request round trips or acknowledgements), and the far side can
 hash while it writes.
 
-The far side runs a small Python helper (`coldsnap/hosts/remote_helper.py`, sent as
+The far side runs the host-side helper program (`coldsnap.hosts.helper`, sent as
 `python3 -c` with every call, nothing installed). It hashes with OpenSSL's SHA-256 (SHA-NI:
 ~0.6 s/GiB here), where coreutils' `sha256sum` takes ~3 s/GiB on the same CPU, which alone
 would make staging slower than scp.
@@ -20,8 +20,8 @@ get: far -> "size SIZE\\n", bytes from OFFSET, "HEX\\n" (whole file, hashed whil
   near appends to `<local>.coldsnap-part`, hashes its kept prefix plus the new bytes, compares,
   fsyncs, renames.
 
-Two put paths share that handshake: the OpenSSH client for the bulk bytes
-(`transfer_openssh`), or the pooled asyncssh connection (`transfer_stream`). A dropped
+Two data paths share that handshake: the OpenSSH client for the bulk bytes
+(`openssh_put`, `openssh_get`), or the pooled asyncssh connection (`over_asyncssh`). A dropped
 connection leaves the partial file in place; the next attempt (after a reconnect, with
 jittered exponential backoff) continues from the prefix both sides agree on.
 """
@@ -33,57 +33,30 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
-import asyncssh
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    RetryError,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
+from tenacity import RetryCallState, RetryError
 
-from coldsnap.digests import sha256_file
+from coldsnap.digests import check_digest, sha256_file
 from coldsnap.hosts.base import (
-    HostAuthFailed,
-    HostKeyRejected,
-    HostUnreachable,
     ProgressCallback,
     TransferError,
     TransferResult,
 )
-from coldsnap.hosts.streams import StreamHost
-from coldsnap.hosts.transfer_openssh import OpenSSHClientFailed, openssh_argv, put_once_openssh
-from coldsnap.hosts.transfer_protocol import (
+from coldsnap.hosts.retry import transfer_policy
+from coldsnap.hosts.transfer.openssh_client import OpenSSHClientFailed, openssh_argv
+from coldsnap.hosts.transfer.openssh_get import get_once_openssh
+from coldsnap.hosts.transfer.openssh_put import put_once_openssh
+from coldsnap.hosts.transfer.over_asyncssh import get_once_stream, put_once_stream
+from coldsnap.hosts.transfer.protocol import (
     CHUNK,
-    HELPER,
-    PART_SUFFIX,
     DigestMismatch,
-    Retry,
     Tamper,
-    remote_file_digest,
 )
-from coldsnap.hosts.transfer_stream import put_once_stream
+from coldsnap.hosts.transfer.streams import StreamHost
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
 Transport = Literal["auto", "openssh", "asyncssh"]
-
-_RETRYABLE: tuple[type[BaseException], ...] = (
-    Retry,
-    HostUnreachable,
-    asyncssh.DisconnectError,
-    asyncssh.ChannelOpenError,
-    ConnectionError,
-    asyncio.IncompleteReadError,
-)
-
-
-def _should_retry(exc: BaseException) -> bool:
-    if isinstance(exc, HostKeyRejected | HostAuthFailed | TransferError):
-        return False
-    return isinstance(exc, _RETRYABLE)
 
 
 async def _with_resume(host: StreamHost, what: str, attempts: int,
@@ -94,12 +67,8 @@ async def _with_resume(host: StreamHost, what: str, attempts: int,
                  attempt=state.attempt_number, error=str(exc) or type(exc).__name__)
 
     try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(attempts),
-            wait=wait_random_exponential(multiplier=0.5, max=8.0),
-            retry=retry_if_exception(_should_retry),
-            before_sleep=before_sleep,
-        ):
+        async for attempt in transfer_policy(attempts).retrying(before_sleep=before_sleep,
+                                                                 reraise=False):
             with attempt:
                 return await once()
     except RetryError as exc:
@@ -202,13 +171,49 @@ async def put_file(
         raise TransferError(host.name, f"corrupted in transit: {exc.message}") from None
 
 
+async def fetch_file(
+    host: StreamHost,
+    remote: str,
+    local: Path,
+    *,
+    progress: ProgressCallback | None = None,
+    attempts: int = 6,
+    tamper: Tamper | None = None,
+    transport: Transport | None = None,
+    expected: str | None = None,
+) -> TransferResult:
+    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
+    see `Host.get`.
+
+    `transport`: see `over_chosen_transport`."""
+    local = Path(local)
+    if not remote.startswith("/"):
+        raise ValueError(f"remote path must be absolute: {remote!r}")
+    if expected is not None:
+        check_digest(expected)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    size = None
+    if (transport or host.settings.bulk_transport) == "auto":
+        # One round trip decides whether the file repays an OpenSSH client's start.
+        found = await host.run(["stat", "-L", "-c", "%s", "--", remote], check=False)
+        if found.exit_status == 0 and found.stdout.strip().isdigit():
+            size = int(found.stdout)
+    got = await over_chosen_transport(
+        host, f"get {remote} -> {local}", attempts, transport,
+        lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected),
+        lambda: get_once_stream(host, remote, local, progress, tamper), size=size)
+    if expected is not None and got.sha256 != expected:
+        # Only the asyncssh path gets here: both ends agree on a file that changed since.
+        await asyncio.to_thread(local.unlink)
+        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it "
+                                        f"has {got.sha256}, expected {expected}")
+    return got
+
+
 __all__ = [
-    "CHUNK",
-    "HELPER",
-    "PART_SUFFIX",
+    "AUTO_OPENSSH_MIN_BYTES",
     "Transport",
-    "openssh_argv",
+    "fetch_file",
     "over_chosen_transport",
     "put_file",
-    "remote_file_digest",
 ]

@@ -1,16 +1,17 @@
-"""What both transfer paths share: the far-side helper (sent with each call), its exit codes,
-how an exit status is classified, and the resume handshake's offset decision."""
+"""What both transfer paths share: how the far side's exit status (the host-side helper's,
+`coldsnap.hosts.helper`) is classified, the resume handshake's offset decision, and the
+digests of files on a host."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 from coldsnap.hosts.base import DEFAULT_RUN_TIMEOUT, Host, TransferError
-from coldsnap.hosts.remote_helper import (
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import (
     EXIT_BUSY,
     EXIT_MISMATCH,
     EXIT_OFFSET,
@@ -22,9 +23,6 @@ PART_SUFFIX = ".coldsnap-part"
 # How long the far side of a failed or cancelled put gets to end once its input has ended
 # (it only has to notice that), on either data path.
 FAR_SIDE_END_S = 10.0
-F_SETPIPE_SZ = 1031  # Linux fcntl; not exposed by Python 3.11's fcntl module
-
-HELPER = resources.files("coldsnap.hosts").joinpath("remote_helper.py").read_text()
 
 # Fault injection for tests: (offset, chunk) -> the bytes actually sent / kept.
 Tamper = Callable[[int, bytes], bytes]
@@ -38,10 +36,6 @@ class Retry(Exception):
 
 class DigestMismatch(TransferError):
     """The far side's bytes do not hash to what the sender has, or to the digest it expects."""
-
-
-def helper_argv(mode: str, *args: str) -> list[str]:
-    return ["python3", "-c", HELPER, mode, *args]
 
 
 def classify(status: int) -> Outcome:

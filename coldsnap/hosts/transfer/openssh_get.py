@@ -28,23 +28,20 @@ from typing import Any
 
 import structlog
 
-from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
-from coldsnap.hosts.client_thread import (
+from coldsnap.hosts.durable import publish
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_OFFSET, EXIT_USAGE
+from coldsnap.hosts.helper.files import Writeback
+from coldsnap.hosts.transfer.openssh_client import (
+    SSH_CLIENT_FAILED,
+    OpenSSHClientFailed,
     Started,
     in_client_thread,
     loop_progress,
     start_client,
 )
-from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import EXIT_OFFSET, EXIT_USAGE, Writeback
-from coldsnap.hosts.streams import StreamHost
-from coldsnap.hosts.transfer import Transport, over_chosen_transport
-from coldsnap.hosts.transfer_openssh import (
-    SSH_CLIENT_FAILED,
-    OpenSSHClientFailed,
-)
-from coldsnap.hosts.transfer_protocol import (
+from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     PART_SUFFIX,
     DigestMismatch,
@@ -52,9 +49,8 @@ from coldsnap.hosts.transfer_protocol import (
     Tamper,
     classify,
     hash_file_prefix,
-    helper_argv,
 )
-from coldsnap.hosts.transfer_stream import get_once_stream
+from coldsnap.hosts.transfer.streams import StreamHost
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
 
@@ -211,42 +207,3 @@ def _settle(host: str, remote: str, local: Path, part: Path, offset: int, h: Any
     publish(part, local)
     return TransferResult(bytes=got.total, sha256=f"sha256:{digest}",
                           sent_bytes=got.total - offset)
-
-
-async def fetch_file(
-    host: StreamHost,
-    remote: str,
-    local: Path,
-    *,
-    progress: ProgressCallback | None = None,
-    attempts: int = 6,
-    tamper: Tamper | None = None,
-    transport: Transport | None = None,
-    expected: str | None = None,
-) -> TransferResult:
-    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
-    see `Host.get`.
-
-    `transport`: see `coldsnap.hosts.transfer.over_chosen_transport`."""
-    local = Path(local)
-    if not remote.startswith("/"):
-        raise ValueError(f"remote path must be absolute: {remote!r}")
-    if expected is not None:
-        check_digest(expected)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    size = None
-    if (transport or host.settings.bulk_transport) == "auto":
-        # One round trip decides whether the file repays an OpenSSH client's start.
-        found = await host.run(["stat", "-L", "-c", "%s", "--", remote], check=False)
-        if found.exit_status == 0 and found.stdout.strip().isdigit():
-            size = int(found.stdout)
-    got = await over_chosen_transport(
-        host, f"get {remote} -> {local}", attempts, transport,
-        lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected),
-        lambda: get_once_stream(host, remote, local, progress, tamper), size=size)
-    if expected is not None and got.sha256 != expected:
-        # Only the asyncssh path gets here: both ends agree on a file that changed since.
-        await asyncio.to_thread(local.unlink)
-        raise DigestMismatch(host.name, f"get {remote}: it changed since it was hashed: it "
-                                        f"has {got.sha256}, expected {expected}")
-    return got

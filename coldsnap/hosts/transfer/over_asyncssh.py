@@ -1,5 +1,5 @@
 """The asyncssh path: put and get over one exec stream of the pooled connection, the far
-side's helper hashing while it writes (see coldsnap.hosts.transfer for the protocol)."""
+side's helper hashing while it writes (see coldsnap.hosts.transfer.driver for the protocol)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import structlog
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
 from coldsnap.hosts.durable import publish
-from coldsnap.hosts.remote_helper import EXIT_OFFSET
-from coldsnap.hosts.streams import RemoteStream, StreamHost
-from coldsnap.hosts.transfer_protocol import (
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import EXIT_OFFSET
+from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     FAR_SIDE_END_S,
     PART_SUFFIX,
@@ -27,10 +27,10 @@ from coldsnap.hosts.transfer_protocol import (
     Tamper,
     classify,
     hash_file_prefix,
-    helper_argv,
     parse_part,
     resume_offset,
 )
+from coldsnap.hosts.transfer.streams import RemoteStream, StreamHost
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
 

@@ -8,13 +8,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import shutil
 import subprocess
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 from coldsnap.hosts.base import ProgressCallback
-from coldsnap.hosts.transfer_protocol import CHUNK, F_SETPIPE_SZ
+from coldsnap.hosts.helper.common import F_SETPIPE_SZ
+from coldsnap.hosts.inventory import HostEntry
+from coldsnap.hosts.settings import SSHSettings
+from coldsnap.hosts.transfer.protocol import CHUNK, Retry
 
 T = TypeVar("T")
 
@@ -79,3 +83,43 @@ async def in_client_thread(name: str, body: Callable[[Started], T]) -> T:
         with contextlib.suppress(BaseException):
             await asyncio.shield(waiter)
         raise
+
+
+# The OpenSSH client itself failed (connection, configuration, authentication).
+SSH_CLIENT_FAILED = 255
+
+
+class OpenSSHClientFailed(Retry):
+    """The OpenSSH client exited 255: a resumed attempt may use the asyncssh path instead."""
+
+
+def openssh_argv(entry: HostEntry, settings: SSHSettings) -> list[str] | None:
+    """The OpenSSH client command for this host, with the same trust decisions as the
+    asyncssh connection: the inventory's known_hosts only, strict, the inventory's key only,
+    no configuration file (-F /dev/null), no agent. None when it cannot be used (no client
+    installed, or a jump through an inventory host, whose key and known_hosts only the pool
+    knows)."""
+    ssh = shutil.which("ssh")
+    if ssh is None or entry.proxy_jump:
+        return None
+    options = {
+        "BatchMode": "yes",
+        "StrictHostKeyChecking": "yes",
+        "UserKnownHostsFile": str(entry.known_hosts),
+        "GlobalKnownHostsFile": "/dev/null",
+        "UpdateHostKeys": "no",
+        "CheckHostIP": "no",
+        "ControlMaster": "no",
+        "ControlPath": "none",
+        "Compression": "no",
+        "ConnectTimeout": str(max(1, round(settings.connect_timeout))),
+        "ServerAliveInterval": str(max(1, round(settings.keepalive_interval))),
+        "ServerAliveCountMax": str(settings.keepalive_count_max),
+    }
+    argv = [ssh, "-F", "/dev/null", "-T", "-x", "-a", "-p", str(entry.port), "-l", entry.user]
+    for key, value in options.items():
+        argv += ["-o", f"{key}={value}"]
+    argv += ["-c", ",".join(settings.encryption_algs)]
+    if entry.identity_file:
+        argv += ["-i", str(entry.identity_file), "-o", "IdentitiesOnly=yes"]
+    return [*argv, "--", entry.address]

@@ -10,19 +10,23 @@ import contextlib
 import os
 import secrets
 import shlex
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from coldsnap.digests import check_digest
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
-from coldsnap.hosts.client_thread import Started, in_client_thread, loop_progress, start_client
-from coldsnap.hosts.inventory import HostEntry
-from coldsnap.hosts.remote_helper import PUT_MARK
-from coldsnap.hosts.settings import SSHSettings
-from coldsnap.hosts.streams import StreamHost
-from coldsnap.hosts.transfer_protocol import (
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.files import PUT_MARK
+from coldsnap.hosts.transfer.openssh_client import (
+    SSH_CLIENT_FAILED,
+    OpenSSHClientFailed,
+    Started,
+    in_client_thread,
+    loop_progress,
+    start_client,
+)
+from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     FAR_SIDE_END_S,
     PART_SUFFIX,
@@ -30,13 +34,11 @@ from coldsnap.hosts.transfer_protocol import (
     Retry,
     Tamper,
     classify,
-    helper_argv,
     parse_part,
     resume_offset,
 )
+from coldsnap.hosts.transfer.streams import StreamHost
 
-# The OpenSSH client itself failed (connection, configuration, authentication).
-SSH_CLIENT_FAILED = 255
 _REPORT_EVERY = 8 * CHUNK
 
 
@@ -50,42 +52,6 @@ async def _reap_far_side(host: StreamHost, token: str) -> None:
         async with asyncio.timeout(FAR_SIDE_END_S + 10):
             await host.run(helper_argv("reap", token, str(FAR_SIDE_END_S)),
                            timeout=FAR_SIDE_END_S + 5, check=False)
-
-
-class OpenSSHClientFailed(Retry):
-    """The OpenSSH client exited 255: a resumed attempt may use the asyncssh path instead."""
-
-
-def openssh_argv(entry: HostEntry, settings: SSHSettings) -> list[str] | None:
-    """The OpenSSH client command for this host, with the same trust decisions as the
-    asyncssh connection: the inventory's known_hosts only, strict, the inventory's key only,
-    no configuration file (-F /dev/null), no agent. None when it cannot be used (no client
-    installed, or a jump through an inventory host, whose key and known_hosts only the pool
-    knows)."""
-    ssh = shutil.which("ssh")
-    if ssh is None or entry.proxy_jump:
-        return None
-    options = {
-        "BatchMode": "yes",
-        "StrictHostKeyChecking": "yes",
-        "UserKnownHostsFile": str(entry.known_hosts),
-        "GlobalKnownHostsFile": "/dev/null",
-        "UpdateHostKeys": "no",
-        "CheckHostIP": "no",
-        "ControlMaster": "no",
-        "ControlPath": "none",
-        "Compression": "no",
-        "ConnectTimeout": str(max(1, round(settings.connect_timeout))),
-        "ServerAliveInterval": str(max(1, round(settings.keepalive_interval))),
-        "ServerAliveCountMax": str(settings.keepalive_count_max),
-    }
-    argv = [ssh, "-F", "/dev/null", "-T", "-x", "-a", "-p", str(entry.port), "-l", entry.user]
-    for key, value in options.items():
-        argv += ["-o", f"{key}={value}"]
-    argv += ["-c", ",".join(settings.encryption_algs)]
-    if entry.identity_file:
-        argv += ["-i", str(entry.identity_file), "-o", "IdentitiesOnly=yes"]
-    return [*argv, "--", entry.address]
 
 
 def _pump(

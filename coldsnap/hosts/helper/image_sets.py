@@ -1,8 +1,5 @@
-"""The host side of CRIU image packing and capsule layer export: a small program the
-controller sends with every call (`python3 -c <this file's source> MODE ARGS`), nothing is
-installed on the host. Python 3.8 and the standard library only: only this text crosses.
+"""The helper's CRIU image set modes, and the export of a capsule's own layers.
 
-Modes:
   pack SRC OUT CHUNK SMALL  the regular files of SRC as content-addressed objects OUT/<hex>:
                             a file over SMALL bytes cut into CHUNK-byte objects, smaller files
                             packed together up to CHUNK; prints the layout as JSON
@@ -10,22 +7,22 @@ Modes:
                             object_offset, length], ...] from offset 0 to its end: write OBJ's
                             bytes into ROOT's files while hashing it; exit 4 when OBJ is not HEX
   finish PART FINAL         stdin {"files": [[name, size, mode], ...], "plan": PLAN}: check,
-                            fsync, stamp (below), publish PART as FINAL
+                            fsync, stamp, publish PART as FINAL
   layers SRC DST NBASE      a `docker save` tar without its first NBASE layers: what
                             `docker load` needs on a host that has the base image; prints
                             "HEX SIZE" of DST
 
-A published directory carries a verified stamp (an extended attribute on the directory): the
-digest of the plan its bytes were checked against, and of each of its files' size, mtime and
-inode. `check_set` (no mode: the controller's survey calls it, PLAN being [[hex, size,
-copies], ...] with copies as for place) answers from a stamp that still matches instead of
-reading the files again; any write to a file moves its mtime, and a replaced file has another
-inode. `finish` stamps, since every object was hashed as it was placed, and so does a
-`check_set` that read everything.
+A published directory carries a verified set stamp (`stamps.SET_STAMP_ATTR`). `check_set`
+(PLAN being [[hex, size, copies], ...] with copies as for place; the `holdings` mode calls it)
+answers from a stamp that still matches instead of reading the files again. `finish` stamps,
+since every object was hashed as it was placed, and so does a `check_set` that read
+everything.
 
 Objects and published files are fsync'd before their rename and their directory after it;
 everything is private to the owner (0600 files, 0700 directories): CRIU images hold the
 engine's memory.
+
+A part of the helper program (see `coldsnap.hosts.helper`): Python 3.8, standard library only.
 """
 
 from __future__ import annotations
@@ -38,36 +35,18 @@ import os
 import stat
 import sys
 import tarfile
-from typing import Any, NoReturn
+from typing import Any
 
-EXIT_USAGE = 2
-EXIT_ABSENT = 1
-EXIT_MISMATCH = 4
-BUF = 1 << 20
-SET_STAMP_ATTR = "user.coldsnap.set"
-
-
-def fail(code: int, msg: str) -> NoReturn:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: str, final: str) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+from coldsnap.hosts.helper.common import (
+    CH,
+    EXIT_ABSENT,
+    EXIT_MISMATCH,
+    EXIT_USAGE,
+    die,
+    publish,
+    sync_dir,
+)
+from coldsnap.hosts.helper.stamps import read_set_stamp, set_stamp, write_set_stamp
 
 
 class ObjectWriter:
@@ -116,9 +95,9 @@ class ObjectWriter:
 def copy_in(f: Any, w: ObjectWriter, n: int, path: str, mv: memoryview) -> None:
     """The next `n` bytes of `f` into the object being written."""
     while n:
-        k = f.readinto(mv[:min(BUF, n)])
+        k = f.readinto(mv[:min(CH, n)])
         if not k:
-            fail(EXIT_USAGE, f"{path} shrank while packing")
+            die(EXIT_USAGE, f"{path} shrank while packing")
         w.write(mv[:k])
         n -= k
 
@@ -131,7 +110,7 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
                    key=lambda n: (os.lstat(os.path.join(src, n)).st_size > small, n))
     files: list[Any] = []
     w = ObjectWriter(out)
-    buf = bytearray(BUF)
+    buf = bytearray(CH)
     mv = memoryview(buf)
     # Small files go into one pack object at a time; their extents name it once it is closed.
     pending: list[Any] = []
@@ -148,8 +127,8 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
         path = os.path.join(src, name)
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
-            fail(EXIT_USAGE, f"{path} is not a regular file: a CRIU image directory holds only "
-                             "files")
+            die(EXIT_USAGE, f"{path} is not a regular file: a CRIU image directory holds only "
+                            "files")
         entry: dict[str, Any] = {"name": name, "size": st.st_size,
                                  "mode": stat.S_IMODE(st.st_mode), "extents": []}
         files.append(entry)
@@ -192,7 +171,7 @@ def place(root: str, obj: str, hexd: str) -> None:
     copies = json.load(sys.stdin)
     h = hashlib.sha256()
     fds: dict[str, int] = {}
-    buf = bytearray(BUF)
+    buf = bytearray(CH)
     mv = memoryview(buf)
     size = 0
     try:
@@ -200,7 +179,7 @@ def place(root: str, obj: str, hexd: str) -> None:
             at = 0
             for name, _file_off, obj_off, length in copy:
                 if obj_off != at or os.sep in name or name.startswith("."):
-                    fail(EXIT_USAGE, f"bad piece {name!r} at {obj_off}")
+                    die(EXIT_USAGE, f"bad piece {name!r} at {obj_off}")
                 at += length
                 if name not in fds:
                     fds[name] = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT,
@@ -213,42 +192,18 @@ def place(root: str, obj: str, hexd: str) -> None:
                 if not k:
                     break
                 if pos + k > size:
-                    fail(EXIT_MISMATCH, f"{obj} is longer than its pieces")
+                    die(EXIT_MISMATCH, f"{obj} is longer than its pieces")
                 h.update(mv[:k])
                 for copy in copies:
                     write_range(fds, copy, pos, mv[:k])
                 pos += k
         if pos != size:
-            fail(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
+            die(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
     finally:
         for fd in fds.values():
             os.close(fd)
     if h.hexdigest() != hexd:
-        fail(EXIT_MISMATCH, f"{obj} hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
-
-
-def set_stamp(root: str, plan: list[Any]) -> str:
-    """The stamp of DIR's files as they are now, checked against `plan`."""
-    h = hashlib.sha256(json.dumps(plan, separators=(",", ":")).encode())
-    names = sorted({piece[0] for _hex, _size, copies in plan for copy in copies
-                    for piece in copy})
-    for name in names:
-        st = os.stat(os.path.join(root, name))
-        h.update(f"\n{name} {st.st_size} {st.st_mtime_ns} {st.st_ino}".encode())
-    return h.hexdigest()
-
-
-def read_set_stamp(root: str) -> str | None:
-    try:
-        return os.getxattr(root, SET_STAMP_ATTR).decode()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def write_set_stamp(root: str, plan: list[Any]) -> None:
-    # Without user xattrs on this filesystem, every verify reads the files.
-    with contextlib.suppress(OSError):
-        os.setxattr(root, SET_STAMP_ATTR, set_stamp(root, plan).encode())
+        die(EXIT_MISMATCH, f"{obj} hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
 
 
 def finish(part: str, final: str) -> None:
@@ -258,7 +213,7 @@ def finish(part: str, final: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != size:
-                fail(EXIT_MISMATCH, f"{path} is {os.fstat(fd).st_size} bytes, not {size}")
+                die(EXIT_MISMATCH, f"{path} is {os.fstat(fd).st_size} bytes, not {size}")
             os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
@@ -274,13 +229,13 @@ def finish(part: str, final: str) -> None:
 def check_set(root: str, plan: list[Any]) -> tuple[int, str]:
     """(0, "") when DIR holds exactly the bytes of `plan`, (1, why) when DIR is absent,
     (4, naming the object) when they differ. Returns rather than exits: the controller's
-    survey (capsule/holdings.py) checks several sets and other files in one process."""
+    survey (the `holdings` mode) checks several sets and other files in one process."""
     if not os.path.isdir(root):
         return EXIT_ABSENT, f"{root} is absent"
     with contextlib.suppress(OSError):
         if read_set_stamp(root) == set_stamp(root, plan):
             return 0, ""
-    buf = bytearray(BUF)
+    buf = bytearray(CH)
     mv = memoryview(buf)
     for hexd, size, copies in plan:
         for copy in copies:
@@ -292,7 +247,7 @@ def check_set(root: str, plan: list[Any]) -> tuple[int, str]:
                         f.seek(file_off)
                         left = length
                         while left:
-                            k = f.readinto(mv[:min(BUF, left)])
+                            k = f.readinto(mv[:min(CH, left)])
                             if not k:
                                 break
                             h.update(mv[:k])
@@ -310,11 +265,11 @@ def layers(src: str, dst: str, nbase: int) -> None:
     with tarfile.open(src, "r:") as tin:
         manifest = json.load(tin.extractfile("manifest.json"))  # type: ignore[arg-type]
         if len(manifest) != 1:
-            fail(EXIT_USAGE, f"{src} holds {len(manifest)} images, not one")
+            die(EXIT_USAGE, f"{src} holds {len(manifest)} images, not one")
         all_layers = manifest[0]["Layers"]
         if nbase > len(all_layers):
-            fail(EXIT_USAGE, f"the image has {len(all_layers)} layers, fewer than its "
-                             f"base's {nbase}")
+            die(EXIT_USAGE, f"the image has {len(all_layers)} layers, fewer than its "
+                            f"base's {nbase}")
         keep = {os.path.dirname(p) for p in all_layers[nbase:]}
         tmp = dst + ".partial"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -328,7 +283,7 @@ def layers(src: str, dst: str, nbase: int) -> None:
                     # be a base layer left out here: carry the bytes instead.
                     data = tin.extractfile(m)
                     if data is None:
-                        fail(EXIT_USAGE, f"{src}: dangling link {m.name}")
+                        die(EXIT_USAGE, f"{src}: dangling link {m.name}")
                     body = data.read()
                     info = tarfile.TarInfo(m.name)
                     info.size, info.mode, info.mtime = len(body), 0o644, m.mtime
@@ -336,29 +291,9 @@ def layers(src: str, dst: str, nbase: int) -> None:
                     continue
                 tout.addfile(m, tin.extractfile(m) if m.isfile() else None)
             tout.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-    os.replace(tmp, dst)
-    sync_dir(os.path.dirname(dst) or ".")
+            publish(raw, tmp, dst)
     h = hashlib.sha256()
     with open(dst, "rb") as f:
-        for block in iter(lambda: f.read(BUF), b""):
+        for block in iter(lambda: f.read(CH), b""):
             h.update(block)
     sys.stdout.write(f"{h.hexdigest()} {os.path.getsize(dst)}\n")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) == 5 and argv[0] == "pack":
-        pack(argv[1], argv[2], int(argv[3]), int(argv[4]))
-    elif len(argv) == 4 and argv[0] == "place":
-        place(argv[1], argv[2], argv[3])
-    elif len(argv) == 3 and argv[0] == "finish":
-        finish(argv[1], argv[2])
-    elif len(argv) == 4 and argv[0] == "layers":
-        layers(argv[1], argv[2], int(argv[3]))
-    else:
-        fail(EXIT_USAGE, "usage: pack|place|finish|layers ARGS")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

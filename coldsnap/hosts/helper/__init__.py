@@ -1,0 +1,64 @@
+"""The host-side helper: one small program the control node sends to a host with every call
+(`python3 -c PROGRAM MODE ARGS`, see `helper_argv`); nothing is installed there.
+
+Python 3.8 (the oldest python3 on a supported host OS) and the standard library only: only
+the program's text crosses to the host. It is written as the parts below, which the near side
+imports like any module (for the exit codes, the stamps, `Writeback`), and sent as one text:
+the parts in order, without their imports of each other (`PROGRAM`).
+
+  stamps.py      verified stamps of files and of published image sets (xattrs; their format)
+  common.py      the exit codes of every mode, `die`, `sync_dir`, `publish`
+  files.py       put, stat, stats, recv, commit, get, reap: the far side of file transfers
+  image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
+  main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
+
+Modes:
+  put PART FINAL            partial state, then "OFFSET LENGTH", bytes, "HEX": write, verify,
+                            publish
+  stat PATH                 "part SIZE HEX" of a file (0 and the empty digest when absent),
+                            from its verified stamp when that still matches
+  stats PATH...             the same for each path, one line each, "absent" for no regular file
+  recv PART OFF LEN         bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
+  commit SRC DST            rename a verified candidate into place
+  get PATH OFFSET           "size SIZE", bytes from OFFSET, then "HEX" of the whole file
+  reap TOKEN SECONDS        wait until no process of a put through OpenSSH marked with TOKEN
+                            runs here, killing what still runs after half the time
+  pack, place, finish, layers   see image_sets.py
+  holdings                  stdin {"paths": [...], "sets": [[ROOT, PLAN], ...]}: see main.py
+
+Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 75 busy.
+"""
+
+from __future__ import annotations
+
+import ast
+from importlib import resources
+
+# In the order the program needs them: each part uses only names of the parts before it.
+PARTS = ("stamps", "common", "files", "image_sets", "main")
+
+
+def _part(name: str) -> str:
+    """A part's source without its docstring and its imports of `__future__` and of this
+    package, which one text does not need (and python3 would refuse a later `__future__`)."""
+    source = resources.files(__package__).joinpath(f"{name}.py").read_text()
+    drop: set[int] = set()
+    for node in ast.parse(source).body:
+        local = isinstance(node, ast.ImportFrom) and node.module is not None and (
+            node.module == "__future__" or node.module.startswith("coldsnap."))
+        doc = (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+               and isinstance(node.value.value, str))
+        if local or doc:
+            drop.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    lines = source.splitlines(keepends=True)
+    return "".join(line for n, line in enumerate(lines, 1) if n not in drop)
+
+
+PROGRAM = "from __future__ import annotations\n" + "\n".join(_part(name) for name in PARTS)
+
+
+def helper_argv(mode: str, *args: str) -> list[str]:
+    return ["python3", "-c", PROGRAM, mode, *args]
+
+
+__all__ = ["PARTS", "PROGRAM", "helper_argv"]

@@ -168,11 +168,24 @@ def run_locally(args: argparse.Namespace, operation: Operation, request: Request
     board = ProgressBoard()
     try:
         with board:
-            outcome = run_here(prepared, held, ctx, Report.to_terminal(stdout_taken=stdout_taken),
+            outcome = run_here(prepared, held, ctx, terminal_report(stdout_taken=stdout_taken),
                                verbose=args.verbose, progress=board)
     finally:
         sink.close()
     return finish(outcome, args.receipt_json)
+
+
+def terminal_report(*, stdout_taken: bool) -> Report:
+    """An operation's lines on this terminal: its report on stdout unless the receipt or the
+    timing events own it."""
+
+    def err(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    def out(line: str) -> None:
+        sys.stdout.write(line + "\n")
+
+    return Report(err, err if stdout_taken else out)
 
 
 def finish(outcome: Outcome, receipt_json: str | None) -> int:

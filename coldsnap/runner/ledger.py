@@ -88,6 +88,7 @@ def _now() -> str:
 class Ledger:
     def __init__(self, store_root: Path) -> None:
         self.dir = store_root / LEDGER_DIR
+        self.store_root = store_root
 
     def path(self, operation_id: str) -> Path:
         if not is_id(operation_id):
@@ -106,11 +107,29 @@ class Ledger:
             return None
         except (OSError, ValueError) as exc:
             raise LedgerUnreadable(f"operation record {path} is unreadable: {exc}") from None
+        if isinstance(raw, dict) and raw.get("format") == 1:
+            raw = self._from_format_1(raw)
         try:
             return Entry.model_validate(raw)
         except ValidationError as exc:
             raise LedgerUnreadable(f"operation record {path} is invalid: "
                                    f"{exc.errors(include_url=False)[0]['msg']}") from None
+
+    def _from_format_1(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """A record written before the ledger (format 1: the id's claim and receipt), with
+        what that version kept apart in `<store>/run/<id>.json`: where it ran and the units
+        its rollback kept serving, which gc must not remove. Read only; the next write of
+        the id is format 2."""
+        run: Any = {}
+        with contextlib.suppress(OSError, ValueError):
+            run = json.loads((self.store_root / "run" / f"{raw.get('operation_id')}.json")
+                             .read_bytes())
+        run = run if isinstance(run, dict) else {}
+        receipt = raw.get("receipt")
+        return {**raw, "format": 2, "control_node": str(run.get("control_node", "unknown")),
+                "completed_at": run.get("completed_at") or (
+                    receipt.get("completed_at") if isinstance(receipt, dict) else None),
+                "kept_units": run.get("kept_units") or []}
 
     def write(self, entry: Entry) -> None:
         data = json.dumps(entry.to_json(), indent=2, sort_keys=True) + "\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,16 +14,6 @@ class Report:
 
     say: Callable[[str], None]
     out: Callable[[str], None]
-
-    @classmethod
-    def to_terminal(cls, *, stdout_taken: bool = False) -> Report:
-        def err(line: str) -> None:
-            sys.stderr.write(line + "\n")
-
-        def out(line: str) -> None:
-            sys.stdout.write(line + "\n")
-
-        return cls(err, err if stdout_taken else out)
 
 
 def human_bytes(n: int) -> str:

@@ -195,6 +195,23 @@ def test_the_checks_see_what_they_should() -> None:
     assert _cycles({"a": ["b"], "b": []}) == []
 
 
+def test_the_runner_prints_nothing() -> None:
+    # Its lines go to the Report of the front end that runs it (the CLI's terminal, a service
+    # job's stream); only the signal handler speaks to the process's own stderr.
+    writes = []
+    for path in sorted((PACKAGE / "runner").glob("*.py")):
+        if path.name == "signals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") and \
+                    getattr(node.value, "id", "") == "sys":
+                writes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print":
+                writes.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(list((PACKAGE / "runner").glob("*.py"))) > 5
+    assert writes == []
+
+
 def test_commands_name_their_exit_statuses() -> None:
     # Every status a command returns comes from coldsnap.exits, so one meaning has one number.
     literal = []

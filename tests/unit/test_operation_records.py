@@ -69,3 +69,24 @@ def test_a_damaged_record_is_an_error_not_a_free_id(tmp_path: Path) -> None:
 def test_record_names_are_operation_ids(tmp_path: Path, bad: str) -> None:
     with pytest.raises(StoreError, match="not a valid operation id"):
         Ledger(tmp_path).path(bad)
+
+
+def test_a_record_from_before_the_ledger_reads_with_what_its_run_record_kept(
+        tmp_path: Path) -> None:
+    # Format 1 kept the claim and the receipt in operations/<id>.json and the run's end (where
+    # it ran, the units its rollback kept serving) in run/<id>.json: both are read, so gc
+    # still keeps those units and a retry is still answered.
+    receipt = _receipt("failed")
+    (tmp_path / "operations").mkdir()
+    (tmp_path / "operations" / "op-1.json").write_text(json.dumps({
+        "format": 1, "kind": "coldsnapd-operation-record", "operation_id": "op-1",
+        "operation": "capture", "request_sha256": SHA, "state": "failed",
+        "started_at": receipt.started_at, "pid": 7, "receipt": receipt.to_json()}))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "op-1.json").write_text(json.dumps({
+        "operation_id": "op-1", "operation": "capture", "pid": 7, "control_node": "node-a",
+        "started_at": receipt.started_at, "state": "failed",
+        "completed_at": receipt.completed_at, "kept_units": ["unit-0"]}))
+    held = Ledger(tmp_path).load("op-1")
+    assert held is not None and held.receipt == receipt
+    assert (held.state, held.kept_units, held.control_node) == ("failed", ["unit-0"], "node-a")

@@ -116,13 +116,10 @@ def build(docker_host: str, force: bool) -> str:
     tag = f"{REPOSITORY}:{key[:16]}"
     stamp = CACHE / "last-build.json"
     tools.ensure_registry(REGISTRY_DIR, PROG)
-    if not force and stamp.exists():
-        last = json.loads(stamp.read_text())
-        if last.get("key") == key and tools.registry_has(REPOSITORY, last["digest"]):
-            if not tools.image_present(docker_host, tag):
-                tools.docker(docker_host, "pull", f"{REPOSITORY}@{last['digest']}")
-            log("inputs unchanged; image already in the registry")
-            return f"{REPOSITORY}@{last['digest']}"
+    recorded = None if force else tools.recorded_build(stamp, key, REPOSITORY, docker_host, tag)
+    if recorded is not None:
+        log("inputs unchanged; image already in the registry")
+        return recorded
     rootfs = CACHE / f"capsule-{key[:16]}.tar"
     compose(base, rootfs)
     tools.import_image(docker_host, rootfs, tag,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -212,6 +213,21 @@ def registry_has(repository: str, digest: str) -> bool:
             return bool(r.status == 200)
     except (OSError, urllib.error.URLError):
         return False
+
+
+def recorded_build(stamp: Path, key: str, repository: str, docker_host: str,
+                   tag: str) -> str | None:
+    """The image that the last build recorded in `stamp` pushed, when it was built from this
+    same `key` and the registry still has it (pulled onto `docker_host` if that engine lacks
+    it); None when the image must be built."""
+    if not stamp.exists():
+        return None
+    last = json.loads(stamp.read_text())
+    if last.get("key") != key or not registry_has(repository, last["digest"]):
+        return None
+    if not image_present(docker_host, tag):
+        docker(docker_host, "pull", f"{repository}@{last['digest']}")
+    return f"{repository}@{last['digest']}"
 
 
 def docker(docker_host: str, *args: str, capture: bool = False) -> str:

@@ -318,13 +318,10 @@ def build(docker_host: str, force: bool) -> str:
     k16 = key[:16]
     tag = f"{REPOSITORY}:{k16}"
     tools.ensure_registry(REGISTRY_DIR, PROG)
-    if not force and STAMP.exists():
-        last = json.loads(STAMP.read_text())
-        if last.get("key") == key and tools.registry_has(REPOSITORY, last["digest"]):
-            if not tools.image_present(docker_host, tag):
-                tools.docker(docker_host, "pull", f"{REPOSITORY}@{last['digest']}")
-            log("recipe unchanged; image already in the registry")
-            return f"{REPOSITORY}@{last['digest']}"
+    recorded = None if force else tools.recorded_build(STAMP, key, REPOSITORY, docker_host, tag)
+    if recorded is not None:
+        log("recipe unchanged; image already in the registry")
+        return recorded
     with locked():
         cached = CACHE / f"vllm-cpu-{k16}.tar"
         if force or not cached.exists():

@@ -10,9 +10,8 @@ from coldsnap.commands.common import (
     add_store_argument,
     open_store,
     print_json,
-    report_failure,
 )
-from coldsnap.exits import EXIT_FAILED, EXIT_OK
+from coldsnap.exits import EXIT_FAILED, EXIT_OK, report_failure
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.runner.report import human_bytes
 from coldsnap.store import StoredArtifact, StoreError, resolve_reference

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import MAX_REQUEST_BYTES, Request, load_request, parse_request
 from coldsnap.store import LocalStore, default_store_root
@@ -59,9 +58,3 @@ def print_issues(issues: Sequence[ValidationIssue], source: str | Path) -> None:
 
 def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-
-def report_failure(message: str, status: int = EXIT_BAD_INPUT) -> int:
-    """Print `coldsnapd: message` on stderr; return `status` for the command to exit with."""
-    sys.stderr.write(f"coldsnapd: {message}\n")
-    return status

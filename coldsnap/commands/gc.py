@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap import logs
-from coldsnap.commands.common import add_store_argument, open_store, report_failure
+from coldsnap.commands.common import add_store_argument, open_store
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
-from coldsnap.exits import EXIT_FAILED, EXIT_OK
+from coldsnap.exits import EXIT_FAILED, EXIT_OK, report_failure
 from coldsnap.formats.fields import is_id
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from coldsnap.commands.common import print_json, report_failure
+from coldsnap.commands.common import print_json
 from coldsnap.commands.service_client import ServiceClient, ServiceLost, answers, socket_path
-from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, report_failure
 from coldsnap.formats.fields import is_id
 from coldsnap.runner.service_api import DEFAULT_SOCKET, JOB_STATES
 

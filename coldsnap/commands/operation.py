@@ -12,7 +12,6 @@ operation, whichever process runs it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,6 @@ from coldsnap.commands.common import (
     add_store_argument,
     load_request_source,
     print_issues,
-    report_failure,
 )
 from coldsnap.commands.outputs import (
     EventSink,
@@ -31,18 +29,23 @@ from coldsnap.commands.outputs import (
     check_output_flags,
     write_receipt,
 )
-from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, report_failure
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request
-from coldsnap.hosts.inventory import Inventory, InventoryError, load_inventory
+from coldsnap.hosts.inventory import (
+    DEFAULT_INVENTORY,
+    Inventory,
+    InventoryError,
+    inventory_path,
+    load_inventory,
+)
 from coldsnap.progress import ProgressBoard
 from coldsnap.runner.claim import claim
 from coldsnap.runner.execute import Outcome, run_context, run_here
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Refused, RunOptions
 from coldsnap.runner.report import Report
-from coldsnap.runner.service_api import DEFAULT_INVENTORY
 from coldsnap.store import default_store_root
 
 
@@ -98,18 +101,13 @@ def read_request(source: str, operation: str) -> Request | None:
 
 
 def load_hosts_inventory(args: argparse.Namespace) -> Inventory:
-    return load_inventory(inventory_path(args))
-
-
-def inventory_path(args: argparse.Namespace) -> Path:
-    path: Path = args.inventory or Path(os.environ.get("COLDSNAP_INVENTORY", DEFAULT_INVENTORY))
-    return path
+    return load_inventory(inventory_path(args.inventory))
 
 
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The runner's options from the command's flags."""
     return RunOptions(
-        inventory=inventory_path(args),
+        inventory=inventory_path(args.inventory),
         store=args.store if args.store is not None else default_store_root(),
         artifact=getattr(args, "artifact", None),
         prepare_only=bool(getattr(args, "prepare_only", False)),
@@ -208,7 +206,6 @@ __all__ = [
     "DEFAULT_INVENTORY",
     "InventoryError",
     "add_operation_arguments",
-    "inventory_path",
     "load_hosts_inventory",
     "operation_handler",
     "read_request",

@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 
-from coldsnap.commands.common import report_failure
 from coldsnap.commands.outputs import (
     EventSink,
     answer_again,
@@ -30,7 +29,7 @@ from coldsnap.commands.outputs import (
     open_events_target,
     write_receipt,
 )
-from coldsnap.exits import EXIT_FAILED
+from coldsnap.exits import EXIT_FAILED, report_failure
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.request import Request
 from coldsnap.formats.timing import TimingEvent

@@ -25,6 +25,7 @@ Relative `identity_file` / `known_hosts` paths are taken relative to the invento
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 from pathlib import Path
@@ -246,6 +247,14 @@ def parse_inventory(data: Any, *, source: Path | str = "<inventory>") -> Invento
             ]
         }
     )
+
+
+DEFAULT_INVENTORY = "/etc/coldsnap/inventory.yaml"
+
+
+def inventory_path(given: Path | None = None) -> Path:
+    """`given` (a command's `--inventory`), else `$COLDSNAP_INVENTORY`, else the default."""
+    return given or Path(os.environ.get("COLDSNAP_INVENTORY", DEFAULT_INVENTORY))
 
 
 def load_inventory(path: Path | str) -> Inventory:

@@ -93,12 +93,10 @@ def claim(prepared: Prepared, outputs: Outputs | None = None) -> Claim:
         record = ledger.reserve(key.operation_id, key.operation, key.request_sha256)
         if record is not None:
             _on_record(record, key)  # another run claimed the id just now
-    except StoreError as exc:
+    except BaseException as exc:
         if outputs is not None:
             outputs.discard()
-        raise Refused(str(exc)) from None
-    except BaseException:
-        if outputs is not None:
-            outputs.discard()
+        if isinstance(exc, StoreError):
+            raise Refused(str(exc)) from None
         raise
     return held

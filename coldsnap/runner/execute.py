@@ -67,7 +67,6 @@ class Outcome:
 
     receipt: Receipt
     exit_status: int
-    ctx: OperationContext
     notes: list[str] = field(default_factory=list)
     failure: str | None = None
 
@@ -91,7 +90,7 @@ def conclude(prepared: Prepared, claim: Claim, ctx: OperationContext,
                          snapshot_driver=prepared.snapshot_driver,
                          prepare_only=prepared.prepare_only, result=claim.result(result),
                          error=error)
-    outcome = Outcome(receipt, EXIT_OK if error is None else error.exit_status, ctx)
+    outcome = Outcome(receipt, EXIT_OK if error is None else error.exit_status)
     try:
         claim.complete(receipt)
     except (OSError, StoreError) as exc:

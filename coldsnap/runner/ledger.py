@@ -136,7 +136,7 @@ class Ledger:
         atomic_write_bytes(self.path(entry.operation_id), data.encode())
 
     @contextlib.contextmanager
-    def _claiming(self) -> Iterator[None]:
+    def claiming(self) -> Iterator[None]:
         """Serialises claims of this store's ids across processes."""
         self.dir.mkdir(parents=True, exist_ok=True)
         with (self.dir / ".claim.lock").open("ab") as lock:
@@ -146,7 +146,7 @@ class Ledger:
     def reserve(self, operation_id: str, operation: str, request_sha256: str) -> Entry | None:
         """Claim `operation_id` for this process: None when claimed, else the record that
         already holds it."""
-        with self._claiming():
+        with self.claiming():
             existing = self.load(operation_id)
             if existing is not None and not existing.prepare_only:
                 return existing
@@ -159,7 +159,7 @@ class Ledger:
     def complete(self, receipt: Receipt, *, prepare_only: bool = False) -> None:
         """The outcome of `receipt.operation_id`, with its receipt. A prepare-only run never
         replaces the record of a full run of its id: its receipt is kept beside."""
-        with self._claiming():
+        with self.claiming():
             existing = self.load(receipt.operation_id)
             if prepare_only and existing is not None and not existing.prepare_only:
                 self.write(existing.model_copy(update={"prepared": receipt}))
@@ -179,7 +179,7 @@ class OperationRun:
     serving. A second run of the same id while the first runs is refused."""
 
     def __init__(self, store_root: Path, ctx: OperationContext, *,
-                 request_sha256: str | None = None, prepare_only: bool = False) -> None:
+                 request_sha256: str, prepare_only: bool = False) -> None:
         self.ctx = ctx
         self.ledger = Ledger(store_root)
         self.lock_path = self.ledger.lock_path(ctx.operation_id)
@@ -220,11 +220,9 @@ class OperationRun:
             self._lock.close()
 
     def _publish(self, state: RunState, kept: tuple[str, ...]) -> None:
-        with self.ledger._claiming():
+        with self.ledger.claiming():
             entry = self.ledger.load(self.ctx.operation_id)
-            if entry is None:
-                if self.request_sha256 is None:
-                    return  # nothing claimed this id and nothing says which request ran
+            if entry is None:  # a prepare-only run, which claims no id
                 entry = Entry(operation_id=self.ctx.operation_id,
                               operation=self.ctx.operation, request_sha256=self.request_sha256,
                               state="running", prepare_only=self.prepare_only,

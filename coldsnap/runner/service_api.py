@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Final, Literal
 
 DEFAULT_SOCKET: Final = "/run/coldsnap/coldsnapd.sock"
-DEFAULT_INVENTORY: Final = "/etc/coldsnap/inventory.yaml"
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATES: tuple[JobState, ...] = ("queued", "running", "succeeded", "failed", "cancelled")

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED
-from coldsnap.hosts.inventory import InventoryError, load_inventory
-from coldsnap.runner.service_api import DEFAULT_INVENTORY, DEFAULT_SOCKET
+from coldsnap.exits import EXIT_FAILED, report_failure
+from coldsnap.hosts.inventory import (
+    DEFAULT_INVENTORY,
+    InventoryError,
+    inventory_path,
+    load_inventory,
+)
+from coldsnap.runner.service_api import DEFAULT_SOCKET
 from coldsnap.service.daemon import ServeConfig, ServeError, serve
 from coldsnap.store import LocalStore, default_store_root
 
@@ -33,11 +36,6 @@ def parse_listen(text: str) -> tuple[str, int] | str:
     return host, int(port)
 
 
-def report_failure(message: str, status: int = EXIT_BAD_INPUT) -> int:
-    sys.stderr.write(f"coldsnapd: {message}\n")
-    return status
-
-
 def _handler(args: argparse.Namespace) -> int:
     listen = None
     if args.metrics_listen is not None:
@@ -47,8 +45,7 @@ def _handler(args: argparse.Namespace) -> int:
         listen = parsed
     if args.drain_seconds < 0 or args.host_check_seconds <= 0:
         return report_failure("--drain-seconds must be 0 or more, --host-check-seconds more than 0")
-    inventory = Path(args.inventory or os.environ.get("COLDSNAP_INVENTORY", DEFAULT_INVENTORY))
-    inventory = inventory.absolute()
+    inventory = inventory_path(args.inventory).absolute()
     try:
         hosts = load_inventory(inventory)
     except InventoryError as exc:

@@ -44,6 +44,7 @@ from coldsnap.hosts.transfer.openssh_client import (
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     PART_SUFFIX,
+    REPORT_EVERY,
     DigestMismatch,
     Retry,
     Tamper,
@@ -53,8 +54,6 @@ from coldsnap.hosts.transfer.protocol import (
 from coldsnap.hosts.transfer.streams import StreamHost
 
 log = structlog.get_logger("coldsnap.hosts.transfer")
-
-_REPORT_BYTES = 8 * CHUNK  # progress reported at most this often
 
 # With the digest known beforehand the far side only reads: the helper's header, then the
 # bytes from OFFSET ($2), no trailer and no hashing on the host. cat for a whole file; GNU
@@ -110,7 +109,7 @@ def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Ta
             writeback.written(done)
             # Every few MiB: each report waits for the event loop, which other hosts'
             # transfers keep busy.
-            if report and (done - reported >= _REPORT_BYTES or done == total):
+            if report and (done - reported >= REPORT_EVERY or done == total):
                 reported = done
                 report(done, total)
     finally:

@@ -30,6 +30,7 @@ from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     FAR_SIDE_END_S,
     PART_SUFFIX,
+    REPORT_EVERY,
     DigestMismatch,
     Retry,
     Tamper,
@@ -38,8 +39,6 @@ from coldsnap.hosts.transfer.protocol import (
     resume_offset,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
-
-_REPORT_EVERY = 8 * CHUNK
 
 
 async def _reap_far_side(host: StreamHost, token: str) -> None:
@@ -84,7 +83,7 @@ def _pump(
                     written += os.write(fd, data[written:n])
                 done += n
                 # Each report waits for the event loop: every few MiB is enough for a bar.
-                if report and (done - reported >= _REPORT_EVERY or done == total):
+                if report and (done - reported >= REPORT_EVERY or done == total):
                     report(done, total)
                     reported = done
     except BrokenPipeError:

@@ -19,6 +19,8 @@ from coldsnap.hosts.helper.common import (
 )
 
 CHUNK = 1024 * 1024
+# A transfer reports its progress at most once per this many bytes (and at its end).
+REPORT_EVERY = 8 * CHUNK
 PART_SUFFIX = ".coldsnap-part"
 # How long the far side of a failed or cancelled put gets to end once its input has ended
 # (it only has to notice that), on either data path.

@@ -288,22 +288,28 @@ async def start_stopped_container(s: CapsuleSession, container_id: str, *, unit:
 # engine: its own session, stdio on regular files in the rootfs (CRIU cannot resolve stdio
 # inherited from docker exec), stdout/stderr opened O_APPEND so CRIU does not pin their size,
 # PIDs above ENGINE_PID_FLOOR, and confined: empty capability bounding set, no-new-privs and
-# the engine's seccomp filter. It prints the engine PID.
+# the engine's seccomp filter, with the container's own environment (the exec itself runs
+# with TRUSTED_EXEC_ENV). It prints the engine PID.
+# The log gets ENGINE_LOG_MODE only when it is the rootfs's own file: a host's
+# workload.log_path mounted there is the user's file, never chmod-ed (it is created with that
+# mode, and a restore checks it: coldsnap.capsule.containers.ensure_host_file).
 _LAUNCH = f"""set -e
 mkdir -p {posixpath.dirname(ENGINE_LOG)} {posixpath.dirname(ENGINE_STDIN)}
 : > {ENGINE_STDIN}
 : >> {ENGINE_LOG}
-chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
+[ "$COLDSNAP_LOG_MOUNTED" = 1 ] || chmod {ENGINE_LOG_MODE} {ENGINE_LOG}
+shift
 exec "$@"
 """
 
 
 def launch_argv(spec: UnitSpec) -> list[str]:
     """The `docker exec` argv that starts the unit's engine, confined."""
-    return ["sh", "-c", _LAUNCH, "sh", *spec.launcher,
+    return ["sh", "-c", f'COLDSNAP_LOG_MOUNTED="$1"\n{_LAUNCH}', "sh",
+            "1" if spec.log_path is not None else "0", *spec.launcher,
             "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
-            "--seccomp-filter", engine_filter_b64(), "--", *spec.command]
-
+            "--seccomp-filter", engine_filter_b64(), "--environ-from", "1",
+            "--", *spec.command]
 
 
 async def start_unit(

@@ -54,8 +54,11 @@ _ARGS = ('images=$1 work=$2 pids=$3 cuda=$4 workers=$5 placement=$6 criu_flags=$
 _SEED_FAILED = 96
 _SEED = (f'[ -z "$placement" ] || (umask 077 && mkdir -p {RUNTIME_DIR} && '
          f'printf %s "$placement" > {RUNTIME_DIR}/{PLACEMENT_FILE}) || exit {_SEED_FAILED}\n')
-# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped.
-_PREPARE = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\nmkdir -p "$work"\n'
+# The engine's stdout is reopened on ENGINE_LOG, which CRIU accepts only with the mode it dumped:
+# the rootfs's own file gets it here; a host's workload.log_path mounted there is the user's,
+# never chmod-ed (coldsnap.capsule.containers.ensure_host_file checks its mode instead).
+_PREPARE = 'mkdir -p "$work"\n'
+_PREPARE_LOG = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n'
 # The unit's /dev/shm as the dump left it (SHM_IMAGE, when the engine had anything there):
 # emptied, then put back exactly, before every restore. CRIU reopens those files by path and
 # deletes the link-remap files it made at dump once a restore succeeds, so a second restore
@@ -145,7 +148,8 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
             seed = data.decode()
     t0 = time.monotonic()
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
-    script = (_ARGS + _PREPARE + _SHM_RESTORE + _SEED
+    script = (_ARGS + _PREPARE + ("" if handle.spec.log_path else _PREPARE_LOG)
+              + _SHM_RESTORE + _SEED
               + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
               + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [

@@ -10,17 +10,20 @@ read from the response's own buffered reader, which yields what it buffered firs
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _HEADER = struct.Struct(">BxxxL")  # stream (1 stdout, 2 stderr), then the frame's length
 _STDERR = 2
 
 
-def exec_in_container(api: Any, container_id: str,
-                      argv: Sequence[str]) -> tuple[int | None, bytes, bytes]:
-    """Exit status (None while Docker does not know it), stdout and stderr of `argv`."""
-    exec_id = api.exec_create(container_id, list(argv), stdout=True, stderr=True)["Id"]
+def exec_in_container(api: Any, container_id: str, argv: Sequence[str],
+                      environment: Mapping[str, str] | None = None,
+                      ) -> tuple[int | None, bytes, bytes]:
+    """Exit status (None while Docker does not know it), stdout and stderr of `argv`, run
+    with `environment` over the container's own."""
+    exec_id = api.exec_create(container_id, list(argv), stdout=True, stderr=True,
+                              environment=dict(environment or {}))["Id"]
     sock = api.exec_start(exec_id, socket=True)
     response = sock._response  # docker-py keeps the HTTP response on the socket it returns
     reader = response.raw._fp.fp  # http.client's buffered reader over that socket

@@ -38,7 +38,7 @@ import structlog
 
 from coldsnap.capsule.docker_exec import exec_in_container
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.spec import CapsuleHost
+from coldsnap.capsule.spec import TRUSTED_EXEC_ENV, CapsuleHost
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
 
 T = TypeVar("T")
@@ -299,7 +299,10 @@ class CapsuleSession:
         timeout_s: float | None = DOCKER_CALL_TIMEOUT,
     ) -> ExecOutput:
         def run() -> ExecOutput:
-            code, out, err = exec_in_container(self.client.api, container.id, argv)
+            # Every exec holds the container's capabilities: none runs with an environment
+            # of the request's choosing (TRUSTED_EXEC_ENV).
+            code, out, err = exec_in_container(self.client.api, container.id, argv,
+                                               TRUSTED_EXEC_ENV)
             return ExecOutput(-1 if code is None else code, out.decode(errors="replace"),
                               err.decode(errors="replace"))
 

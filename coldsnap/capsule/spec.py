@@ -82,6 +82,18 @@ SHM_SIZE_BYTES = 8 << 30
 # and its quiesce is a drain (vLLM's sleep mode does nothing on CPU).
 LABEL_ACCELERATOR = "org.coldsnap.accelerator"
 
+# The environment of every `docker exec` coldsnapd runs with the container's capabilities: on
+# top of the container's own (the request's `environment`), so that nothing the request names
+# (a PATH, a preload, a Python path into a directory the engine writes) decides what runs
+# with them. The launcher gives the engine the container's environment back (--environ-from).
+TRUSTED_EXEC_ENV: Mapping[str, str] = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    **{name: "" for name in ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH",
+                             "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "BASH_ENV",
+                             "ENV", "TMPDIR")},
+}
+
 MANIFEST_ENV = "COLDSNAP_UNIT"
 SIMULATED_GPUS_ENV = "COLDSNAP_SIMULATED_GPUS"
 
@@ -198,7 +210,6 @@ class UnitSpec:
     # label is absent). A "cpu" engine is drained, not put to sleep, keeps its weights in its
     # CRIU images, and has no GPU state to checkpoint.
     accelerator: Literal["gpu", "cpu"] = "gpu"
-
     @property
     def drains(self) -> bool:
         """Whether quiesce drains the engine instead of putting it to sleep: an engine on the

@@ -2,7 +2,8 @@
 """Quiet PID 1 for capsule containers, and the confined launcher of the engine.
 
     capsule-init                         PID 1: spawns nothing, reaps orphans
-    capsule-init launch --pid-floor N --stdin FILE --log FILE [--seccomp-filter B64] -- ARGV...
+    capsule-init launch --pid-floor N --stdin FILE --log FILE [--seccomp-filter B64]
+                        [--environ-from PID] -- ARGV...
 
 CRIU restores the engine tree with its original PIDs, so PID 1 must never spawn anything that
 could take one of them. As PID 1 this shim spawns nothing: it reaps orphans (a restored engine
@@ -12,8 +13,11 @@ is reparented to PID 1) and exits on SIGTERM/SIGINT so `docker stop` is prompt.
 engine confined: its own session, stdio on regular files, PIDs above N, then an empty
 capability bounding set, no inheritable or ambient capabilities, no-new-privs and the seccomp
 filter coldsnapd generated (coldsnap/capsule/seccomp.py) before the exec, so the engine tree
-holds no capability at all while CRIU, exec'd beside it, keeps the container's. It prints
-the engine's PID and returns at once; the engine is reparented to PID 1.
+holds no capability at all while CRIU, exec'd beside it, keeps the container's.
+`--environ-from 1` gives the engine the container's own environment (PID 1's: the unit's
+request environment), since coldsnapd runs its execs, this one included, with a cleaned one (no
+LD_PRELOAD, PYTHONPATH or PATH of the request's choosing). It prints the engine's PID and
+returns at once; the engine is reparented to PID 1.
 
 PIDs above N without writing /proc/sys/kernel/ns_last_pid (Docker keeps /proc/sys read-only):
 the kernel hands out PIDs (thread ids included) cyclically, so short-lived threads are started
@@ -114,6 +118,18 @@ def advance_pids(floor: int, limit: int = 1 << 17) -> int:
     return 0
 
 
+def _environ_of(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with (/proc/PID/environ)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    env = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name:
+            env[os.fsdecode(name)] = os.fsdecode(value)
+    return env
+
+
 def launch(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="capsule-init launch")
     p.add_argument("--pid-floor", type=int, required=True)
@@ -121,8 +137,11 @@ def launch(argv: list[str]) -> int:
     p.add_argument("--log", required=True)
     p.add_argument("--seccomp-filter", default="",
                    help="base64 of the struct sock_filter[] to install (none: no filter)")
+    p.add_argument("--environ-from", type=int, default=None,
+                   help="start the engine with this PID's environment instead of ours")
     p.add_argument("command", nargs="+")
     args = p.parse_args(argv)
+    env = os.environ.copy() if args.environ_from is None else _environ_of(args.environ_from)
     if not advance_pids(args.pid_floor):
         print(f"capsule-init: could not get a PID above {args.pid_floor}", file=sys.stderr)
         return 1
@@ -148,7 +167,7 @@ def launch(argv: list[str]) -> int:
             os.closerange(3, w)
             os.closerange(w + 1, _FD_CEILING)
             confine(base64.b64decode(args.seccomp_filter, validate=True))
-            os.execvp(args.command[0], args.command)  # noqa: S606 (an argv list, no shell)
+            os.execvpe(args.command[0], args.command, env)  # noqa: S606 (argv list, no shell)
         except BaseException as exc:  # reported to the parent, then exit
             os.write(w, f"{type(exc).__name__}: {exc}".encode())
         os._exit(127)

@@ -13,7 +13,8 @@ import pytest
 
 from coldsnap.capsule import remove_unit, start_unit, wait_ready
 from coldsnap.capsule.containers import launch_argv
-from coldsnap.capsule.spec import ENGINE_PID_FLOOR
+from coldsnap.capsule.engine_steps import engine_log_tail
+from coldsnap.capsule.spec import ENGINE_PID_FLOOR, TRUSTED_EXEC_ENV
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
     ClusterHost,
@@ -94,6 +95,45 @@ async def test_engine_tree_holds_no_capability_and_proc_stays_masked(
         for call in ("unshare_user", "unshare_net", "mount", "keyctl"):
             assert got[call] == errno.EPERM, (call, got)
         await remove_unit(s, handle)
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_paths(h0, models)
+
+
+async def test_a_request_environment_reaches_the_engine_but_no_privileged_exec(
+        capsule_cluster: dict[str, ClusterHost], capsule_ref: str) -> None:
+    """A unit's `environment` may name a PATH that leads into a directory the engine writes.
+    The engine gets that environment; what coldsnapd runs beside it with the container's
+    capabilities (here the `tail` of the engine's log) runs with TRUSTED_EXEC_ENV instead, so
+    a `tail` the engine planted there never runs."""
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("envtrap")
+    models = None
+    planted, marker = "/tmp/planted-bin", "/tmp/planted-ran"
+    try:
+        models = await put_shards(h0, 1, 1 << 20)
+        spec = unit_spec(capsule_ref, h0, unit_id, 1, models)
+        env = {**spec.environment, "PATH": f"{planted}:/usr/local/bin:/usr/bin:/bin",
+               "PYTHONPATH": planted, "LD_PRELOAD": f"{planted}/missing.so"}
+        handle = await start_unit(s, replace(spec, environment=env))
+        await wait_ready(s, handle)
+        container = await s.container(handle.container_id, unit_id, "test")
+        # The engine's own environment is the request's.
+        environ = await s.exec(container, ["cat", f"/proc/{handle.engine_pid}/environ"])
+        got = dict(item.split("=", 1) for item in environ.stdout.split("\0") if "=" in item)
+        assert (got["PATH"], got["PYTHONPATH"]) == (env["PATH"], planted)
+        # What the engine (root in its container, without capabilities) can write: a `tail`
+        # first on the request's PATH, which would leave a marker if it ever ran.
+        plant = await s.exec(container, [
+            "sh", "-c", f'mkdir -p {planted} && printf "#!/bin/sh\\ntouch {marker}\\n" '
+                        f'> {planted}/tail && chmod 0755 {planted}/tail'])
+        assert plant.ok, plant
+        # The pristine `tail` ran: it read the engine's log (a planted one would print nothing).
+        assert await engine_log_tail(s, container)
+        seen = await s.exec(container, ["sh", "-c", 'echo "$PATH|$LD_PRELOAD|$PYTHONPATH"'])
+        assert seen.stdout.strip() == f"{TRUSTED_EXEC_ENV['PATH']}||", seen
+        assert not (await s.exec(container, ["test", "-e", marker])).ok
     finally:
         await cleanup_unit(h0, unit_id)
         await cleanup_paths(h0, models)

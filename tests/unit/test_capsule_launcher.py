@@ -3,6 +3,7 @@ what the engine it starts inherits."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +36,29 @@ def test_the_engine_inherits_no_descriptor_above_stderr(tmp_path: Path) -> None:
     fds = [int(fd) for fd in seen.read_text().split()]
     # 0-2 are the files the launcher opened, 3 is listdir's own directory
     assert fds == [0, 1, 2, 3], (pid, leaked, fds)
+
+
+def test_the_engine_gets_the_environment_of_the_process_it_is_told(tmp_path: Path) -> None:
+    """coldsnapd's execs run with a cleaned environment; `--environ-from PID` gives the
+    engine PID's (in a capsule, PID 1's: the unit's request environment) instead."""
+    stdin, log, seen = tmp_path / "stdin", tmp_path / "log", tmp_path / "env"
+    stdin.write_text("")
+    donor = subprocess.Popen(["sleep", "60"], env={"COLDSNAP_T": "the-unit's",
+                                                   "PATH": os.environ["PATH"]})
+    try:
+        subprocess.run(
+            [sys.executable, str(LAUNCHER), "launch", "--pid-floor", "0", "--stdin", str(stdin),
+             "--log", str(log), "--environ-from", str(donor.pid), "--", sys.executable, "-c",
+             f"import json, os; open({str(seen)!r}, 'w').write(json.dumps(dict(os.environ)))"],
+            env={**os.environ, "COLDSNAP_T": "the-exec's", "LD_PRELOAD": ""},
+            capture_output=True, text=True, timeout=60, check=True)
+        deadline = time.monotonic() + 30
+        while not (seen.exists() and seen.read_text()):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+    finally:
+        donor.kill()
+        donor.wait()
+    env = json.loads(seen.read_text())
+    assert env["COLDSNAP_T"] == "the-unit's"
+    assert "LD_PRELOAD" not in env

@@ -125,7 +125,12 @@ def build(docker_host: str, force: bool) -> str:
     tools.import_image(docker_host, rootfs, tag,
                        ['CMD ["/usr/local/bin/capsule-init"]',
                         "LABEL org.coldsnap.capsule=test",
-                        "LABEL org.coldsnap.cuda-checkpoint=simulated"], PROG)
+                        "LABEL org.coldsnap.cuda-checkpoint=simulated",
+                        # What the test engine writes besides coldsnapd's defaults: its state
+                        # and the simulated driver's (the GPU simulator's seam: a real driver
+                        # keeps that state in the kernel, out of the engine's reach).
+                        "LABEL org.coldsnap.writable=/var/lib/cuda-sim,/var/lib/test-engine"],
+                       PROG)
     rootfs.unlink()
     digest = tools.push(docker_host, tag, PROG)
     stamp.write_text(json.dumps({"key": key, "digest": digest, "tag": tag}) + "\n")

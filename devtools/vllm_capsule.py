@@ -14,7 +14,7 @@ The composed rootfs tarball is cached OUTSIDE the clone, in $COLDSNAP_CAPSULE_CA
 shared helpers (devtools/capsule_tools.py), the package pins and the capsule files. A fresh clone
 with the same recipe imports that tarball and pushes it to its own registry without rebuilding.
 The tarball is cached only after the image it gives passed the smoke test (dependencies complete
-for Python 3.14, `import vllm, vllm._C`, `vllm --version`).
+for Python 3.14, vLLM's CPU kernels loaded as vLLM loads them, `vllm --version`).
 
 The digest-pinned reference is printed as the last line of stdout and written to
 .dev-cluster/vllm-capsule.ref; when the recipe did not change and the registry still holds the
@@ -149,7 +149,13 @@ for d in md.distributions():
             bad.append(f"{d.metadata['Name']}: {r}: {have[name]} installed")
 if bad:
     sys.exit("missing or wrong dependencies:\n  " + "\n  ".join(sorted(bad)))
-import vllm, vllm._C
+# The kernels as vLLM itself loads them: the wheel carries _C (AVX-512 with BF16), _C_AVX512
+# and _C_AVX2, and `import vllm._C` on a CPU without AVX-512 dies of SIGILL.
+import torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+if not hasattr(torch.ops._C, "rms_norm"):
+    sys.exit("vLLM's CPU kernels did not load (torch.ops._C has no rms_norm)")
 print("vllm", vllm.__version__, "with", len(have), "distributions")
 """
 

@@ -32,6 +32,7 @@ from coldsnap.capsule.spec import (
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
+    writable_paths,
 )
 from coldsnap.formats.request import Mount
 
@@ -71,8 +72,17 @@ async def create_container(
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
+    try:
+        writable = writable_paths((await s.image_config(image)).get("Labels") or {})
+    except ValueError as exc:
+        raise fail(s, spec.unit_id, step, f"the capsule image {spec.image}: {exc}",
+                   error) from None
+    # A request's own mount at a writable path takes its place.
+    writable = tuple(p for p in writable if all(m.target != p for m in mounts))
     api = s.client.api
     host_config: dict[str, Any] = api.create_host_config(
+        # The rootfs is read-only, its writable paths volumes (spec.LABEL_WRITABLE says why).
+        read_only=True,
         # Engines serve on TCP and their workers talk across hosts, as on real machines: the
         # unit shares its host's network. Its listen ports are checked free at admission.
         network_mode="host",
@@ -80,9 +90,9 @@ async def create_container(
         cap_add=list(CRIU_CAPABILITIES),
         security_opt=list(CRIU_SECURITY_OPT),
         mounts=[
-            docker.types.Mount(target=m.target, source=m.source, type="bind",
-                               read_only=m.read_only)
-            for m in mounts
+            *(docker.types.Mount(target=p, source=None, type="volume") for p in writable),
+            *(docker.types.Mount(target=m.target, source=m.source, type="bind",
+                                 read_only=m.read_only) for m in mounts),
         ],
         device_requests=(
             [docker.types.DeviceRequest(device_ids=list(devices), capabilities=[["gpu"]])]
@@ -100,7 +110,8 @@ async def create_container(
         raise fail(s, spec.unit_id, step, f"cannot create container: {exc}", error) from exc
     s.created(str(created["Id"]))
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices),
-                        images_dir=images.source if images is not None else None)
+                        images_dir=images.source if images is not None else None,
+                        writable=writable)
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
@@ -202,11 +213,12 @@ async def remove_operation_containers(s: CapsuleSession, operation_id: str,
 
 
 async def remove_container(s: CapsuleSession, container_id: str) -> bool:
-    """Remove a container (killing what runs in it); False when it was already gone."""
+    """Remove a container (killing what runs in it) and its volumes (its writable paths);
+    False when it was already gone."""
     s.forget(container_id)
     try:
         container = await s.call(s.client.containers.get, container_id)
-        await s.call(container.remove, force=True)
+        await s.call(container.remove, force=True, v=True)
     except docker.errors.NotFound:
         return False
     return True

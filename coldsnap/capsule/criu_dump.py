@@ -1,10 +1,12 @@
 """The CRIU dump of a unit's engine tree (`dump`), and what it runs inside the capsule beside
-`criu dump` itself: the search for what CRIU cannot dump (io_uring), the archive of the unit's
-/dev/shm taken while the tree is frozen, and the options a unit's dump needs (which its restore
-repeats)."""
+`criu dump` itself: the search for what CRIU cannot dump (io_uring), the archives of the unit's
+/dev/shm and writable paths taken while the tree is frozen, and the options a unit's dump needs
+(which its restore repeats)."""
 
 from __future__ import annotations
 
+import posixpath
+import shlex
 import time
 
 import structlog
@@ -15,19 +17,25 @@ from coldsnap.capsule.errors import CapsuleError, DumpFailed
 from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
 from coldsnap.capsule.images import clear_dump
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, SHM_DIR, SHM_IMAGE, UnitSpec
+from coldsnap.capsule.spec import (
+    CRIU_IMAGES_DIR,
+    CRIU_WORK_DIR,
+    ENGINE_LOG,
+    SHM_DIR,
+    SHM_IMAGE,
+    UnitSpec,
+    writable_image,
+)
 
 log = structlog.get_logger("coldsnap.capsule")
 
 # The dump's exec: $1 the engine's PID, $2 the images, $3 CRIU's work directory, $4 the text
-# of its action script, then the flags the unit's dump needs (criu_flags). First every
+# of its action script (CRIU_ACTION_RUNNER), then the flags the unit's dump needs (criu_flags). First every
 # process of the container is searched for an io_uring instance, which CRIU cannot dump
 # ("Unknown shit 600 (anon_inode:[io_uring])", nothing more): found, the exec names each
 # holder and exits IO_URING_HELD before CRIU freezes anything.
 IO_URING_HELD = 95
-DUMP_SCRIPT = f"""pid=$1 images=$2 work=$3
-action=$work/post-dump.sh
-printf '%s' "$4" > "$action" && chmod 0700 "$action" || exit 1
+DUMP_SCRIPT = f"""pid=$1 images=$2 work=$3 action=$4
 shift 4
 held=
 for f in /proc/[0-9]*/fd/*; do
@@ -41,14 +49,37 @@ done
 exec criu dump -t "$pid" -D "$images" -W "$work" --leave-running -o dump.log \
   --action-script "$action" "$@"
 """
-# CRIU runs its action script (a file: written into its work directory, which no commit
-# carries) at each stage, the tree still frozen at post-dump: the unit's /dev/shm is archived
-# then, into the image set, exactly as the images reference it (sparse files stay sparse). An
-# empty /dev/shm leaves no file. A failure fails the dump.
-SHM_CAPTURE = ('#!/bin/sh\n'
-               f'[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-               f'[ -n "$(ls -A {SHM_DIR})" ] || exit 0\n'
-               f'exec tar -C {SHM_DIR} --numeric-owner -cSf {CRIU_IMAGES_DIR}/{SHM_IMAGE} .\n')
+# CRIU runs its action script at each stage: the capsule's own capsule-init (criu_action_runner,
+# in the read-only rootfs), which runs the commands the dump's exec hands it in its
+# environment (CRIU_ACTION_ENV) with `sh -c`; never a file in a directory that the engine
+# writes. The tree is still frozen at post-dump:
+# the unit's /dev/shm and its writable paths (spec.LABEL_WRITABLE) are archived then, into
+# the image set, exactly as the images reference them (sparse files stay sparse). An empty
+# /dev/shm leaves no file. What other mounts put inside a writable path (the CRIU images and
+# work directory, the engine log, the request's mounts) is not archived. A failure fails the
+# dump.
+CRIU_ACTION_ENV = "COLDSNAP_CRIU_ACTION"
+
+
+def criu_action_runner(spec: UnitSpec) -> str:
+    """The program CRIU runs as its action script: the capsule's capsule-init."""
+    return spec.init_command[0]
+
+
+def post_dump_action(handle: UnitHandle) -> str:
+    """The commands the action script runs for a unit's dump (CRIU_ACTION_ENV)."""
+    lines = ['[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0',
+             f'if [ -n "$(ls -A {SHM_DIR})" ]; then tar -C {SHM_DIR} --numeric-owner -cSf '
+             f'{CRIU_IMAGES_DIR}/{SHM_IMAGE} . || exit 1; fi']
+    inner = [CRIU_IMAGES_DIR, CRIU_WORK_DIR, ENGINE_LOG,
+             *(m.target for m in handle.spec.container_mounts())]
+    for path in handle.writable:
+        skip = [f"--exclude=./{posixpath.relpath(m, path)}" for m in inner
+                if m != path and m.startswith(path.rstrip("/") + "/")]
+        lines.append(shlex.join(["tar", "-C", path, "--numeric-owner", "-cSf",
+                                 f"{CRIU_IMAGES_DIR}/{writable_image(path)}", *skip, "."])
+                     + " || exit 1")
+    return "\n".join(lines) + "\n"
 
 
 def criu_flags(spec: UnitSpec) -> list[str]:
@@ -92,9 +123,10 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
     t0 = time.monotonic()
     out = await s.exec(container, ["sh", "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
-                                   CRIU_IMAGES_DIR, CRIU_WORK_DIR, SHM_CAPTURE,
-                                   *criu_flags(handle.spec)],
-                       timeout_s=LONG_DOCKER_CALL)
+                                   CRIU_IMAGES_DIR, CRIU_WORK_DIR,
+                                   criu_action_runner(handle.spec), *criu_flags(handle.spec)],
+                       timeout_s=LONG_DOCKER_CALL,
+                       env={CRIU_ACTION_ENV: post_dump_action(handle)})
     seconds = time.monotonic() - t0
     if out.exit_code == IO_URING_HELD:
         why = io_uring_refusal(out.stdout)

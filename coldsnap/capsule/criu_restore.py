@@ -4,6 +4,7 @@ the device map, each worker's GPU state restored and unlocked."""
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from coldsnap.capsule.spec import (
     RUNTIME_DIR,
     SHM_DIR,
     SHM_IMAGE,
+    writable_image,
 )
 from coldsnap.formats.capsule import CriuImageSet
 
@@ -58,7 +60,7 @@ _SEED = (f'[ -z "$placement" ] || (umask 077 && mkdir -p {RUNTIME_DIR} && '
 # the rootfs's own file gets it here; a host's workload.log_path mounted there is the user's,
 # never chmod-ed (coldsnap.capsule.containers.ensure_host_file checks its mode instead).
 _PREPARE = 'mkdir -p "$work"\n'
-_PREPARE_LOG = f'chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n'
+_PREPARE_LOG = f': >> {ENGINE_LOG} && chmod {ENGINE_LOG_MODE} {ENGINE_LOG}\n'
 # The unit's /dev/shm as the dump left it (SHM_IMAGE, when the engine had anything there):
 # emptied, then put back exactly, before every restore. CRIU reopens those files by path and
 # deletes the link-remap files it made at dump once a restore succeeds, so a second restore
@@ -68,6 +70,15 @@ _SHM_RESTORE = (f'if [ -f "$images/{SHM_IMAGE}" ]; then\n'
                 f'  find {SHM_DIR} -mindepth 1 -delete && tar -C {SHM_DIR} --numeric-owner '
                 f'-xSpf "$images/{SHM_IMAGE}" || exit {_SHM_FAILED}\n'
                 'fi\n')
+
+
+def _writable_restore(handle: UnitHandle) -> str:
+    """Each writable path of the container (a volume holding the image's content) gets what
+    the dump archived of it, over that content."""
+    return "".join(
+        f'[ ! -f "$images/{writable_image(p)}" ] || tar -C {shlex.quote(p)} --numeric-owner '
+        f'-xSpf "$images/{writable_image(p)}" || exit {_SHM_FAILED}\n'
+        for p in handle.writable)
 # Lazy restore: a `criu lazy-pages` daemon in the fresh container serves the tree's memory from
 # the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
 # runs again before all of its memory is read back. The daemon's stdio goes to a file: with
@@ -149,7 +160,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     t0 = time.monotonic()
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
     script = (_ARGS + _PREPARE + ("" if handle.spec.log_path else _PREPARE_LOG)
-              + _SHM_RESTORE + _SEED
+              + _SHM_RESTORE + _writable_restore(handle) + _SEED
               + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
               + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [
@@ -160,8 +171,8 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
         timeout_s=LONG_DOCKER_CALL)
     seconds = time.monotonic() - t0
     if out.exit_code == _SHM_FAILED:
-        raise fail(s, handle.unit, "shm", f"cannot put {SHM_DIR} back from {SHM_IMAGE}: "
-                   f"{out.tail(300)}", RestoreFailed)
+        raise fail(s, handle.unit, "shm", f"cannot put {SHM_DIR} or the writable paths "
+                   f"{', '.join(handle.writable)} back: {out.tail(300)}", RestoreFailed)
     if out.exit_code == _SEED_FAILED:
         raise fail(s, handle.unit, "placement", f"cannot write {RUNTIME_DIR}/{PLACEMENT_FILE}: "
                    f"{out.tail(300)}", RestoreFailed)

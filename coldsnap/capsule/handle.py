@@ -27,6 +27,9 @@ class UnitHandle:
     # Host directory mounted at CRIU_IMAGES_DIR: a capture's dump target (private to this
     # container), or a restore's published image set (read-only, shared).
     images_dir: str | None = None
+    # The container's writable paths (coldsnap.capsule.spec.writable_paths), each a volume;
+    # empty for a container found by label, whose engine no step of ours dumps or restores.
+    writable: tuple[str, ...] = ()
 
     @property
     def unit(self) -> str:

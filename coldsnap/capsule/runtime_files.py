@@ -4,6 +4,7 @@ the placement an engine reads on wake, the GPU record of a unit put to sleep."""
 from __future__ import annotations
 
 import io
+import posixpath
 import tarfile
 import time
 from typing import Any
@@ -13,16 +14,18 @@ import docker.errors
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import RUNTIME_DIR
+from coldsnap.capsule.spec import CAPSULE_STATE_DIR, RUNTIME_DIR
 
 
 def _runtime_tar(path: str, data: bytes) -> bytes:
+    """`path` (under RUNTIME_DIR) as an archive to extract in CAPSULE_STATE_DIR: Docker writes
+    an archive only below a writable path, and the rootfs is read-only."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        d = tarfile.TarInfo(RUNTIME_DIR.lstrip("/"))
+        d = tarfile.TarInfo(posixpath.relpath(RUNTIME_DIR, CAPSULE_STATE_DIR))
         d.type, d.mode = tarfile.DIRTYPE, 0o700
         tar.addfile(d)
-        f = tarfile.TarInfo(path.lstrip("/"))
+        f = tarfile.TarInfo(posixpath.relpath(path, CAPSULE_STATE_DIR))
         f.size, f.mode, f.mtime = len(data), 0o600, int(time.time())
         tar.addfile(f, io.BytesIO(data))
     return buf.getvalue()
@@ -31,7 +34,7 @@ def _runtime_tar(path: str, data: bytes) -> bytes:
 async def _put_archive(s: CapsuleSession, handle: UnitHandle, container: Any, path: str,
                        data: bytes, *, step: str, error: type[CapsuleError]) -> None:
     try:
-        ok = await s.call(container.put_archive, "/", _runtime_tar(path, data))
+        ok = await s.call(container.put_archive, CAPSULE_STATE_DIR, _runtime_tar(path, data))
     except docker.errors.DockerException as exc:
         raise fail(s, handle.unit, step, f"cannot write {path}: {exc}", error) from exc
     if not ok:

@@ -25,7 +25,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -297,12 +297,17 @@ class CapsuleSession:
     async def exec(
         self, container: Any, argv: Sequence[str], *,
         timeout_s: float | None = DOCKER_CALL_TIMEOUT,
+        env: Mapping[str, str] | None = None,
     ) -> ExecOutput:
+        """`argv` in the container, with `env` (coldsnapd's own values) over TRUSTED_EXEC_ENV
+        over the container's environment."""
+        environment = {**TRUSTED_EXEC_ENV, **(env or {})}
+
         def run() -> ExecOutput:
             # Every exec holds the container's capabilities: none runs with an environment
             # of the request's choosing (TRUSTED_EXEC_ENV).
             code, out, err = exec_in_container(self.client.api, container.id, argv,
-                                               TRUSTED_EXEC_ENV)
+                                               environment)
             return ExecOutput(-1 if code is None else code, out.decode(errors="replace"),
                               err.decode(errors="replace"))
 

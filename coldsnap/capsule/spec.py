@@ -68,6 +68,45 @@ ENGINE_LOG_MODE = "0644"
 # gets there by starting short-lived threads (/proc/sys/kernel/ns_last_pid stays read-only).
 ENGINE_PID_FLOOR = 9999
 
+# The capsule's rootfs is read-only (Docker's ReadonlyRootfs): the engine, root in its container
+# but without a capability, cannot replace anything that coldsnapd runs there with capabilities
+# (criu, cuda-checkpoint, sh, capsule-init and the libraries they load all live in the rootfs).
+# It writes only these paths, each an anonymous volume of the container that Docker fills with
+# the image's own content first: coldsnapd's (CAPSULE_STATE_DIR, the engine log's directory),
+# WRITABLE_DEFAULT, and what the capsule image declares writable beside them
+# (`org.coldsnap.writable=/var/lib/engine,/srv/cache`). A commit carries no volume: each path
+# is archived into the image set while the tree is frozen (WRITABLE_IMAGE) and put back
+# before every CRIU restore, as /dev/shm is.
+LABEL_WRITABLE = "org.coldsnap.writable"
+WRITABLE_DEFAULT: tuple[str, ...] = ("/root", "/tmp", "/var/tmp")  # noqa: S108 (container)
+WRITABLE_OWN: tuple[str, ...] = (CAPSULE_STATE_DIR, posixpath.dirname(ENGINE_LOG))
+_NOT_WRITABLE = ("/", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/lib", "/lib64",
+                 "/etc", "/var", "/var/lib")
+
+
+def writable_paths(labels: Mapping[str, str]) -> tuple[str, ...]:
+    """The paths an engine writes in its container, from its image's labels: sorted, a path
+    inside another one left out (it is in that one's volume). ValueError names a declared
+    path that is not clean and absolute, or one that would make a program directory
+    writable."""
+    declared = [p.strip() for p in (labels.get(LABEL_WRITABLE) or "").split(",") if p.strip()]
+    for path in declared:
+        bad = (not path.startswith("/") or posixpath.normpath(path) != path
+               or any(path == n or (n not in ("/", "/var", "/var/lib") and _within(path, n))
+                      for n in _NOT_WRITABLE))
+        if bad:
+            raise ValueError(f"{LABEL_WRITABLE}: {path!r} cannot be made writable (a clean "
+                             "absolute path outside /proc, /sys, /dev, /etc and the program "
+                             "directories)")
+    paths = sorted({*WRITABLE_OWN, *WRITABLE_DEFAULT, *declared})
+    return tuple(p for p in paths if not any(q != p and _within(p, q) for q in paths))
+
+
+def writable_image(path: str) -> str:
+    """The file of a unit's image set that holds writable `path` as the dump left it."""
+    return "rootfs" + path.replace("/", "-") + ".tar"
+
+
 # The tmpfs of the unit's container that CRIU does not put in its images: it reopens the files
 # an engine maps from /dev/shm (vLLM's shared-memory message queues, POSIX semaphores) by
 # path. Their content is captured into this file of the image set, with the tree frozen, and

@@ -2,6 +2,7 @@
 """Quiet PID 1 for capsule containers, and the confined launcher of the engine.
 
     capsule-init                         PID 1: spawns nothing, reaps orphans
+    capsule-init (as CRIU's action script) runs $COLDSNAP_CRIU_ACTION with sh -c
     capsule-init launch --pid-floor N --stdin FILE --log FILE [--seccomp-filter B64]
                         [--environ-from PID] -- ARGV...
 
@@ -182,9 +183,23 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+def criu_action() -> int:
+    """Run as CRIU's action script (`criu dump --action-script /usr/local/bin/capsule-init`):
+    the commands coldsnapd gave the dump in COLDSNAP_CRIU_ACTION, through `sh -c`. CRIU execs
+    its script by path, and a script written into the container at dump time would sit in a
+    directory the engine writes (the rootfs is read-only); this file is part of the rootfs."""
+    script = os.environ.get("COLDSNAP_CRIU_ACTION", "")
+    if not script:
+        return 0
+    os.execv("/bin/sh", ["sh", "-c", script])  # noqa: S606 (coldsnapd's own script)
+    return 127
+
+
 def main() -> int:
     if sys.argv[1:2] == ["launch"]:
         return launch(sys.argv[2:])
+    if "CRTOOLS_SCRIPT_ACTION" in os.environ:
+        return criu_action()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     # SIGCHLD is ignored by default, which would leave pause() asleep while orphans die.

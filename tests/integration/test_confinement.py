@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from coldsnap.capsule import remove_unit, start_unit, wait_ready
+from coldsnap.capsule import checkpoint_gpus, dump, quiesce, remove_unit, start_unit, wait_ready
 from coldsnap.capsule.containers import launch_argv
 from coldsnap.capsule.engine_steps import engine_log_tail
 from coldsnap.capsule.spec import ENGINE_PID_FLOOR, TRUSTED_EXEC_ENV
@@ -134,6 +134,72 @@ async def test_a_request_environment_reaches_the_engine_but_no_privileged_exec(
         seen = await s.exec(container, ["sh", "-c", 'echo "$PATH|$LD_PRELOAD|$PYTHONPATH"'])
         assert seen.stdout.strip() == f"{TRUSTED_EXEC_ENV['PATH']}||", seen
         assert not (await s.exec(container, ["test", "-e", marker])).ok
+    finally:
+        await cleanup_unit(h0, unit_id)
+        await cleanup_paths(h0, models)
+
+
+# Run as the engine is (same launcher): replace each program coldsnapd runs with capabilities
+# by a script that would leave a marker in the unit's CRIU images directory, a host directory.
+_TAMPER = r"""
+out = open("/tmp/tamper.json", "w")
+import json
+result = {}
+for path in ("/usr/sbin/criu", "/usr/local/bin/cuda-checkpoint", "/usr/local/bin/capsule-init",
+             "/bin/sh"):
+    try:
+        with open(path, "w") as f:
+            f.write("#!/bin/sh\ntouch /var/lib/coldsnap/images/tampered\n")
+        result[path] = "written"
+    except OSError as exc:
+        result[path] = exc.strerror
+out.write(json.dumps(result))
+out.close()
+"""
+
+
+async def test_an_engine_cannot_replace_what_coldsnapd_runs_with_capabilities(
+        capsule_cluster: dict[str, ClusterHost], capsule_ref: str) -> None:
+    """The engine is root in its container; the rootfs is read-only, so its attempt to
+    overwrite criu, cuda-checkpoint, capsule-init and sh fails, the dump that follows runs the
+    pristine programs, and the marker their replacement would leave on the host never
+    appears. Not even an exec with the container's capabilities can write the rootfs."""
+    h0 = capsule_cluster["host-0"]
+    s = h0.session
+    unit_id = unique("tamper")
+    models = None
+    try:
+        models = await put_shards(h0, 1, 1 << 20)
+        spec = unit_spec(capsule_ref, h0, unit_id, 1, models)
+        handle = await start_unit(s, spec)
+        await wait_ready(s, handle)
+        container = await s.container(handle.container_id, unit_id, "test")
+        inspect = await s.call(s.client.api.inspect_container, handle.container_id)
+        assert inspect["HostConfig"]["ReadonlyRootfs"] is True
+        tamper = replace(spec, command=("python3", "-c", _TAMPER))
+        launched = await s.exec(container, launch_argv(tamper), timeout_s=60)
+        assert launched.ok, launched.tail()
+        got: dict[str, str] = {}
+        for _ in range(100):
+            read = await s.exec(container, ["cat", "/tmp/tamper.json"])
+            if read.ok and read.stdout:
+                got = json.loads(read.stdout)
+                break
+        assert got and set(got.values()) == {"Read-only file system"}, got
+        with_caps = await s.exec(container, ["sh", "-c", "echo x >> /usr/sbin/criu"])
+        assert not with_caps.ok and "Read-only file system" in with_caps.stderr, with_caps
+        # The capture's dump (criu, its action script, tar) runs as it would have.
+        await quiesce(s, handle)
+        await checkpoint_gpus(s, handle)
+        dumped = await dump(s, handle)
+        assert dumped.images_bytes > 0
+        assert handle.images_dir is not None
+        listed = await h0.target.host.run(["ls", "-A", handle.images_dir])
+        names = listed.stdout.decode().split()
+        assert "tampered" not in names and any(n.endswith(".img") for n in names), names
+        # The writable paths travel in the image set, the engine's state among them.
+        assert "rootfs-var-lib-test-engine.tar" in names, names
+        await remove_unit(s, handle)
     finally:
         await cleanup_unit(h0, unit_id)
         await cleanup_paths(h0, models)

@@ -34,7 +34,8 @@ def endpoint(s: CapsuleSession, handle: UnitHandle) -> tuple[EngineAdapter, Engi
     spec = handle.spec
     adapter = adapter_for(spec.engine)
     return adapter, EngineEndpoint(s.target.host, spec.address,
-                                   adapter.serving_port(spec.command))
+                                   adapter.serving_port(spec.command),
+                                   adapter.api_key(spec.command, spec.environment))
 
 
 async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,12 +13,13 @@ from dataclasses import dataclass
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import WorkerSpec, container_path_for, docker_name
+from coldsnap.digests import check_digest
 from coldsnap.engines import adapter_for
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.replay import ReplayPlan
 from coldsnap.formats.request import Mount
 from coldsnap.hosts.base import Host
-from coldsnap.hosts.transfer.protocol import remote_file_digest
+from coldsnap.hosts.helper import helper_argv
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class HostFile:
     path: str
     sha256: str  # "sha256:<hex>"
     bytes: int
+    # The directory it is read beneath, no symlink followed (`Host.get`'s `beneath`): the
+    # payload's mount source, which the engine can write, or where coldsnapd wrote it.
+    root: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,45 +65,43 @@ _HASH_BYTES_PER_SECOND = 50 * 1024 * 1024
 MAX_PAYLOAD_BYTES = 1 << 40
 
 
-async def host_sha256(s: CapsuleSession, path: str, *, size_hint: int = 0) -> tuple[str, int]:
-    """("sha256:<hex>", bytes) of a file on the unit's host, hashed there by the transfer
-    helper: a GiB payload takes a fraction of coreutils' sha256sum's time."""
-    limit = 60.0 + size_hint / _HASH_BYTES_PER_SECOND
-    found = await remote_file_digest(s.target.host, path, timeout=limit)
-    if found is None:
-        raise FileNotFoundError(f"{s.host}: {path} does not exist")
-    size, digest = found
-    return digest, size
-
-
-_CHECK_FILE = 'p=$(realpath -e -- "$1") && printf "%s\\n" "$p" && stat -L -c "%F|%s" -- "$p"'
+@dataclass(frozen=True)
+class CheckedPayload:
+    real: str  # the path it resolved to on the host
+    root: str  # the resolved mount source it lies beneath: every later read is beneath it
+    bytes: int
+    sha256: str  # "sha256:<hex>"
 
 
 async def checked_payload(s: CapsuleSession, unit: str, worker: str, path: str,
-                          mounts: Sequence[Mount]) -> tuple[str, int]:
-    """The payload's real path on the host and its size, refused unless it resolves (symlinks
-    followed, on the host) to a regular file under one of the unit's mount sources and is at
-    most MAX_PAYLOAD_BYTES: a request must not pull an arbitrary host file into an artifact."""
+                          mounts: Sequence[Mount], *, size_hint: int = 0) -> CheckedPayload:
+    """The payload's real path on the host, the mount source it lies under, its size and
+    digest, in one call of the host-side helper (`payload` mode): refused unless it resolves
+    (symlinks followed, on the host) to a regular file under one of the unit's mount sources
+    and is at most MAX_PAYLOAD_BYTES, and hashed from a descriptor opened beneath that
+    source with no symlink followed, so that a file the engine swaps for a symlink after the
+    check (the mount is the engine's to write) is refused, never read: a request must not
+    pull an arbitrary host file into an artifact."""
     step = "collect"
-    out = await s.target.host.run(["sh", "-c", _CHECK_FILE, "sh", path], timeout=30,
-                                  check=False)
-    lines = out.stdout.decode(errors="replace").splitlines()
-    if not out.ok or len(lines) != 2:
-        raise fail(s, unit, step, f"worker {worker}: payload {path} does not exist on the host")
-    real, (kind, _, size_text) = lines[0], lines[1].partition("|")
-    if kind != "regular file" and kind != "regular empty file":
-        raise fail(s, unit, step, f"worker {worker}: payload {path} is a {kind}, not a file")
-    sources = await s.target.host.run(
-        ["realpath", "-m", "--", *[m.source for m in mounts]], timeout=30, check=False)
-    roots = sources.stdout.decode(errors="replace").splitlines() if mounts else []
-    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
-        raise fail(s, unit, step, f"worker {worker}: payload {path} resolves to {real}, "
-                                  "outside every mount of the unit")
-    size = int(size_text)
-    if size > MAX_PAYLOAD_BYTES:
-        raise fail(s, unit, step, f"worker {worker}: payload {path} is {size} bytes, over "
-                                  f"the {MAX_PAYLOAD_BYTES} byte cap")
-    return real, size
+    if not mounts:
+        raise fail(s, unit, step, f"worker {worker}: payload {path} is outside every mount of "
+                                  "the unit (it has none)")
+    limit = 60.0 + max(size_hint, MAX_PAYLOAD_BYTES // 1024) / _HASH_BYTES_PER_SECOND
+    out = await s.target.host.run(
+        helper_argv("payload", path, str(MAX_PAYLOAD_BYTES), *[m.source for m in mounts]),
+        timeout=limit, check=False)
+    if not out.ok:
+        why = out.stderr.decode(errors="replace").strip()[-500:]
+        raise fail(s, unit, step, f"worker {worker}: payload {path}: {why}")
+    try:
+        answer = json.loads(out.stdout)
+        digest = str(answer["sha256"])
+        check_digest(digest)
+        return CheckedPayload(str(answer["real"]), str(answer["root"]), int(answer["size"]),
+                              digest)
+    except (ValueError, KeyError, TypeError):
+        raise fail(s, unit, step, f"worker {worker}: payload {path}: unexpected answer "
+                                  f"{out.stdout_tail[:200]!r}") from None
 
 
 async def collect_worker_objects(
@@ -117,9 +120,8 @@ async def collect_worker_objects(
         if not w.payload_path:
             raise fail(s, handle.unit, step, f"worker {w.id}: no weight payload located (set "
                        "policy.weights.native.files_by_worker)")
-        real, expected = await checked_payload(s, handle.unit, w.id, w.payload_path,
-                                               spec.mounts)
-        sha, size = await host_sha256(s, real, size_hint=expected)
+        found = await checked_payload(s, handle.unit, w.id, w.payload_path, spec.mounts)
+        real, sha, size = found.real, found.sha256, found.bytes
         container_path = container_path_for(spec.mounts, w.payload_path)
         plan = ReplayPlan.model_validate({
             "unit_id": spec.unit_id,
@@ -142,7 +144,7 @@ async def collect_worker_objects(
                                  plan_path], input=data)
         # dd exited 0 having written exactly these bytes: no round trip to hash them there.
         plan_sha, plan_size = "sha256:" + hashlib.sha256(data).hexdigest(), len(data)
-        return WorkerObjects(w.id, HostFile(s.host, real, sha, size),
-                             HostFile(s.host, plan_path, plan_sha, plan_size), data)
+        return WorkerObjects(w.id, HostFile(s.host, real, sha, size, found.root),
+                             HostFile(s.host, plan_path, plan_sha, plan_size, out_dir), data)
 
     return list(await asyncio.gather(*(one(w) for w in spec.workers)))

@@ -29,8 +29,8 @@ from coldsnap.capsule.spec import (
 
 log = structlog.get_logger("coldsnap.capsule")
 
-# The dump's exec: $1 the engine's PID, $2 the images, $3 CRIU's work directory, $4 the text
-# of its action script (CRIU_ACTION_RUNNER), then the flags the unit's dump needs (criu_flags). First every
+# The dump's exec: $1 the engine's PID, $2 the images, $3 CRIU's work directory, $4 its action
+# script (criu_action_runner), then the flags the unit's dump needs (criu_flags). First every
 # process of the container is searched for an io_uring instance, which CRIU cannot dump
 # ("Unknown shit 600 (anon_inode:[io_uring])", nothing more): found, the exec names each
 # holder and exits IO_URING_HELD before CRIU freezes anything.

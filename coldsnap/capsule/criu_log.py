@@ -12,8 +12,13 @@ HARMLESS_CRIU_ERRORS = ("Unable to create tun", "Can't setup RLIMIT_NOFILE",
                         "Can't keep kdat cache")
 
 
+# The log's end, in bytes: a line count alone would let one endless line be read whole.
+_LOG_TAIL_BYTES = 64 * 1024
+
+
 async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
-    out = await s.exec(container, ["tail", "-n", "200", log_path])
-    lines = [ln for ln in out.stdout.splitlines()
+    out = await s.exec(container, ["tail", "-c", str(_LOG_TAIL_BYTES), log_path],
+                       output_limit=_LOG_TAIL_BYTES)
+    lines = [ln for ln in out.stdout_tail.splitlines()[-200:]
              if "Error" in ln and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]
     return "\n".join(lines[-12:]) or out.tail(800) or "(no CRIU log)"

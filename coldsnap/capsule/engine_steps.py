@@ -34,7 +34,8 @@ def endpoint(s: CapsuleSession, handle: UnitHandle) -> tuple[EngineAdapter, Engi
     spec = handle.spec
     adapter = adapter_for(spec.engine)
     return adapter, EngineEndpoint(s.target.host, spec.address,
-                                   adapter.serving_port(spec.command))
+                                   adapter.serving_port(spec.command),
+                                   adapter.api_key(spec.command, spec.environment))
 
 
 async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> dict[str, int]:
@@ -54,9 +55,15 @@ async def discover_workers(s: CapsuleSession, handle: UnitHandle, step: str) -> 
         raise fail(s, handle.unit, step, str(exc), EngineNotReady) from None
 
 
+# What an error message quotes of the engine's log at most: its last lines, read as its last
+# bytes first, so that one endless line (the engine writes this file) is never read whole.
+_LOG_TAIL_BYTES = 16 * 1024
+
+
 async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) -> str:
-    out = await s.exec(container, ["tail", "-n", str(lines), ENGINE_LOG])
-    return out.stdout.strip()
+    out = await s.exec(container, ["tail", "-c", str(_LOG_TAIL_BYTES), ENGINE_LOG],
+                       output_limit=_LOG_TAIL_BYTES)
+    return "\n".join(out.stdout_tail.strip().splitlines()[-lines:])
 
 
 async def poll_ready(adapter: EngineAdapter, ep: EngineEndpoint, health_path: str, *,

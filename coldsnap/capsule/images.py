@@ -73,8 +73,10 @@ async def pack_images(host: Host, src: str, out: str, *, size_hint: int,
                       small_file_bytes: int = SMALL_FILE_BYTES) -> tuple[CriuImageSet,
                                                                          list[PackedObject]]:
     """The CRIU image directory `src` as objects under `out` (both on `host`)."""
+    # The layout grows with the image files (~100 bytes an extent): more than the default
+    # output limit for a large engine, and refused rather than read in part past this one.
     res = await host.run(helper_argv("pack", src, out, str(chunk_bytes), str(small_file_bytes)),
-                         timeout=_limit(2 * size_hint), check=False)
+                         timeout=_limit(2 * size_hint), check=False, output_limit=64 << 20)
     if not res.ok:
         raise ImageSetError(host.name, f"packing the CRIU images of {src}: "
                             f"{res.stderr.decode(errors='replace').strip()[-800:]}")

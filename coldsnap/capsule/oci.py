@@ -250,7 +250,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         await make_private_dir(host, out_dir)
         image_set, packed = await pack_images(host, handle.images_dir, f"{out_dir}/criu",
                                               size_hint=dumped.images_bytes)
-        objects += [CapsuleObject(ROLE_CRIU_IMAGE, HostFile(s.host, p.path, p.sha256, p.bytes))
+        objects += [CapsuleObject(ROLE_CRIU_IMAGE, HostFile(s.host, p.path, p.sha256, p.bytes,
+                                                               out_dir))
                     for p in packed]
         await clear_dump(s.target.host, handle.images_dir)
         marks.append(time.monotonic())
@@ -271,7 +272,7 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
             exported = await export_layers(s, spec.unit_id, f"{repo}:{tag}", len(base),
                                            f"{out_dir}/capsule.tar")
             objects.append(CapsuleObject(ROLE_CAPSULE, HostFile(
-                s.host, exported.path, exported.sha256, exported.bytes)))
+                s.host, exported.path, exported.sha256, exported.bytes, out_dir)))
         marks.append(time.monotonic())
     except Exception as exc:
         await discard_dir(host, out_dir)

@@ -36,10 +36,16 @@ import docker.transport
 import requests.exceptions
 import structlog
 
-from coldsnap.capsule.docker_exec import exec_in_container
+from coldsnap.capsule.docker_exec import exec_tail
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import TRUSTED_EXEC_ENV, CapsuleHost
-from coldsnap.hosts.base import Host, HostError, HostUnreachable
+from coldsnap.hosts.base import (
+    DEFAULT_OUTPUT_LIMIT,
+    Host,
+    HostError,
+    HostUnreachable,
+    OutputTruncated,
+)
 
 T = TypeVar("T")
 
@@ -135,16 +141,31 @@ def make_abortable(client: Any, socket_path: str, timeout: float) -> _Connection
 
 @dataclass(frozen=True)
 class ExecOutput:
+    """An exec's exit code and the kept tail of each stream (`CommandResult`'s rule: `stdout`
+    is the whole output or an error, never a tail read as if it were everything)."""
+
     exit_code: int
-    stdout: str
+    stdout_tail: str
     stderr: str
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+    host: str = ""
+    command: str = ""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def stdout(self) -> str:
+        if self.stdout_dropped:
+            raise OutputTruncated(self.host, (
+                f"{self.command} wrote more than the {len(self.stdout_tail)} characters of "
+                "output kept: its answer is refused rather than read in part"))
+        return self.stdout_tail
+
     def tail(self, limit: int = 1500) -> str:
-        text = (self.stderr.strip() + "\n" + self.stdout.strip()).strip()
+        text = (self.stderr.strip() + "\n" + self.stdout_tail.strip()).strip()
         return text[-limit:]
 
 
@@ -297,19 +318,21 @@ class CapsuleSession:
     async def exec(
         self, container: Any, argv: Sequence[str], *,
         timeout_s: float | None = DOCKER_CALL_TIMEOUT,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
         env: Mapping[str, str] | None = None,
     ) -> ExecOutput:
-        """`argv` in the container, with `env` (coldsnapd's own values) over TRUSTED_EXEC_ENV
-        over the container's environment."""
+        """Run argv in the container; each stream keeps its last `output_limit` bytes. It runs
+        with `env` (coldsnapd's own values) over TRUSTED_EXEC_ENV over the container's
+        environment: every exec holds the container's capabilities, and none runs with an
+        environment of the request's choosing."""
         environment = {**TRUSTED_EXEC_ENV, **(env or {})}
 
         def run() -> ExecOutput:
-            # Every exec holds the container's capabilities: none runs with an environment
-            # of the request's choosing (TRUSTED_EXEC_ENV).
-            code, out, err = exec_in_container(self.client.api, container.id, argv,
-                                               environment)
-            return ExecOutput(-1 if code is None else code, out.decode(errors="replace"),
-                              err.decode(errors="replace"))
+            code, out, err = exec_tail(self.client.api, container.id, argv,
+                                       limit=output_limit, environment=environment)
+            return ExecOutput(-1 if code is None else code, out.bytes().decode(errors="replace"),
+                              err.bytes().decode(errors="replace"), out.dropped, err.dropped,
+                              self.host, argv[0] if argv else "")
 
         return await self.call(run, timeout_s=timeout_s)
 

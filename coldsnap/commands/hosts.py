@@ -17,6 +17,8 @@ from coldsnap.hosts.probe import HostProbe, probe_pool
 from coldsnap.logs import configure as configure_logging
 from coldsnap.progress import TransferProgress
 
+# `hosts get` names no object, so no size is known: the cap it holds the host to.
+GET_MAX_BYTES = 1 << 40
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -51,6 +53,10 @@ def register(subparsers: Any) -> None:
         p.add_argument("host", metavar="HOST")
         p.add_argument("source", metavar="SRC")
         p.add_argument("dest", metavar="DEST")
+        if name == "get":
+            p.add_argument("--max-bytes", type=int, default=GET_MAX_BYTES, metavar="N",
+                           help="refuse a file the host says is larger, before writing "
+                                f"anything (default {GET_MAX_BYTES})")
         p.set_defaults(handler=_transfer, direction=name)
 
 
@@ -138,7 +144,8 @@ def _transfer(args: argparse.Namespace) -> int:
             if args.direction == "put":
                 r = await host.put(Path(args.source), args.dest, progress=progress)
             else:
-                r = await host.get(args.source, Path(args.dest), progress=progress)
+                r = await host.get(args.source, Path(args.dest), progress=progress,
+                                   max_bytes=args.max_bytes)
             return f"{r.sha256} {r.bytes} bytes ({r.sent_bytes} sent)"
 
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coldsnap.hosts.base import Host
@@ -32,11 +32,16 @@ class EngineEndpoint:
     host: Host
     address: str
     port: int
+    # The engine's API key (`HttpEngine.api_key`), sent as a bearer token on every call:
+    # older vLLM guards only /v1, newer vLLM and SGLang every path but the probes, and a
+    # key on an open path is ignored. Never in a repr, a message or a log line.
+    api_key: str | None = field(default=None, repr=False)
 
     async def call(self, method: str, target: str, body: Any = None, *,
                    timeout: float = 30.0) -> HttpAnswer:  # noqa: ASYNC109
+        auth = (("Authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
         return await http_request(self.host, self.address, self.port, method, target, body,
-                                  timeout=timeout)
+                                  timeout=timeout, extra_headers=auth)
 
     def __str__(self) -> str:
         return f"http://{self.address}:{self.port}"
@@ -104,9 +109,21 @@ class HttpEngine:
     default), the rendezvous port on the unit that holds rank 0, and the readiness probe."""
 
     default_port: int
+    # Environment variables the engine takes its API key from, when its command has no
+    # `--api-key` (vLLM: VLLM_API_KEY).
+    api_key_environment: tuple[str, ...] = ()
 
     def serving_port(self, command: Sequence[str]) -> int:
         return port_flag(command, self.default_port)
+
+    def api_key(self, command: Sequence[str], environment: Mapping[str, str]) -> str | None:
+        """The key the engine demands of its clients: `--api-key KEY` or `--api-key=KEY` in
+        its command (the engine's own precedence), else its environment variable."""
+        found = flag_value(command, ("--api-key",))
+        if found is None:
+            found = next((environment[n] for n in self.api_key_environment
+                          if environment.get(n)), None)
+        return found or None
 
     def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,
                      holds_rank0: bool) -> list[int]:
@@ -162,6 +179,10 @@ class EngineAdapter(Protocol):
 
     def serving_port(self, command: Sequence[str]) -> int:
         """The HTTP port the unit's engine serves on."""
+        ...
+
+    def api_key(self, command: Sequence[str], environment: Mapping[str, str]) -> str | None:
+        """The API key the engine was started with (None: it demands none)."""
         ...
 
     def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,

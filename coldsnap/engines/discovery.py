@@ -104,7 +104,7 @@ async def read_processes(host: Host, host_pids: Sequence[int], *, simulated: boo
     pids = [str(int(p)) for p in host_pids]
     res = await host.run(
         ["env", *simulated_gpus.probe_env(simulated), "sh", "-c", _PROBE, "sh", *pids],
-        timeout=timeout)
+        timeout=timeout, output_limit=16 << 20)  # a few KiB per process, environment included
     return parse_probe(res.stdout.decode(errors="replace"))
 
 

@@ -25,6 +25,8 @@ DEFAULT_PORT = 8000
 class VllmAdapter(HttpEngine):
     name = "vllm"
     default_port = DEFAULT_PORT
+    # `vllm serve` reads its key from here when the command gives no --api-key.
+    api_key_environment = ("VLLM_API_KEY",)
     # Both sleep levels free the KV cache; there is no sleep that keeps it.
     can_keep_kv_cache = False
     # Sleep level 2 drops them; /collective_rpc reload_weights brings them back.

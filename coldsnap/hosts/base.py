@@ -15,6 +15,12 @@ from typing import Protocol, runtime_checkable
 # Every command on a host is bounded: a caller that needs longer says so (dump, save, load).
 DEFAULT_RUN_TIMEOUT = 600.0
 
+# What a command's output may hold, per stream, unless its caller says more: a command's
+# output comes from the host, and what runs there (an engine's log, a file an engine can
+# write) must not make the controller buffer without bound. The tail is kept: it is what an
+# error message needs.
+DEFAULT_OUTPUT_LIMIT = 1 << 20
+
 # progress(done_bytes, total_bytes)
 ProgressCallback = Callable[[int, int], None]
 
@@ -64,6 +70,8 @@ class CommandFailed(HostError):
 
     def __init__(self, host: str, result: CommandResult) -> None:
         tail = result.stderr.decode(errors="replace").strip()[-2000:]
+        if result.stderr_dropped:
+            tail = f"[{result.stderr_dropped} earlier bytes dropped] {tail}"
         super().__init__(host, f"{result.argv[0]} exited {result.exit_status}: {tail}")
         self.result = result
 
@@ -76,16 +84,64 @@ class TransferError(HostError):
     """A file transfer failed or the far side's digest did not match."""
 
 
+class OutputTruncated(HostError):
+    """A command's whole output was asked for, but more came than its limit kept."""
+
+
 @dataclass(frozen=True)
 class CommandResult:
+    """A command's exit status and the last `limit` bytes of each of its streams.
+
+    `stdout` is the whole output or an error: a parser must never read a tail as if it were
+    everything (a PID list cut in half is another PID list). `stdout_tail` and `stderr` are
+    what was kept, for messages; `*_dropped` says how many earlier bytes were not."""
+
     argv: tuple[str, ...]
     exit_status: int
-    stdout: bytes
+    stdout_tail: bytes
     stderr: bytes
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+    host: str = ""
 
     @property
     def ok(self) -> bool:
         return self.exit_status == 0
+
+    @property
+    def stdout(self) -> bytes:
+        if self.stdout_dropped:
+            raise OutputTruncated(self.host, (
+                f"{self.argv[0]} wrote {self.stdout_dropped + len(self.stdout_tail)} bytes "
+                f"to stdout, over the {len(self.stdout_tail)} bytes kept: its answer is "
+                "refused rather than read in part"))
+        return self.stdout_tail
+
+
+class TailBuffer:
+    """The last `limit` bytes of a stream, and how many bytes before them were dropped."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("negative output limit")
+        self.limit = limit
+        self._data = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        self._data += data
+        extra = len(self._data) - self.limit
+        if extra > 0:
+            del self._data[:extra]
+            self.dropped += extra
+
+    def bytes(self) -> bytes:
+        return bytes(self._data)
+
+    async def drain(self, reader: ByteReader) -> None:
+        """Read `reader` to its end, keeping the tail."""
+        while data := await reader.read(1 << 16):
+            self.add(data)
 
 
 @dataclass(frozen=True)
@@ -93,6 +149,14 @@ class TransferResult:
     bytes: int
     sha256: str  # "sha256:<hex>" of the whole file
     sent_bytes: int  # bytes that actually crossed the wire (less than `bytes` on resume)
+
+
+def check_get_bounds(size: int | None, max_bytes: int | None) -> None:
+    """Every get is bounded: by the object's size, or by a cap its caller gives."""
+    if size is None and max_bytes is None:
+        raise ValueError("a get needs the object's size or a cap on its bytes")
+    if (size is not None and size < 0) or (max_bytes is not None and max_bytes < 0):
+        raise ValueError("a negative size or cap")
 
 
 @runtime_checkable
@@ -109,9 +173,11 @@ class Host(Protocol):
         timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
     ) -> CommandResult:
         """Run argv (never a shell string). On timeout or cancellation the remote process is
-        killed. With check=True a non-zero exit raises CommandFailed."""
+        killed. With check=True a non-zero exit raises CommandFailed. Each output stream keeps
+        at most its last `output_limit` bytes (see `CommandResult`)."""
         ...
 
     async def put(
@@ -135,11 +201,21 @@ class Host(Protocol):
         *,
         progress: ProgressCallback | None = None,
         expected: str | None = None,
+        size: int | None = None,
+        max_bytes: int | None = None,
+        beneath: str | None = None,
     ) -> TransferResult:
         """Copy a remote file to `local` atomically, verifying the sha256 of both ends; resumes
         a partial earlier transfer. With `expected` ("sha256:<hex>", known from when the file was
         made on the host), the far side only reads the file, and bytes that do not hash to
-        `expected` fail the transfer as corrupt (a file changed since is caught too)."""
+        `expected` fail the transfer as corrupt (a file changed since is caught too).
+
+        Bounded: the host's announced size must equal `size` (the object's, from the artifact
+        or the plan) or, without one, be at most `max_bytes`; one of them is required.
+        Otherwise the get fails (`TransferError`) before anything is written, and a partial
+        file of an earlier try is removed. With `beneath` (a directory), the host opens
+        `remote` beneath it with no symlink followed (`coldsnap.hosts.helper.beneath`): a
+        file an engine swapped for a symlink is refused, never read."""
         ...
 
     def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:

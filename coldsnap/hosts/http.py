@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +52,16 @@ async def http_request(
     body: Any = None,
     *,
     timeout: float = 30.0,  # noqa: ASYNC109 (bounds connect, send and the whole answer)
+    extra_headers: Sequence[tuple[str, str]] = (),
 ) -> HttpAnswer:
     """One request to http://address:port/target from `host`. Never raises for transport
-    trouble: a failed connection or a timeout is an answer with `status=None`."""
+    trouble: a failed connection or a timeout is an answer with `status=None`.
+    `extra_headers` (an API key's Authorization) go on the wire only: the request travels
+    in a direct-tcpip channel, never on a command line, and no answer repeats them."""
     data = b"" if body is None else json.dumps(body).encode()
     headers = [("Host", f"{address}:{port}"), ("Connection", "close"),
-               ("Accept", "application/json"), ("Content-Length", str(len(data)))]
+               ("Accept", "application/json"), ("Content-Length", str(len(data))),
+               *extra_headers]
     if body is not None:
         headers.append(("Content-Type", "application/json"))
     try:

@@ -10,19 +10,24 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from coldsnap.hosts.base import (
+    DEFAULT_OUTPUT_LIMIT,
     DEFAULT_RUN_TIMEOUT,
     CommandFailed,
     CommandResult,
     CommandTimeout,
     HostError,
     ProgressCallback,
+    TailBuffer,
     TcpStream,
     TransferError,
     TransferResult,
+    check_get_bounds,
 )
 from coldsnap.hosts.durable import publish
+from coldsnap.hosts.helper.beneath import Refused, open_beneath
 from coldsnap.hosts.helper.stamps import stamp
 
 _CHUNK = 4 * 1024 * 1024
@@ -30,16 +35,35 @@ PART_SUFFIX = ".coldsnap-part"
 
 
 def _copy(src: Path, dst: Path, progress: ProgressCallback | None, name: str,
-          expected: str | None = None) -> TransferResult:
-    total = src.stat().st_size
+          expected: str | None = None, bounds: tuple[int | None, int | None] = (None, None),
+          beneath: str | None = None) -> TransferResult:
+    try:
+        fin = (os.fdopen(open_beneath(beneath, str(src)), "rb") if beneath is not None
+               else open(src, "rb"))  # noqa: SIM115 (closed by the with below)
+    except Refused as exc:
+        raise TransferError(name, f"copy of {src}: {exc}") from None
+    with fin:
+        total = os.fstat(fin.fileno()).st_size
+        size, max_bytes = bounds
+        if size is not None and total != size:
+            raise TransferError(name, f"{src} is {total} bytes, the object has {size}: "
+                                      "refused before writing anything")
+        if max_bytes is not None and total > max_bytes:
+            raise TransferError(name, f"{src} is {total} bytes, over the {max_bytes} byte cap")
+        return _copy_open(fin, src, dst, total, progress, name, expected)
+
+
+def _copy_open(fin: BinaryIO, src: Path, dst: Path, total: int,
+               progress: ProgressCallback | None, name: str,
+               expected: str | None) -> TransferResult:
     dst.parent.mkdir(parents=True, exist_ok=True)
     part = dst.with_name(dst.name + PART_SUFFIX)
     h = hashlib.sha256()
     done = 0
-    with open(src, "rb") as fin, open(part, "wb") as fout:
+    with open(part, "wb") as fout:
         if progress:
             progress(0, total)
-        while data := fin.read(_CHUNK):
+        while done < total and (data := fin.read(min(_CHUNK, total - done))):
             h.update(data)
             fout.write(data)
             done += len(data)
@@ -77,6 +101,7 @@ class LocalHost:
         timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
     ) -> CommandResult:
         args = tuple(argv)
         if not args:
@@ -89,9 +114,21 @@ class LocalHost:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
+        out, err = TailBuffer(output_limit), TailBuffer(output_limit)
+
+        async def feed() -> None:
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                if input:
+                    proc.stdin.write(input)
+                    await proc.stdin.drain()
+                proc.stdin.close()
+
         try:
             async with asyncio.timeout(timeout):
-                out, err = await proc.communicate(input)
+                assert proc.stdout is not None and proc.stderr is not None
+                await asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), feed())
+                await proc.wait()
         except TimeoutError:
             await self._kill(proc)
             raise CommandTimeout(self.name, f"{args[0]} ran past {timeout}s; killed") from None
@@ -101,7 +138,8 @@ class LocalHost:
         status = proc.returncode if proc.returncode is not None else 255
         if status < 0:
             status = 128 - status
-        result = CommandResult(args, status, out, err)
+        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
+                               self.name)
         if check and not result.ok:
             raise CommandFailed(self.name, result)
         return result
@@ -121,10 +159,12 @@ class LocalHost:
 
     async def get(
         self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-        expected: str | None = None,
+        expected: str | None = None, size: int | None = None, max_bytes: int | None = None,
+        beneath: str | None = None,
     ) -> TransferResult:
+        check_get_bounds(size, max_bytes)
         got = await asyncio.to_thread(_copy, Path(remote), Path(local), progress, self.name,
-                                      expected)
+                                      expected, (size, max_bytes), beneath)
         if expected is not None and got.sha256 != expected:  # nothing was published
             raise TransferError(self.name, f"get {remote}: corrupted in transit or changed "
                                            f"since: it has {got.sha256}, expected {expected}")

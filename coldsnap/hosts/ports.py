@@ -26,7 +26,8 @@ def parse_listening(table: str) -> set[int]:
 
 
 async def listening_ports(host: Host, *, timeout: float = 20.0) -> set[int]:  # noqa: ASYNC109
+    # ~150 bytes a socket: a busy host's tables run past the default output limit.
     res = await host.run(["cat", "/proc/net/tcp", "/proc/net/tcp6"], timeout=timeout,
-                         check=False)
+                         check=False, output_limit=64 << 20)
     # tcp6 is absent on a kernel without IPv6; whatever was read still counts.
     return parse_listening(res.stdout.decode(errors="replace"))

@@ -25,6 +25,7 @@ import structlog
 from tenacity import RetryCallState
 
 from coldsnap.hosts.base import (
+    DEFAULT_OUTPUT_LIMIT,
     DEFAULT_RUN_TIMEOUT,
     CommandFailed,
     CommandResult,
@@ -34,8 +35,10 @@ from coldsnap.hosts.base import (
     HostKeyRejected,
     HostUnreachable,
     ProgressCallback,
+    TailBuffer,
     TcpStream,
     TransferResult,
+    check_get_bounds,
 )
 from coldsnap.hosts.host_keys import (
     TrustingClient,
@@ -282,10 +285,12 @@ class SSHHost:
         timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
         input: bytes | None = None,
         check: bool = True,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
     ) -> CommandResult:
         args = tuple(argv)
         if not args:
             raise ValueError("empty argv")
+        out, err = TailBuffer(output_limit), TailBuffer(output_limit)
         command = "exec " + shlex.join(["sh", "-c", _PID_WRAPPER, "coldsnap-run", *args])
         async with self._channels:
             stream = await self._open_owned(command, kill=True)
@@ -305,9 +310,8 @@ class SSHHost:
                                 await stream.stdin.drain()
                             stream.stdin.write_eof()
 
-                    out, err, _ = await asyncio.gather(
-                        stream.stdout.read(), stream.stderr.read(), feed()
-                    )
+                    await asyncio.gather(out.drain(stream.stdout), err.drain(stream.stderr),
+                                         feed())
                     await stream.channel.wait_closed()
             except TimeoutError:
                 await asyncio.shield(self._kill(pid, stream))
@@ -334,7 +338,8 @@ class SSHHost:
                 f"connection closed before {args[0]} reported an exit status "
                 "(it may or may not have finished)",
             )
-        result = CommandResult(args, status, out, err)
+        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
+                               self.name)
         if check and not result.ok:
             raise CommandFailed(self.name, result)
         return result
@@ -368,8 +373,11 @@ class SSHHost:
         return await put_file(self, local, remote, progress=progress, expected=expected)
 
     async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-                  expected: str | None = None) -> TransferResult:
-        return await fetch_file(self, remote, local, progress=progress, expected=expected)
+                  expected: str | None = None, size: int | None = None,
+                  max_bytes: int | None = None, beneath: str | None = None) -> TransferResult:
+        check_get_bounds(size, max_bytes)
+        return await fetch_file(self, remote, local, progress=progress, expected=expected,
+                                size=size, max_bytes=max_bytes, beneath=beneath)
 
     @asynccontextmanager
     async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:

@@ -174,10 +174,11 @@ async def _capture_units(
         def progress(what: str) -> ProgressCallback | None:
             return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
 
-        wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}")
-                  for o in r.capsule.objects]
+        wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}",
+                         o.file.root) for o in r.capsule.objects]
         wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
-                          f"payload of {Owner.worker(w.worker_id)}") for w in r.workers]
+                          f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
+                   for w in r.workers]
         sizes = await fetcher.pull_all(host, wanted, progress)
         for o in r.capsule.objects:
             path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE

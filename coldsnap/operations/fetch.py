@@ -32,6 +32,9 @@ class Wanted:
     sha256: str
     bytes: int
     label: str  # for progress: "criu-image of unit/u0", "payload of worker/w1"
+    # The directory the host reads it beneath, no symlink followed (`Host.get`'s `beneath`);
+    # "" for none.
+    root: str = ""
 
 
 @dataclass
@@ -45,11 +48,14 @@ class HostFetch:
 
 
 async def fetch_into_store(host: Host, remote: str, store: LocalStore, expected: str,
-                           progress: ProgressCallback | None) -> tuple[str, int]:
-    """Pull one object from a host into the store, verified against the digest the host
-    reported when the object was made."""
+                           progress: ProgressCallback | None, *, size: int,
+                           beneath: str | None = None) -> tuple[str, int]:
+    """Pull one object from a host into the store, verified against the digest and the size
+    the host reported when the object was made: a host that announces another size is
+    refused before a byte is written."""
     with store.incoming() as tmp:
-        got = await host.get(remote, tmp, progress=progress, expected=expected)
+        got = await host.get(remote, tmp, progress=progress, expected=expected, size=size,
+                             beneath=beneath)
         if got.sha256 != expected:
             raise ObjectCorrupt(f"{host.name}:{remote} arrived with sha256 {got.sha256}, "
                                 f"expected {expected}")
@@ -126,4 +132,5 @@ class Fetcher:
                     ) -> tuple[str, int]:
         async with slots:
             return await fetch_into_store(host, w.path, self.store, w.sha256,
-                                          progress(w.label) if progress else None)
+                                          progress(w.label) if progress else None,
+                                          size=w.bytes, beneath=w.root or None)

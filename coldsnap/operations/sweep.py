@@ -26,5 +26,6 @@ async def sweep_host_temp(host: Host, data_dir: str, *, older_than_s: float = TE
     if not dry_run:
         argv.append("-delete")
     out = await host.run(["sh", "-c", '[ -d "$1" ] || exit 0; shift; exec "$@"', "sh",
-                          data_dir, *argv], timeout=SWEEP_TIMEOUT_S)
+                          data_dir, *argv], timeout=SWEEP_TIMEOUT_S,
+                         output_limit=16 << 20)
     return sorted(out.stdout.decode(errors="replace").splitlines())

@@ -90,7 +90,7 @@ async def _host_leftovers(hosts: HostSet, name: str, judge: Judge, operation: st
     data_dir = hosts.entries[name].data_dir
     roots = [f"{data_dir}/{d}" for d in _LEFTOVER_DIRS]
     listed = await host.run(["find", *roots, "-mindepth", "1", "-maxdepth", "1", "-type", "d"],
-                            timeout=30, check=False)
+                            timeout=30, check=False, output_limit=16 << 20)
     for path in sorted(listed.stdout.decode(errors="replace").splitlines()):
         op = _leftover_operation(path)
         if op is None or not is_id(op) or (operation is not None and op != operation):

@@ -51,6 +51,9 @@ own error JSON):
   answers), POST /update_weights_from_disk {"model_path"?} -> {"success", "message",
   "num_paused_requests"}. Errors: {"error": {"message"}} natively, {"object": "error",
   "message", "type", "param", "code"} on /v1.
+With --api-key KEY (or, for --api vllm, VLLM_API_KEY in the environment), every path but the
+probes and metrics (/health, /health_generate, /metrics, /load, /ping, /version) answers 401
+{"error": "Unauthorized"} without `Authorization: Bearer KEY`, as recent vLLM does.
 Completion bodies may carry "full_check": true (an extra field, as vLLM accepts): every rank
 then re-verifies all of its weight chunks instead of a sample.
 /health is 200 only when every local worker is warm, awake, its GPU `running` and its group
@@ -175,7 +178,10 @@ def serve(args: argparse.Namespace) -> int:
     surface_cls = engine_http.VllmSurface if args.api == "vllm" else engine_http.SglangSurface
     surface = surface_cls(engine, args.served_model_name or args.model_dir)
     engine_http.Server.address_family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    server = engine_http.Server((args.host, port), engine_http.make_handler(surface))
+    # Like vLLM: --api-key, else VLLM_API_KEY in the environment (the vLLM surface only).
+    api_key = args.api_key or (os.environ.get("VLLM_API_KEY") if args.api == "vllm" else None)
+    server = engine_http.Server((args.host, port),
+                                engine_http.make_handler(surface, api_key or None))
     print(f"test engine ({args.api}) serving on {args.host}:{port}", flush=True)
     server.serve_forever()
     return 0
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=None,
                    help="default 8000 for vllm, 30000 for sglang")
     s.add_argument("--model-dir", default="/models")
+    s.add_argument("--api-key", default=None,
+                   help="answer 401 without `Authorization: Bearer KEY` (probes excepted)")
     s.add_argument("--served-model-name", default=None, help="default: the model dir")
     s.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR") or "127.0.0.1",
                    help="default: $MASTER_ADDR, else 127.0.0.1")

@@ -6,6 +6,7 @@ Python 3 standard library only: it runs inside the capsule.
 
 from __future__ import annotations
 
+import hmac
 import http.server
 import json
 import time
@@ -294,7 +295,21 @@ class SglangSurface(Surface):
                      "num_paused_requests": 0}
 
 
-def make_handler(surface: Surface) -> type[http.server.BaseHTTPRequestHandler]:
+# What an engine started with --api-key serves without the key, as recent vLLM does (older
+# ones guard only /v1; SGLang guards all but its health probes): probes and metrics.
+PUBLIC_PATHS = ("/health", "/health_generate", "/metrics", "/load", "/ping", "/version")
+
+
+def authorized(headers: Any, path: str, api_key: str | None) -> bool:
+    if api_key is None or path in PUBLIC_PATHS:
+        return True
+    given = headers.get("Authorization") or ""
+    scheme, _, token = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def make_handler(surface: Surface,
+                 api_key: str | None = None) -> type[http.server.BaseHTTPRequestHandler]:
     routes = surface.routes()
     paths = {p for _, p in routes}
 
@@ -319,6 +334,9 @@ def make_handler(surface: Surface) -> type[http.server.BaseHTTPRequestHandler]:
 
         def dispatch(self, method: str) -> None:
             url = urllib.parse.urlsplit(self.path)
+            if not authorized(self.headers, url.path, api_key):
+                self.reply(401, {"error": "Unauthorized"})
+                return
             try:
                 body = self.body()
                 route = routes.get((method, url.path))

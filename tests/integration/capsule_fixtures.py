@@ -220,7 +220,8 @@ async def stage(src: ClusterHost, dst: ClusterHost, capsule: CommittedCapsule) -
     with tempfile.TemporaryDirectory() as tmp:
         for obj in capsule.objects:
             local = Path(tmp) / "object"
-            got = await src.target.host.get(obj.file.path, local)
+            got = await src.target.host.get(obj.file.path, local, size=obj.file.bytes,
+                                            beneath=obj.file.root or None)
             assert got.sha256 == obj.file.sha256
             remote = f"{objects}/{obj.file.sha256.split(':', 1)[1]}"
             put = await dst.target.host.put(local, remote)

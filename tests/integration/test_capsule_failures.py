@@ -4,6 +4,7 @@ and step, and leaves nothing half-done behind."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import posixpath
 
 import docker.errors
@@ -260,11 +261,15 @@ async def test_payload_paths_are_resolved_and_checked_on_the_host(
     await run(["mkdir", "-p", models])
     try:
         await run(["sh", "-c", 'printf abc > "$1/ok.bin" && ln -s /etc/shadow "$1/escape.bin" '
-                   '&& ln -s /dev/zero "$1/zero.bin" && printf x > "$2/outside.bin"', "sh",
-                   models, root])
-        real, size = await checked_payload(s, "u", "w", f"{models}/ok.bin", mounts)
-        assert real.endswith("/models/ok.bin") and ".." not in real and size == 3
-        for name, why in (("escape.bin", "outside every mount"), ("zero.bin", "not a file"),
+                   '&& ln -s /dev/zero "$1/zero.bin" && mkfifo "$1/fifo.bin" '
+                   '&& printf x > "$2/outside.bin"', "sh", models, root])
+        found = await checked_payload(s, "u", "w", f"{models}/ok.bin", mounts)
+        assert found.real.endswith("/models/ok.bin") and ".." not in found.real
+        assert found.bytes == 3 and found.root == models
+        assert found.sha256 == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+        for name, why in (("escape.bin", "outside every mount"),
+                          ("zero.bin", "outside every mount"),
+                          ("fifo.bin", "not a regular file"),
                           ("missing.bin", "does not exist")):
             with pytest.raises(CapsuleError) as err:
                 await checked_payload(s, "u", "w", f"{models}/{name}", mounts)

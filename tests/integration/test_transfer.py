@@ -96,7 +96,7 @@ async def test_put_then_get_round_trip(
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
     back = tmp_path / "back" / "obj.bin"
-    g = await host.get(f"{remote_dir}/a/obj.bin", back)
+    g = await host.get(f"{remote_dir}/a/obj.bin", back, size=r.bytes)
     assert (g.bytes, g.sha256) == (r.bytes, digest)
     assert sha(back) == digest
     assert not back.with_name(back.name + PART_SUFFIX).exists()
@@ -110,7 +110,7 @@ async def test_empty_file(
     src = tmp_path / "empty"
     src.write_bytes(b"")
     r = await put_file(host, src, f"{remote_dir}/empty", transport=transport)
-    assert (await host.get(f"{remote_dir}/empty", tmp_path / "back")).bytes == 0
+    assert (await host.get(f"{remote_dir}/empty", tmp_path / "back", size=0)).bytes == 0
     assert r.sha256 == "sha256:" + hashlib.sha256(b"").hexdigest()
     assert (await host.run(["stat", "-c", "%s", f"{remote_dir}/empty"])).stdout == b"0\n"
     await host.run(["rm", "-rf", remote_dir])

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,13 +30,13 @@ class CountingHost(LocalHost):
         self.held = asyncio.Event()
 
     async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-                  expected: str | None = None) -> TransferResult:
+                  expected: str | None = None, **bounds: Any) -> TransferResult:
         self.gets.append(remote)
         if len(self.gets) == self.waiting:
             self.held.set()
         if self.gate is not None:
             await self.gate.wait()
-        return await super().get(remote, local, progress=progress, expected=expected)
+        return await super().get(remote, local, progress=progress, expected=expected, **bounds)
 
 
 def _file(path: Path, data: bytes) -> Wanted:
@@ -105,7 +106,7 @@ class GatedHost(LocalHost):
         self.arrived = asyncio.Event()
 
     async def get(self, remote: str, local: Path, *, progress: ProgressCallback | None = None,
-                  expected: str | None = None) -> TransferResult:
+                  expected: str | None = None, **bounds: Any) -> TransferResult:
         self.started.append(remote)
         self.arrived.set()
         try:
@@ -114,7 +115,7 @@ class GatedHost(LocalHost):
         except asyncio.CancelledError:
             self.cancelled.append(remote)
             raise
-        return await super().get(remote, local, progress=progress, expected=expected)
+        return await super().get(remote, local, progress=progress, expected=expected, **bounds)
 
 
 async def test_a_failed_pull_stops_the_units_others_and_fails_who_waited_for_them(

@@ -14,7 +14,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from coldsnap.capsule.docker_exec import exec_in_container
+from coldsnap.capsule.docker_exec import exec_in_container, exec_tail
 
 FRAMES = (struct.pack(">BxxxL", 1, 6) + b"hello\n" + struct.pack(">BxxxL", 2, 5) + b"oops\n")
 
@@ -87,3 +87,18 @@ def test_docker_pys_own_exec_run_loses_it(eager_daemon: str) -> None:
     finally:
         client.close()
     assert got == (None, None)
+
+
+def test_each_stream_keeps_a_bounded_tail(eager_daemon: str) -> None:
+    """What a container writes is kept up to a limit, its tail, and the drop is counted: an
+    engine's endless output never grows the controller's buffers."""
+    client = docker.DockerClient(base_url=f"unix://{eager_daemon}", version="1.41", timeout=10)
+    try:
+        code, out, err = exec_tail(client.api, "c1", ["echo", "hello"], limit=3)
+        with pytest.raises(ValueError, match="more than 3 bytes"):
+            exec_in_container(client.api, "c1", ["echo", "hello"], limit=3)
+    finally:
+        client.close()
+    assert code == 3
+    assert (out.bytes(), out.dropped) == (b"lo\n", 3)
+    assert (err.bytes(), err.dropped) == (b"ps\n", 2)

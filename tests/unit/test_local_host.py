@@ -61,7 +61,7 @@ async def test_put_get_verify_and_are_atomic(tmp_path: Path) -> None:
     assert (tmp_path / "d" / "dst").read_bytes() == data
     assert seen[-1] == len(data)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["dst"]
-    g = await h.get(str(tmp_path / "d" / "dst"), tmp_path / "back")
+    g = await h.get(str(tmp_path / "d" / "dst"), tmp_path / "back", size=len(data))
     assert g.sha256 == r.sha256
 
 

@@ -685,3 +685,49 @@ async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
     else:
         with pytest.raises(EngineCallFailed, match="always drops the KV cache"):
             await adapter.quiesce(ep, discard_kv=False)
+
+
+def test_the_api_key_comes_from_the_command_or_the_environment() -> None:
+    vllm, sglang = VllmAdapter(), SglangAdapter()
+    cmd = ["vllm", "serve", "/models", "--port", "8000"]
+    assert vllm.api_key(cmd, {}) is None
+    assert vllm.api_key([*cmd, "--api-key", "k1"], {"VLLM_API_KEY": "k2"}) == "k1"
+    assert vllm.api_key([*cmd, "--api-key=k3"], {}) == "k3"
+    assert vllm.api_key(["sh", "-c", "exec vllm serve /m --api-key=k4"], {}) == "k4"
+    assert vllm.api_key(cmd, {"VLLM_API_KEY": "k2"}) == "k2"
+    assert sglang.api_key(["python3", "-m", "sglang.launch_server", "--api-key", "s1"],
+                          {}) == "s1"
+    # SGLang reads no VLLM_API_KEY: a unit's stray variable must not become its key.
+    assert sglang.api_key(["python3", "-m", "sglang.launch_server"],
+                          {"VLLM_API_KEY": "k2"}) is None
+    ep = EngineEndpoint(LocalHost(), "127.0.0.1", 8000, "very-secret-key")
+    assert "very-secret-key" not in repr(ep) and "very-secret-key" not in str(ep)
+
+
+async def test_an_engine_with_an_api_key_is_driven_and_validated_with_it(
+        tmp_path: Path, make_engine: Callable[..., Engine]) -> None:
+    """vLLM started with VLLM_API_KEY (the test engine answers 401 like recent vLLM, its
+    probes excepted): the adapter's every call carries the key; without it, or with another,
+    validation fails on the 401, and no message repeats a key."""
+    key = "sk-test-" + os.urandom(8).hex()
+    model = make_model(tmp_path, 1)
+    port, master = free_ports(2)
+    u = make_engine("u0", [worker(0, 0, 1)], model, port, master,
+                    env={"VLLM_API_KEY": key})
+    u.wait_up()
+    u.wait_healthy()
+    adapter = VllmAdapter()
+    assert u.http("GET", "/v1/models") == (401, {"error": "Unauthorized"})
+    ep = EngineEndpoint(LocalHost(), "127.0.0.1", port,
+                        adapter.api_key(["vllm", "serve", str(model)], u.env))
+    await adapter.quiesce(ep)
+    await adapter.resume(ep)
+    u.wait_healthy()
+    assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
+    for wrong in (None, "sk-wrong"):
+        bad = EngineEndpoint(LocalHost(), "127.0.0.1", port, wrong)
+        with pytest.raises(EngineCallFailed, match="GET /v1/models: 401") as err:
+            await adapter.complete(bad, PROMPT, timeout=10)
+        assert key not in str(err.value) and "sk-wrong" not in str(err.value)
+    with pytest.raises(EngineCallFailed, match="401"):
+        await adapter.quiesce(EngineEndpoint(LocalHost(), "127.0.0.1", port))

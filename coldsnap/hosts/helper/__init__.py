@@ -8,6 +8,7 @@ the parts in order, without their imports of each other (`PROGRAM`).
 
   stamps.py      verified stamps of files and of published image sets (xattrs; their format)
   common.py      the exit codes of every mode, `die`, `sync_dir`, `publish`
+  beneath.py     `open_beneath`: a file beneath a root, no symlink followed (openat2)
   files.py       put, stat, stats, recv, commit, get, reap: the far side of file transfers
   image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
   main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
@@ -20,13 +21,21 @@ Modes:
   stats PATH...             the same for each path, one line each, "absent" for no regular file
   recv PART OFF LEN         bytes from OFF (OpenSSH bulk path): write, publish as PART.<digest>
   commit SRC DST            rename a verified candidate into place
-  get PATH OFFSET           "size SIZE", bytes from OFFSET, then "HEX" of the whole file
+  get PATH OFFSET [ROOT]    "size SIZE", bytes from OFFSET, then "HEX" of the whole file;
+                            with ROOT, PATH is opened beneath it, no symlink followed
+  send ROOT PATH OFFSET     "size SIZE", then the bytes from OFFSET (no hashing: the caller
+                            knows the digest); PATH opened beneath ROOT, no symlink followed
+  payload PATH MAX ROOT...  JSON {"real", "root", "size", "sha256"} of the file PATH resolves
+                            to, which must lie under one of the ROOTs (resolved), be at most
+                            MAX bytes, and is hashed through a descriptor opened beneath its
+                            root, no symlink followed (never from a stamp the engine can set)
   reap TOKEN SECONDS        wait until no process of a put through OpenSSH marked with TOKEN
                             runs here, killing what still runs after half the time
   pack, place, finish, layers   see image_sets.py
   holdings                  stdin {"paths": [...], "sets": [[ROOT, PLAN], ...]}: see main.py
 
-Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 75 busy.
+Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 6 refused
+(a symlink, a `..`, not a regular file, outside every root, over a size cap), 75 busy.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import ast
 from importlib import resources
 
 # In the order the program needs them: each part uses only names of the parts before it.
-PARTS = ("stamps", "common", "files", "image_sets", "main")
+PARTS = ("stamps", "common", "beneath", "files", "image_sets", "main")
 
 
 def _part(name: str) -> str:

@@ -20,6 +20,7 @@ EXIT_USAGE = 2
 EXIT_SHORT = 3  # the stream ended early; the partial file is kept for a resume
 EXIT_MISMATCH = 4  # the bytes do not hash to what the sender has, or to the expected digest
 EXIT_OFFSET = 5  # a resume offset or a file size that no longer holds
+EXIT_REFUSED = 6  # a file not opened beneath its root without a symlink (helper.beneath)
 EXIT_BUSY = 75  # another transfer is writing the same partial file
 
 CH = 1 << 20  # read, hash and write in pieces of this size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import signal
 import stat
@@ -22,11 +23,13 @@ import threading
 import time
 from typing import Any
 
+from coldsnap.hosts.helper.beneath import Refused, open_beneath
 from coldsnap.hosts.helper.common import (
     CH,
     EXIT_BUSY,
     EXIT_MISMATCH,
     EXIT_OFFSET,
+    EXIT_REFUSED,
     EXIT_SHORT,
     EXIT_USAGE,
     F_SETPIPE_SZ,
@@ -236,13 +239,59 @@ def commit(args: list[str]) -> None:
     sync_dir(os.path.dirname(args[1]) or ".")
 
 
-def get(args: list[str], out: Any, mv: memoryview) -> None:
-    """get PATH OFFSET: "size SIZE", bytes from OFFSET, then "HEX" of the whole file."""
-    path, offset = args[0], int(args[1])
+def open_read(path: str, root: str | None) -> Any:
+    """`path` open for reading: beneath `root` with no symlink followed when given (exit 6
+    naming the path when that fails), else as named."""
     try:
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 (held to the end of the send)
+        if root is None:
+            return open(path, "rb", buffering=0)
+        return os.fdopen(open_beneath(root, path), "rb", buffering=0)
+    except Refused as e:
+        die(EXIT_REFUSED, str(e))
     except OSError as e:
         die(EXIT_USAGE, f"cannot open {path}: {e.strerror}")
+
+
+def send(args: list[str], out: Any) -> None:
+    """send ROOT PATH OFFSET: "size SIZE", then the bytes from OFFSET, by `head` from the
+    descriptor opened here (never more than SIZE, should the file grow meanwhile)."""
+    f = open_read(args[1], args[0])
+    offset = int(args[2])
+    size = os.fstat(f.fileno()).st_size
+    if offset > size:
+        die(EXIT_OFFSET, f"offset {offset} beyond size {size}")
+    out.write(f"size {size}\n".encode())
+    out.flush()
+    os.lseek(f.fileno(), offset, os.SEEK_SET)
+    os.dup2(f.fileno(), 0)
+    os.execvp("head", ["head", "-c", str(size - offset)])  # noqa: S606 (an argv, no shell)
+
+
+def payload(args: list[str], out: Any, mv: memoryview) -> None:
+    """payload PATH MAX ROOT...: where PATH resolves, under which root, its size and sha256,
+    hashed from a descriptor opened beneath that root."""
+    path, cap, roots = args[0], int(args[1]), [os.path.realpath(r) for r in args[2:]]
+    real = os.path.realpath(path)
+    if not os.path.lexists(real):
+        die(EXIT_USAGE, f"{path} does not exist")
+    root = next((r for r in roots if real.startswith(r.rstrip("/") + "/")), None)
+    if root is None:
+        die(EXIT_REFUSED, f"{path} resolves to {real}, outside every mount of the unit")
+    f = open_read(real, root)
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            die(EXIT_REFUSED, f"{path} is {size} bytes, over the {cap} byte cap")
+        h = hashlib.sha256()
+        hash_prefix(f, h, size, mv)
+    out.write(json.dumps({"real": real, "root": root, "size": size,
+                          "sha256": "sha256:" + h.hexdigest()}).encode())
+
+
+def get(args: list[str], out: Any, mv: memoryview) -> None:
+    """get PATH OFFSET [ROOT]: "size SIZE", bytes from OFFSET, then "HEX" of the whole file."""
+    path, offset = args[0], int(args[1])
+    f = open_read(path, args[2] if len(args) > 2 else None)
     size = os.fstat(f.fileno()).st_size
     if offset > size:
         die(EXIT_OFFSET, f"offset {offset} beyond size {size}")

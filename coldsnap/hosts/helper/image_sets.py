@@ -37,10 +37,12 @@ import sys
 import tarfile
 from typing import Any
 
+from coldsnap.hosts.helper.beneath import Refused, open_beneath
 from coldsnap.hosts.helper.common import (
     CH,
     EXIT_ABSENT,
     EXIT_MISMATCH,
+    EXIT_REFUSED,
     EXIT_USAGE,
     die,
     publish,
@@ -102,12 +104,25 @@ def copy_in(f: Any, w: ObjectWriter, n: int, path: str, mv: memoryview) -> None:
         n -= k
 
 
+def open_image(src: str, name: str) -> Any:
+    """An image file of the dump directory, which the engine's container can write: opened
+    without following a symlink (`open_beneath`), a regular file, or the pack fails naming
+    it; what is packed is what this descriptor reads."""
+    try:
+        return os.fdopen(open_beneath(src, os.path.join(src, name)), "rb")
+    except Refused as e:
+        die(EXIT_REFUSED, f"{e}: a CRIU image directory holds only regular files")
+
+
 def pack(src: str, out: str, chunk: int, small: int) -> None:
     os.makedirs(out, mode=0o700, exist_ok=True)
     os.chmod(out, 0o700)
+    sizes = {}
+    for n in os.listdir(src):  # a dump holds thousands of files: one open at a time
+        with open_image(src, n) as f:
+            sizes[n] = os.fstat(f.fileno()).st_size
     # Small files first, so that they all share pack objects; then the large ones.
-    names = sorted(os.listdir(src),
-                   key=lambda n: (os.lstat(os.path.join(src, n)).st_size > small, n))
+    names = sorted(sizes, key=lambda n: (sizes[n] > small, n))
     files: list[Any] = []
     w = ObjectWriter(out)
     buf = bytearray(CH)
@@ -125,16 +140,15 @@ def pack(src: str, out: str, chunk: int, small: int) -> None:
 
     for name in names:
         path = os.path.join(src, name)
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            die(EXIT_USAGE, f"{path} is not a regular file: a CRIU image directory holds only "
-                            "files")
-        entry: dict[str, Any] = {"name": name, "size": st.st_size,
-                                 "mode": stat.S_IMODE(st.st_mode), "extents": []}
-        files.append(entry)
-        if st.st_size == 0:
-            continue
-        with open(path, "rb") as f:
+        with open_image(src, name) as f:
+            st = os.fstat(f.fileno())
+            if st.st_size != sizes[name]:
+                die(EXIT_MISMATCH, f"{path} changed while packing")
+            entry: dict[str, Any] = {"name": name, "size": st.st_size,
+                                     "mode": stat.S_IMODE(st.st_mode), "extents": []}
+            files.append(entry)
+            if st.st_size == 0:
+                continue
             if st.st_size <= small:
                 if w.f is not None and w.size + st.st_size > chunk:
                     close_pack()
@@ -243,7 +257,7 @@ def check_set(root: str, plan: list[Any]) -> tuple[int, str]:
             total = 0
             for name, file_off, _obj_off, length in copy:
                 try:
-                    with open(os.path.join(root, name), "rb") as f:
+                    with os.fdopen(open_beneath(root, name), "rb") as f:
                         f.seek(file_off)
                         left = length
                         while left:
@@ -253,7 +267,7 @@ def check_set(root: str, plan: list[Any]) -> tuple[int, str]:
                             h.update(mv[:k])
                             left -= k
                             total += k
-                except OSError as exc:
+                except (OSError, Refused) as exc:
                     return EXIT_MISMATCH, f"{name}: {exc}"
             if total != size or h.hexdigest() != hexd:
                 return EXIT_MISMATCH, f"the bytes of object sha256:{hexd} differ in {root}"

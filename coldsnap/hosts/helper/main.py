@@ -13,7 +13,16 @@ import json
 import sys
 
 from coldsnap.hosts.helper.common import CH, EXIT_OK, EXIT_USAGE, die
-from coldsnap.hosts.helper.files import commit, file_state, get, put, reap, recv
+from coldsnap.hosts.helper.files import (
+    commit,
+    file_state,
+    get,
+    payload,
+    put,
+    reap,
+    recv,
+    send,
+)
 from coldsnap.hosts.helper.image_sets import check_set, finish, layers, pack, place
 
 # The image set modes and how many arguments each takes.
@@ -62,6 +71,10 @@ def main(argv: list[str]) -> int:
         commit(args)
     elif mode == "get":
         get(args, out, mv)
+    elif mode == "send":
+        send(args, out)
+    elif mode == "payload":
+        payload(args, out, mv)
     elif mode == "holdings":
         holdings()
     else:

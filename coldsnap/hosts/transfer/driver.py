@@ -181,9 +181,13 @@ async def fetch_file(
     tamper: Tamper | None = None,
     transport: Transport | None = None,
     expected: str | None = None,
+    size: int | None = None,
+    max_bytes: int | None = None,
+    beneath: str | None = None,
 ) -> TransferResult:
-    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`
-    see `Host.get`.
+    """Copy `remote` on the host to `local`, verified end to end, resumable; with `expected`,
+    `size`, `max_bytes` and `beneath` see `Host.get` (which requires a size or a cap; the
+    transfer tests drive this one without).
 
     `transport`: see `over_chosen_transport`."""
     local = Path(local)
@@ -192,16 +196,18 @@ async def fetch_file(
     if expected is not None:
         check_digest(expected)
     local.parent.mkdir(parents=True, exist_ok=True)
-    size = None
-    if (transport or host.settings.bulk_transport) == "auto":
+    if size is None and (transport or host.settings.bulk_transport) == "auto":
         # One round trip decides whether the file repays an OpenSSH client's start.
         found = await host.run(["stat", "-L", "-c", "%s", "--", remote], check=False)
         if found.exit_status == 0 and found.stdout.strip().isdigit():
             size = int(found.stdout)
     got = await over_chosen_transport(
         host, f"get {remote} -> {local}", attempts, transport,
-        lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected),
-        lambda: get_once_stream(host, remote, local, progress, tamper), size=size)
+        lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected,
+                                      size=size, max_bytes=max_bytes, beneath=beneath),
+        lambda: get_once_stream(host, remote, local, progress, tamper, size=size,
+                                max_bytes=max_bytes, beneath=beneath),
+        size=size)
     if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.
         await asyncio.to_thread(local.unlink)

@@ -48,7 +48,9 @@ from coldsnap.hosts.transfer.protocol import (
     DigestMismatch,
     Retry,
     Tamper,
+    check_announced,
     classify,
+    far_get_argv,
     hash_file_prefix,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
@@ -83,13 +85,29 @@ def _read_header(out: io.BufferedReader) -> int | None:
     return int(words[1])
 
 
+@dataclass(frozen=True)
+class _Bounds:
+    """What the far side's size header must say (`check_announced`), for `host`'s `what`."""
+
+    host: str
+    what: str
+    size: int | None
+    max_bytes: int | None
+
+
 def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
-             report: ProgressCallback | None) -> tuple[int | None, int, bytes]:
+             report: ProgressCallback | None, bounds: _Bounds) -> tuple[int | None, int, bytes]:
     """The far side's answer into the partial file: (size from its header, bytes of the file
-    now in the partial file, its trailing sha256)."""
+    now in the partial file, its trailing sha256). A header the bounds refuse fails before
+    the partial file is opened, and removes one an earlier try left."""
     total = _read_header(out)
     if total is None:
         return None, offset, b""
+    try:
+        check_announced(bounds.host, bounds.what, total, bounds.size, bounds.max_bytes)
+    except TransferError:
+        part.unlink(missing_ok=True)
+        raise
     done = reported = offset
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -126,6 +144,7 @@ def _drain(
     tamper: Tamper | None,
     report: ProgressCallback | None,
     started: Started,
+    bounds: _Bounds,
 ) -> _Received:
     """Thread body: read the far side's answer from an OpenSSH client into the partial file,
     hashing each chunk as it is written."""
@@ -137,7 +156,7 @@ def _drain(
     reader = threading.Thread(target=lambda: errors.append(err_pipe.read()), daemon=True)
     reader.start()
     try:
-        total, done, trailer = _receive(out, part, offset, h, tamper, report)
+        total, done, trailer = _receive(out, part, offset, h, tamper, report, bounds)
         out.read()  # whatever else comes, so that the client can exit
     except BaseException:
         proc.kill()  # a local failure (a full disk): the client must not block on its pipe
@@ -159,6 +178,10 @@ async def get_once_openssh(
     progress: ProgressCallback | None,
     tamper: Tamper | None,
     expected: str | None = None,
+    *,
+    size: int | None = None,
+    max_bytes: int | None = None,
+    beneath: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
     part = local.with_name(local.name + PART_SUFFIX)
@@ -167,12 +190,17 @@ async def get_once_openssh(
          else hashlib.sha256())
 
     report = loop_progress(progress, loop)
-    far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expected
-           else helper_argv("get", remote, str(offset)))
+    if beneath is not None:
+        far = far_get_argv(remote, offset, known=expected is not None, beneath=beneath)
+    else:
+        far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expected
+               else helper_argv("get", remote, str(offset)))
     command = "exec " + shlex.join(far)
+    bounds = _Bounds(host.name, f"get {remote}", size, max_bytes)
     got = await in_client_thread(
         f"get-{host.name}",
-        lambda started: _drain([*argv, command], part, offset, h, tamper, report, started))
+        lambda started: _drain([*argv, command], part, offset, h, tamper, report, started,
+                               bounds))
     # In a thread: publishing fsyncs the file, GiBs perhaps not yet written back.
     return await asyncio.to_thread(_settle, host.name, remote, local, part, offset, h, got,
                                    expected)

@@ -25,7 +25,9 @@ from coldsnap.hosts.transfer.protocol import (
     DigestMismatch,
     Retry,
     Tamper,
+    check_announced,
     classify,
+    far_get_argv,
     hash_file_prefix,
     parse_part,
     resume_offset,
@@ -156,6 +158,10 @@ async def get_once_stream(
     local: Path,
     progress: ProgressCallback | None,
     tamper: Tamper | None,
+    *,
+    size: int | None = None,
+    max_bytes: int | None = None,
+    beneath: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
     part = local.with_name(local.name + PART_SUFFIX)
@@ -165,7 +171,9 @@ async def get_once_stream(
         if offset
         else (hashlib.sha256())
     )
-    async with host.open_stream(helper_argv("get", remote, str(offset))) as s:
+    far = (far_get_argv(remote, offset, known=False, beneath=beneath) if beneath is not None
+           else helper_argv("get", remote, str(offset)))
+    async with host.open_stream(far) as s:
         line = (await s.stdout.readline()).split()
         if len(line) != 2 or line[0] != b"size":
             status, err = await s.finish()
@@ -174,6 +182,11 @@ async def get_once_stream(
                 raise Retry("remote file is shorter than our partial copy")
             _raise_for(host, f"get {remote}", status, err)
         total = int(line[1])
+        try:
+            check_announced(host.name, f"get {remote}", total, size, max_bytes)
+        except TransferError:
+            await asyncio.to_thread(part.unlink, missing_ok=True)
+            raise
         if progress:
             progress(offset, total)
         done = offset

@@ -15,6 +15,7 @@ from coldsnap.hosts.helper.common import (
     EXIT_BUSY,
     EXIT_MISMATCH,
     EXIT_OFFSET,
+    EXIT_REFUSED,
     EXIT_SHORT,
 )
 
@@ -40,6 +41,33 @@ class DigestMismatch(TransferError):
     """The far side's bytes do not hash to what the sender has, or to the digest it expects."""
 
 
+class SizeRefused(TransferError):
+    """A get whose far side announces another size than the object has, or more than the
+    caller's cap: refused before a byte is written. Never retried."""
+
+
+def check_announced(host: str, what: str, total: int, size: int | None,
+                    max_bytes: int | None) -> None:
+    """Whether a get may write the `total` bytes the far side announces: exactly `size` when
+    the caller knows the object's size, at most `max_bytes` otherwise."""
+    if size is not None and total != size:
+        raise SizeRefused(host, f"{what}: the host announces {total} bytes, the object has "
+                                f"{size}: refused before writing anything")
+    if max_bytes is not None and total > max_bytes:
+        raise SizeRefused(host, f"{what}: the host announces {total} bytes, over the "
+                                f"{max_bytes} byte cap: refused before writing anything")
+
+
+def far_get_argv(remote: str, offset: int, *, known: bool, beneath: str | None) -> list[str]:
+    """The far side of a get beneath a root: the helper opens `remote` beneath `beneath` with
+    no symlink followed, then sends (`known`: the caller has the digest, nothing is hashed
+    there) or hashes and sends."""
+    assert beneath is not None
+    if known:
+        return helper_argv("send", beneath, remote, str(offset))
+    return helper_argv("get", remote, str(offset), beneath)
+
+
 def classify(status: int) -> Outcome:
     """One decision for every far-side exit status: a stream cut short, a busy or stale
     partial file, a signal or a lost connection (255) is worth a resumed attempt; a digest
@@ -48,6 +76,8 @@ def classify(status: int) -> Outcome:
         return "ok"
     if status == EXIT_MISMATCH:
         return "corrupt"
+    if status == EXIT_REFUSED:
+        return "fatal"
     if status in (EXIT_SHORT, EXIT_BUSY, EXIT_OFFSET) or status >= 128:
         return "retry"
     return "fatal"

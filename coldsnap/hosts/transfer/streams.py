@@ -74,4 +74,5 @@ class StreamHost(Protocol):
         timeout: float | None = ...,  # noqa: ASYNC109
         input: bytes | None = None,
         check: bool = True,
+        output_limit: int = ...,
     ) -> CommandResult: ...

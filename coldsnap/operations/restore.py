@@ -55,6 +55,7 @@ from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
+from coldsnap.formats.service_policy import HostRoots
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import capsule_meta, captured_request
 from coldsnap.operations.context import (
@@ -163,7 +164,10 @@ async def restore(
     *,
     prepare_only: bool = False,
     fallback: Fallback = "none",
+    roots: HostRoots = (None, None),
 ) -> RestoreOutcome:
+    """`roots`: what the host's realpath of each mount source and log path must stay under
+    (None: unrestricted)."""
     artifact = stored.artifact
     launch, policy, validation = restore_placement(
         artifact, request, captured_request(store, artifact) if request is None else None)
@@ -193,7 +197,8 @@ async def restore(
         try:
             placed = place_units(launch, topology, facts, hosts.entries, validation,
                                  ctx.operation_id, workload=request.workload if request else None,
-                                 artifact=artifact.capture_id, artifact_digest=stored.digest)
+                                 artifact=artifact.capture_id, artifact_digest=stored.digest,
+                                 roots=roots)
         except PlacementError as exc:
             raise OperationFailed("placement", str(exc)) from None
 

@@ -181,14 +181,14 @@ class Scheduler:
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
         job = self.active.get(job_id)
+        row = self.jobs.get(job_id) if job is None else None
+        # Another user's job is answered as absent, as `jobs show` answers it.
+        owner = job.uid if job is not None else row.uid if row is not None else None
+        if owner is None or uid not in (0, owner):
+            return 404, {"error": f"no job {job_id}"}
         if job is None:
-            row = self.jobs.get(job_id)
-            if row is None:
-                return 404, {"error": f"no job {job_id}"}
+            assert row is not None
             return 409, {"error": f"job {job_id} already ended: {row.state}"}
-        if uid not in (0, job.uid):
-            return 403, {"error": f"job {job_id} was submitted by uid {job.uid}; only that "
-                                  "user or root may cancel it"}
         return 202, {"message": job.cancel(sig, f"cancel asked by uid {uid}")}
 
     async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> bool:

@@ -96,3 +96,23 @@ def claim_workload(store_root: Path, workload: str, uid: int, operation: str,
         owner = record_owner(store_root, workload, uid, operation_id)
         if uid != 0 and owner.uid != uid:
             check_owner(store_root, workload, uid, operation)
+
+
+def gc_refusal(store_root: Path, uid: int, operation_id: str | None) -> str | None:
+    """Why `uid` may not gc: every orphan (`operation_id` None) is any user's, so only root
+    may remove them all; an operation that started another uid's workload is theirs."""
+    if uid == 0:
+        return None
+    if operation_id is None:
+        return (f"gc --all-orphans refused: the orphans of every user's operations are among "
+                f"them; uid {uid} may gc only its own, with --operation ID")
+    folder = store_root / OWNERS_DIR
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if doc.get("operation_id") == operation_id and doc.get("uid") != uid:
+            return (f"gc refused: operation {operation_id} started workload {doc.get('workload')}, "
+                    f"which belongs to uid {doc.get('uid')}; uid {uid} may not remove it")
+    return None

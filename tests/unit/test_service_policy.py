@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.redaction import REDACTED, redact, scrub, secret_values
@@ -25,13 +26,14 @@ from coldsnap.formats.service_policy import (
     request_refusals,
 )
 from coldsnap.runner.kinds import OPERATIONS
-from coldsnap.runner.owners import claim_workload, owner_of, record_owner
+from coldsnap.runner.owners import claim_workload, gc_refusal, owner_of, record_owner
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.service.api import sees
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.policy import submission_refusals, submitter_refusal
 from coldsnap.service.submission import parse_submission
 from coldsnap.store import LocalStore
+from devtools.served import Served
 from tests.unit.artifact_factory import make_artifact
 from tests.unit.conftest import IMAGE_DIGEST, minimal_request
 
@@ -273,3 +275,68 @@ def _restore_doc() -> dict[str, Any]:
     doc["artifact"] = "cap-a"
     doc["id"] = "restore-1"
     return doc
+
+
+def test_gc_of_another_users_workload_and_of_every_orphan_is_root_only(tmp_path: Path) -> None:
+    record_owner(tmp_path, "cluster:prod", 1000, "restore-1")
+    assert gc_refusal(tmp_path, 0, None) is None
+    assert gc_refusal(tmp_path, 0, "restore-1") is None
+    assert gc_refusal(tmp_path, 1000, "restore-1") is None
+    assert gc_refusal(tmp_path, 1001, "other-op") is None
+    refusal = gc_refusal(tmp_path, 1001, "restore-1")
+    assert refusal is not None and "belongs to uid 1000" in refusal
+    refusal = gc_refusal(tmp_path, 1001, None)
+    assert refusal is not None and "--all-orphans refused" in refusal
+
+
+def _served(tmp_path: Path, policy: Path) -> Served:
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": [
+        {"name": f"host-{i}", "address": "127.0.0.1", "port": 1, "data_dir": "/var/lib/cs"}
+        for i in range(2)]}))
+    return Served(tmp_path, inventory, tmp_path / "store", "--policy", str(policy))
+
+
+def test_serve_with_an_invalid_policy_exits_2_naming_the_key(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("submitters: {groups: [coldsnap]}\nmount: {allow: [/srv]}\n")
+    s = _served(tmp_path, policy)
+    try:
+        s.start(wait_ready=False)
+        assert s.proc is not None and s.proc.wait(timeout=120) == 2
+        assert "mount: unknown key" in s.log.read_text()
+    finally:
+        s.close()
+    # A policy file that is named must exist; only the default may be absent.
+    (tmp_path / "second").mkdir()
+    missing = _served(tmp_path / "second", tmp_path / "no-such-policy.yaml")
+    try:
+        missing.start(wait_ready=False)
+        assert missing.proc is not None and missing.proc.wait(timeout=120) == 2
+        assert "no-such-policy.yaml" in missing.log.read_text()
+    finally:
+        missing.close()
+
+
+def test_a_real_service_refuses_root_under_a_policy_before_anything_runs(
+        tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"mounts": {"allow": ["/srv/models"]},
+                                      "images": {"allow": ["vllm"]},
+                                      "outputs": {"allow": ["/srv/coldsnap"]}}))
+    s = _served(tmp_path, policy).start()
+    try:
+        doc = _request()
+        doc["launch"]["units"][1]["mounts"][0]["source"] = "/"
+        status, reply, text = s.call("POST", "/v1/jobs", {
+            "operation": "capture", "request": doc,
+            "options": {"receipt_json": "/etc/receipt.json"}})
+        assert status == 400, text
+        assert reply["exit_status"] == 2
+        assert reply["lines"] == [
+            "launch.units[1].mounts[0].source: / is outside mounts.allow (/srv/models)",
+            "--receipt-json: /etc/receipt.json is outside outputs.allow (/srv/coldsnap)"]
+        assert not (tmp_path / "store" / "operations" / "req-1.json").exists()
+        assert s.call("GET", "/v1/jobs")[1] == {"jobs": []}
+    finally:
+        s.close()

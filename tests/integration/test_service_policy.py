@@ -87,8 +87,8 @@ def setup(dev_inventory: Path, user: User,
         "submitters": {"groups": [grp.getgrgid(user.gid).gr_name]},
         "images": {"allow": [repository]},
         "mounts": {"allow": sorted({m["source"] for u in base["launch"]["units"]
-                                    for m in u.get("mounts", [])})},
-        "log_paths": {"allow": [str(work / "logs")]},
+                                    for m in u.get("mounts", [])} | {str(user.home)})},
+        "log_paths": {"allow": [str(work / "logs"), str(user.home)]},
         "outputs": {"allow": [str(user.home), str(work)]},
         "unrestricted": True,  # root's own jobs here are the user's neighbours, not the test
     }))
@@ -249,3 +249,31 @@ def test_sleep_of_roots_workload_by_the_user_is_refused_naming_the_owner(
     assert run.returncode == 2, run.stderr
     assert "workload cluster:policy-cluster belongs to uid 0" in run.stderr
     assert setup.ops.running_units(), "root's workload still serves"
+
+
+@pytest.mark.parametrize("field", ["mount", "log_path"])
+def test_a_symlink_out_of_an_allowed_root_is_refused_on_the_host(
+        setup: Setup, field: str) -> None:
+    """The request names a path under an allowed root, which passes the service's check; on
+    the host it resolves to /etc, and the unit is refused before its container exists."""
+    user = setup.user
+    link = user.home / f"to-etc-{field}"
+    link.symlink_to("/etc")
+    name = f"policy-link-{field.replace('_', '-')}-{secrets.token_hex(3)}"
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    changes: dict[str, Any] = {"launch": doc["launch"]}
+    victim = Path("/etc") / f"{name}.log"
+    if field == "mount":
+        doc["launch"]["units"][0]["mounts"][0]["source"] = str(link)
+        expected = (f"mounts[0].source: {link} resolves to /etc on the host, outside "
+                    "mounts.allow")
+    else:
+        changes["workload"] = {**WORKLOAD, "cluster_id": name,
+                               "log_path": str(link / victim.name)}
+        expected = (f"workload.log_path: {link / victim.name} resolves to {victim} on the "
+                    "host, outside log_paths.allow")
+    path = _request(setup, name, user, **changes)
+    run = _as(setup, user, "capture", "--request-json", str(path))
+    assert run.returncode == 1, run.stderr
+    assert expected in run.stderr, run.stderr
+    assert not victim.exists()

@@ -204,11 +204,42 @@ def test_a_receipt_outside_outputs_allow_is_refused(setup: Setup) -> None:
     _nothing_ran(setup, name)
 
 
+@pytest.mark.parametrize("field", ["mount", "log_path"])
+def test_a_symlink_out_of_an_allowed_root_is_refused_on_the_host(
+        setup: Setup, field: str) -> None:
+    """The request names a path under an allowed root, which passes the service's check; on
+    the host it resolves to /etc, and the unit is refused before its container exists.
+    (Before root's workload serves: it holds the ports of these units.)"""
+    user = setup.user
+    link = user.home / f"to-etc-{field}"
+    link.symlink_to("/etc")
+    name = f"policy-link-{field.replace('_', '-')}-{secrets.token_hex(3)}"
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    changes: dict[str, Any] = {"launch": doc["launch"]}
+    victim = Path("/etc") / f"{name}.log"
+    if field == "mount":
+        doc["launch"]["units"][0]["mounts"][0]["source"] = str(link)
+        expected = (f"mounts[0].source: {link} resolves to /etc on the host, outside "
+                    "mounts.allow")
+    else:
+        changes["workload"] = {**WORKLOAD, "cluster_id": name,
+                               "log_path": str(link / victim.name)}
+        expected = (f"workload.log_path: {link / victim.name} resolves to {victim} on the "
+                    "host, outside log_paths.allow")
+    path = _request(setup, name, user, **changes)
+    run = _as(setup, user, "capture", "--request-json", str(path))
+    assert run.returncode == 1, run.stderr
+    assert expected in run.stderr, run.stderr
+    assert not victim.exists()
+
+
 def test_roots_job_is_invisible_to_the_user(setup: Setup, roots_job: dict[str, Any]) -> None:
     user = setup.user
     listed = _as(setup, user, "jobs", "list", "--json")
     assert listed.returncode == 0, listed.stderr
-    assert json.loads(listed.stdout) == {"jobs": []}
+    jobs = json.loads(listed.stdout)["jobs"]
+    assert roots_job["id"] not in [j["id"] for j in jobs]
+    assert {j["uid"] for j in jobs} <= {user.uid}  # only the user's own (the symlink tests')
     shown = _as(setup, user, "jobs", "show", roots_job["id"])
     assert shown.returncode == 2 and f"no job {roots_job['id']}" in shown.stderr
     assert TOKEN not in shown.stdout + shown.stderr
@@ -250,30 +281,3 @@ def test_sleep_of_roots_workload_by_the_user_is_refused_naming_the_owner(
     assert "workload cluster:policy-cluster belongs to uid 0" in run.stderr
     assert setup.ops.running_units(), "root's workload still serves"
 
-
-@pytest.mark.parametrize("field", ["mount", "log_path"])
-def test_a_symlink_out_of_an_allowed_root_is_refused_on_the_host(
-        setup: Setup, field: str) -> None:
-    """The request names a path under an allowed root, which passes the service's check; on
-    the host it resolves to /etc, and the unit is refused before its container exists."""
-    user = setup.user
-    link = user.home / f"to-etc-{field}"
-    link.symlink_to("/etc")
-    name = f"policy-link-{field.replace('_', '-')}-{secrets.token_hex(3)}"
-    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
-    changes: dict[str, Any] = {"launch": doc["launch"]}
-    victim = Path("/etc") / f"{name}.log"
-    if field == "mount":
-        doc["launch"]["units"][0]["mounts"][0]["source"] = str(link)
-        expected = (f"mounts[0].source: {link} resolves to /etc on the host, outside "
-                    "mounts.allow")
-    else:
-        changes["workload"] = {**WORKLOAD, "cluster_id": name,
-                               "log_path": str(link / victim.name)}
-        expected = (f"workload.log_path: {link / victim.name} resolves to {victim} on the "
-                    "host, outside log_paths.allow")
-    path = _request(setup, name, user, **changes)
-    run = _as(setup, user, "capture", "--request-json", str(path))
-    assert run.returncode == 1, run.stderr
-    assert expected in run.stderr, run.stderr
-    assert not victim.exists()

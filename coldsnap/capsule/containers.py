@@ -16,6 +16,7 @@ import structlog
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
+from coldsnap.capsule.host_paths import check_host_paths
 from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
 from coldsnap.capsule.oci import ensure_image
 from coldsnap.capsule.seccomp import engine_filter_b64
@@ -69,6 +70,7 @@ async def create_container(
 ) -> UnitHandle:
     """A quiet container of the unit; `images` is the host directory of its CRIU images."""
     name = name or new_container_name(spec, role)
+    await check_host_paths(s, spec, step, error)
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
@@ -132,12 +134,17 @@ async def _blank_workload_labels(s: CapsuleSession, image: str) -> dict[str, str
 async def ensure_host_file(s: CapsuleSession, unit: str, step: str, path: str,
                            error: type[CapsuleError]) -> None:
     """Create `path` on the host when it is missing (a bind mount needs its source), keeping
-    what it holds: an engine log is appended to, never truncated."""
+    what it holds: an engine log is appended to, never truncated. A new file is 0644 (umask
+    022 for this step alone, whatever the SSH session's is); an existing file keeps its mode
+    and owner: nothing here changes a file the request merely names."""
     host = s.target.host
     res = await host.run(["mkdir", "-p", "--", posixpath.dirname(path)], check=False,
                          timeout=30)
     if res.exit_status == 0:
-        res = await host.run(["touch", "--", path], check=False, timeout=30)
+        # A fixed script; the path is its argument, never part of the script's text.
+        res = await host.run(["sh", "-c", 'umask 022 && { [ -e "$1" ] || : >> "$1"; }',
+                              "ensure-host-file", path],
+                             check=False, timeout=30)
     if res.exit_status != 0:
         raise fail(s, unit, step, f"cannot create {path} on the host: "
                    f"{res.stderr.decode(errors='replace').strip()}", error)

@@ -245,6 +245,11 @@ class UnitSpec:
     cluster_id: str | None = None
     # Host file that receives the engine's output (request `workload.log_path`).
     log_path: str | None = None
+    # The roots the host's realpath of each mount source, and of the log path, must stay
+    # under (the service's policy: mounts.allow, log_paths.allow; coldsnap.capsule.host_paths).
+    # None: unrestricted.
+    mount_roots: tuple[str, ...] | None = None
+    log_roots: tuple[str, ...] | None = None
     # What the engine computes on, from its capsule image's LABEL_ACCELERATOR ("gpu" when the
     # label is absent). A "cpu" engine is drained, not put to sleep, keeps its weights in its
     # CRIU images, and has no GPU state to checkpoint.

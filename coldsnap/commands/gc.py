@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.sweep import TEMP_MAX_AGE_S
 from coldsnap.runner.ledger import prune_locks
 from coldsnap.runner.orphans import HostResult, Judge, gc_host
+from coldsnap.runner.owners import gc_refusal
 
 
 @dataclass
@@ -83,6 +85,9 @@ def _handler(args: argparse.Namespace) -> int:
         return report_failure(str(exc))
     logs.configure(verbose=args.verbose)
     store = open_store(args)
+    refusal = gc_refusal(store.root, os.getuid(), args.operation)
+    if refusal is not None:
+        return report_failure(refusal)
     judge = Judge(store.root)
 
     async def main() -> list[HostResult]:

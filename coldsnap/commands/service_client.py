@@ -147,6 +147,11 @@ def _differs(args: argparse.Namespace, info: dict[str, Any]) -> str | None:
 def _submission(args: argparse.Namespace, operation: str,
                 request: Request | None) -> dict[str, Any]:
     options = {name: getattr(args, name) for name in SUBMISSION_OPTIONS if hasattr(args, name)}
+    # The service holds the files this command writes to its policy (outputs.allow): it is
+    # told where they are, as absolute paths (this command's working directory is not its).
+    for name in ("receipt_json", "timing_events"):
+        if options.get(name) not in (None, "-"):
+            options[name] = os.path.abspath(options[name])
     return {"operation": operation, "request": request.canonical() if request else None,
             "options": options, "wait": bool(getattr(args, "wait", True))}
 

@@ -47,6 +47,7 @@ from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
+from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.base import ProgressCallback
 from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.hosts.retry import is_transient
@@ -92,8 +93,12 @@ async def capture(
     hosts: HostSet,
     store: LocalStore,
     ctx: OperationContext,
+    *,
+    roots: HostRoots = (None, None),
 ) -> CaptureOutcome:
-    """Run a capture request to a committed artifact, or raise OperationFailed."""
+    """Run a capture request to a committed artifact, or raise OperationFailed. `roots`: what
+    the host's realpath of each mount source and log path must stay under (None:
+    unrestricted)."""
     output = Path(request.output) if request.output else None
     if output is not None and output.exists():
         raise OperationFailed("output-exists", f"output {output} already exists; capture never "
@@ -110,7 +115,8 @@ async def capture(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
                              ctx.operation_id, weights=request.policy.weights,
-                             process=request.policy.process, workload=request.workload)
+                             process=request.policy.process, workload=request.workload,
+                             roots=roots)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
     with ctx.span("capture.ports"):

@@ -41,7 +41,7 @@ from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import start_restore_container
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import spec_as_captured
+from coldsnap.capsule.spec import UnitSpec, spec_as_captured
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,
@@ -55,6 +55,7 @@ from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
+from coldsnap.formats.service_policy import HostRoots
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import capsule_meta, captured_request
 from coldsnap.operations.context import (
@@ -86,6 +87,7 @@ from coldsnap.operations.staging import (
     HostStaging,
     discard_partial_objects,
     objects_by_host,
+    objects_dir,
     remote_object_path,
     stage_host,
     survey_host,
@@ -163,7 +165,10 @@ async def restore(
     *,
     prepare_only: bool = False,
     fallback: Fallback = "none",
+    roots: HostRoots = (None, None),
 ) -> RestoreOutcome:
+    """`roots`: what the host's realpath of each mount source and log path must stay under
+    (None: unrestricted)."""
     artifact = stored.artifact
     launch, policy, validation = restore_placement(
         artifact, request, captured_request(store, artifact) if request is None else None)
@@ -193,7 +198,8 @@ async def restore(
         try:
             placed = place_units(launch, topology, facts, hosts.entries, validation,
                                  ctx.operation_id, workload=request.workload if request else None,
-                                 artifact=artifact.capture_id, artifact_digest=stored.digest)
+                                 artifact=artifact.capture_id, artifact_digest=stored.digest,
+                                 roots=roots)
         except PlacementError as exc:
             raise OperationFailed("placement", str(exc)) from None
 
@@ -378,9 +384,21 @@ def as_captured(placed: PlacedUnit, meta: CapsuleManifest, hosts: HostSet, store
     workers' staged payloads, mounted where it read them at capture."""
     spec = spec_as_captured(placed.spec, meta)
     if meta.weights_released:
-        spec = replace(spec, mounts=with_payloads(replace(placed, spec=spec), hosts, store,
-                                                  artifact))
+        spec = payload_spec(replace(placed, spec=spec), hosts, store, artifact)
     return replace(placed, spec=spec)
+
+
+def payload_spec(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
+                 artifact: Artifact) -> UnitSpec:
+    """The unit's spec with its workers' staged payloads mounted (`with_payloads`). They are
+    coldsnap's own verified objects, not paths the request names: the policy's mount roots
+    (when there are any) admit the host's objects directory for them."""
+    spec = placed.spec
+    roots = spec.mount_roots
+    if roots is not None:
+        roots = (*roots, objects_dir(hosts.entries[placed.host].data_dir))
+    return replace(spec, mounts=with_payloads(placed, hosts, store, artifact),
+                   mount_roots=roots)
 
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
@@ -417,8 +435,8 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
         # The image the capture ran, which the artifact pins: the restore request's own image
         # is never compared by the identity check, so it is not what replays.
         unit = captured[r.placed.unit_id]
-        spec = replace(r.placed.spec, image=unit.image, image_digest=unit.image_digest,
-                       mounts=with_payloads(r.placed, hosts, store, artifact))
+        spec = replace(payload_spec(r.placed, hosts, store, artifact), image=unit.image,
+                       image_digest=unit.image_digest)
         r.handle = await start_unit(r.session, spec, role="replay")
         await wait_ready(r.session, r.handle)
 

@@ -23,6 +23,7 @@ from coldsnap.formats.request import (
     WeightsPolicy,
     Workload,
 )
+from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.topology import Topology
 
@@ -61,6 +62,7 @@ def place_units(
     workload: Workload | None = None,
     artifact: str | None = None,
     artifact_digest: str | None = None,
+    roots: HostRoots = (None, None),
 ) -> list[PlacedUnit]:
     """Each unit as the capsule layer runs it on its host. With `weights` (capture), every
     worker's payload is located from `policy.weights.native`: `files_by_worker` paths are
@@ -69,7 +71,8 @@ def place_units(
     says whether quiesce releases the weights (`releases_weights`). With `process`
     (capture), `kv_discard` says whether it drops the KV cache. Containers are labelled with
     the operation, the `workload` and the `artifact` they restore (its capture id and the
-    digest of its file)."""
+    digest of its file). `roots` (mounts, log paths; None: unrestricted) are what the host's
+    realpath of each mount source and log path must stay under (the service's policy)."""
     labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
     if artifact is not None:
         labels[LABEL_ARTIFACT] = artifact
@@ -88,7 +91,8 @@ def place_units(
             gpus.append(gpu)
         spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
                          labels=labels, weights=weights, workload=workload)
-        spec = replace(spec, release_weights=releases_weights(weights, launch.engine),
+        spec = replace(spec, mount_roots=roots[0], log_roots=roots[1],
+                       release_weights=releases_weights(weights, launch.engine),
                        must_release_weights=weights is not None and weights.mode == "native",
                        discard_kv=discards_kv(process, launch.engine))
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))

@@ -14,6 +14,7 @@ from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
+from coldsnap.runner.owners import claim_workload, workload_name
 from coldsnap.runner.prepared import (
     Prepare,
     Prepared,
@@ -31,9 +32,16 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
         raise Refused("capture needs a request")
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store).ensure()
+    # A capture whose units keep serving starts its workload (named by its id when it has no
+    # cluster id); one that removes them still may not reuse another user's cluster id.
+    keeps_serving = request.lifecycle is not None and \
+        request.lifecycle.activation_state == "running"
+    claim_workload(store.root, workload_name(request, request.id), options.caller_uid,
+                   "capture", request.id, starts=keeps_serving)
 
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
-        out = await capture(request, hosts, store, ctx)
+        out = await capture(request, hosts, store, ctx,
+                            roots=(options.mount_roots, options.log_roots))
         for f in out.fetched:
             report.say(f"{f.host}: fetched {f.fetched} object(s), "
                        f"{human_bytes(f.fetched_bytes)}; {f.present} already in the store")
@@ -82,10 +90,14 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
         ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
     prepare_only = options.prepare_only
+    # A restore starts its workload, or replaces it: the owner's, or root's, to do.
+    claim_workload(store.root, workload_name(request, artifact.capture_id),
+                   options.caller_uid, "restore", key.operation_id, starts=not prepare_only)
 
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
-                            fallback=options.fallback)
+                            fallback=options.fallback,
+                            roots=(options.mount_roots, options.log_roots))
         for s in out.staging:
             report.say(f"{s.host}: {len(s.objects)} object(s) owned, "
                        f"{human_bytes(s.owned_bytes)}; sent {human_bytes(s.sent_bytes)}, "

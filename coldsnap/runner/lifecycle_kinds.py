@@ -14,6 +14,7 @@ from coldsnap.hosts.inventory import load_inventory
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
+from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import Prepare, Prepared, ReceiptKey, Refused, RunOptions, Touches
 from coldsnap.runner.report import Report
 from coldsnap.store import LocalStore, StoreError, resolve_reference
@@ -54,6 +55,8 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
             stored = resolve_reference(store, request.artifact)
         except (StoreError, ArtifactInvalid) as exc:
             raise Refused(f"artifact: {exc}") from None
+        check_owner(store.root, workload_name(request, stored.capture_id),
+                    options.caller_uid, operation)
 
         async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
             # The status table is what `status` was asked for; the others only say it.

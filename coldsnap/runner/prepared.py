@@ -3,6 +3,7 @@ front end gives it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,18 @@ class RunOptions:
     json: bool = False  # status: the report as JSON
     verbose: bool = False
     deadline: float | None = None  # seconds; None: derived from the bytes it moves
+    # Who runs it: the service's submitter (SO_PEERCRED); None: this process's uid (--local).
+    # A workload belongs to the uid that first started it (coldsnap.runner.owners).
+    uid: int | None = None
+    # The roots that the host's `realpath` of each mount source and of the log path must
+    # stay under (the service's policy: mounts.allow, log_paths.allow); None: unrestricted
+    # (a --local run, root under a policy that says `unrestricted: true`).
+    mount_roots: tuple[str, ...] | None = None
+    log_roots: tuple[str, ...] | None = None
+
+    @property
+    def caller_uid(self) -> int:
+        return os.getuid() if self.uid is None else self.uid
 
 
 @dataclass(frozen=True)

@@ -17,5 +17,7 @@ ACTIVE: tuple[JobState, ...] = ("queued", "running")
 
 # The RunOptions fields a submission may set (coldsnap.runner.prepared); the service checks
 # each value's type and range, the CLI sends those its command has.
+# `receipt_json` and `timing_events` are the paths the client writes its receipt and timing
+# events to: the service only holds them to its policy (outputs.allow).
 SUBMISSION_OPTIONS: Final = ("artifact", "prepare_only", "fallback", "json", "verbose",
-                             "deadline")
+                             "deadline", "receipt_json", "timing_events")

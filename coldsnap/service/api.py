@@ -13,7 +13,9 @@
     GET  /metrics                   Prometheus text
 
 Every job records the uid of the process that submitted it, taken from the socket's
-SO_PEERCRED (a client cannot claim another uid).
+SO_PEERCRED (a client cannot claim another uid). A user sees only their own jobs in the list,
+and another user's job id is answered 404, as if absent; root sees every job. Submitting needs
+membership of one of the policy's `submitters.groups` (root always may).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from typing import Any
 from aiohttp import web
 
 from coldsnap import __version__
+from coldsnap.exits import EXIT_BAD_INPUT
 from coldsnap.formats.fields import is_id
 from coldsnap.formats.request import MAX_REQUEST_BYTES
 from coldsnap.runner.service_api import JOB_STATES
+from coldsnap.service.job_store import JobRow
 from coldsnap.service.metrics import CONTENT_TYPE, Metrics
+from coldsnap.service.policy import submitter_refusal
 from coldsnap.service.scheduler import Scheduler
 
 _CANCEL_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -42,14 +47,25 @@ METRICS = web.AppKey("metrics", Metrics)
 INFO: web.AppKey[dict[str, str]] = web.AppKey("info")
 
 
-def peer_uid(request: web.Request) -> int:
-    """The uid of the process at the other end of the unix socket."""
+def peer_credentials(request: web.Request) -> tuple[int, int]:
+    """The uid and gid of the process at the other end of the unix socket."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if sock is None or sock.family != socket.AF_UNIX:
         raise web.HTTPForbidden(text="jobs are submitted over the unix socket only")
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    _pid, uid, gid = struct.unpack("3i", creds)
+    return int(uid), int(gid)
+
+
+def peer_uid(request: web.Request) -> int:
+    """The uid of the process at the other end of the unix socket."""
+    return peer_credentials(request)[0]
+
+
+def sees(uid: int, row: JobRow | None) -> bool:
+    """Whether `uid` may see the job: its own, or any for root. Another user's job is
+    answered as absent (404), so that its id says nothing either."""
+    return row is not None and uid in (0, row.uid)
 
 
 def _reply(status: int, doc: dict[str, Any]) -> web.Response:
@@ -73,7 +89,11 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def submit(request: web.Request) -> web.Response:
-    uid = peer_uid(request)
+    uid, gid = peer_credentials(request)
+    # Before the body is read: a user the policy does not know submits nothing.
+    refusal = submitter_refusal(request.app[SCHEDULER].policy, uid, gid)
+    if refusal is not None:
+        return _reply(403, {"error": refusal, "exit_status": EXIT_BAD_INPUT})
     try:
         doc = await request.json()
     except ValueError as exc:
@@ -87,19 +107,23 @@ async def list_jobs(request: web.Request) -> web.Response:
     bad = [s for s in wanted if s not in JOB_STATES]
     if bad:
         return _reply(400, {"error": f"state: must be one of {', '.join(JOB_STATES)}"})
-    rows = request.app[SCHEDULER].jobs.list(tuple(wanted) or JOB_STATES)
+    uid = peer_uid(request)
+    rows = request.app[SCHEDULER].jobs.list(tuple(wanted) or JOB_STATES,
+                                            uid=None if uid == 0 else uid)
     return _reply(200, {"jobs": [r.summary() for r in rows]})
 
 
 async def show_job(request: web.Request) -> web.Response:
+    uid = peer_uid(request)
     job_id = _job_id(request)
     row = request.app[SCHEDULER].jobs.get(job_id)
-    if row is None:
+    if row is None or not sees(uid, row):
         return _reply(404, {"error": f"no job {job_id}"})
     return _reply(200, row.to_json())
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
+    uid = peer_uid(request)
     job_id = _job_id(request)
     s = request.app[SCHEDULER]
     try:
@@ -108,7 +132,7 @@ async def job_events(request: web.Request) -> web.StreamResponse:
         return _reply(400, {"error": "from: must be an integer"})
     output = s.outputs.get(job_id)
     row = s.jobs.get(job_id)
-    if output is None and (row is None or row.receipt is None):
+    if not sees(uid, row) or (output is None and (row is None or row.receipt is None)):
         return _reply(404, {"error": f"no job {job_id} to follow"})
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import sys
 from pathlib import Path
 from typing import Any
 
 from coldsnap.exits import EXIT_FAILED, report_failure
+from coldsnap.formats.service_policy import (
+    DEFAULT_POLICY,
+    PolicyInvalid,
+    ServicePolicy,
+    load_service_policy,
+)
 from coldsnap.hosts.inventory import (
     DEFAULT_INVENTORY,
     InventoryError,
@@ -50,13 +57,22 @@ def _handler(args: argparse.Namespace) -> int:
         hosts = load_inventory(inventory)
     except InventoryError as exc:
         return report_failure(str(exc))
+    policy: ServicePolicy | None = None
+    if args.policy.exists() or args.policy != Path(DEFAULT_POLICY):
+        # A file that is named must be read; only the default may be absent.
+        try:
+            policy = load_service_policy(args.policy)
+        except PolicyInvalid as exc:
+            for issue in exc.issues:
+                sys.stderr.write(f"coldsnapd: {args.policy}: {issue}\n")
+            return report_failure(f"serve: the policy {args.policy} is invalid")
     store = LocalStore(args.store if args.store is not None else default_store_root()).ensure()
     config = ServeConfig(
         socket=args.socket.absolute(), state_dir=args.state_dir.absolute(),
         inventory_path=inventory, inventory=hosts, store=store.root.absolute(),
         drain_seconds=args.drain_seconds, metrics_listen=listen,
         socket_group=args.socket_group or None, host_check_s=args.host_check_seconds,
-        verbose=args.verbose)
+        verbose=args.verbose, policy=policy)
     try:
         return serve(config)
     except (ServeError, OSError) as exc:
@@ -78,6 +94,10 @@ def register(subparsers: Any) -> None:
                              "socket activation is used when it passes one")
     parser.add_argument("--socket-group", default="coldsnap", metavar="GROUP",
                         help="group owning the socket (default coldsnap; '' keeps root's)")
+    parser.add_argument("--policy", type=Path, default=Path(DEFAULT_POLICY), metavar="FILE",
+                        help="what submissions may name and who may submit (default "
+                             f"{DEFAULT_POLICY}; without that file only root may submit); "
+                             "an invalid file exits 2")
     parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
                         metavar="DIR", help=f"the job store (default {DEFAULT_STATE_DIR})")
     parser.add_argument("--metrics-listen", metavar="ADDR:PORT", default=None,

@@ -27,6 +27,7 @@ from typing import IO
 from aiohttp import web
 
 from coldsnap import logs
+from coldsnap.formats.service_policy import ServicePolicy
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.logs import get_logger
 from coldsnap.runner.ledger import Ledger
@@ -56,6 +57,8 @@ class ServeConfig:
     socket_group: str | None
     host_check_s: float
     verbose: bool
+    # None: no policy file (only root submits, unrestricted)
+    policy: ServicePolicy | None = None
 
 
 def serve(config: ServeConfig) -> int:
@@ -123,7 +126,7 @@ async def _serve(config: ServeConfig) -> int:
     jobs = JobStore(config.state_dir / "jobs.sqlite3", Ledger(config.store))
     metrics = Metrics(jobs)
     scheduler = Scheduler(jobs, metrics, inventory=config.inventory_path,
-                          store_root=config.store)
+                          store_root=config.store, policy=config.policy)
     scheduler.on_change = lambda: notifier.status(scheduler.status_line())
     stop = asyncio.Event()
     hurry = asyncio.Event()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.formats.receipt import rfc3339_ns
+from coldsnap.formats.redaction import redact
 from coldsnap.runner.ledger import Ledger
 from coldsnap.runner.service_api import ACTIVE, JOB_STATES, JobState
 from coldsnap.store import StoreError
@@ -78,10 +79,12 @@ class JobRow:
                 "exit_status": self.exit_status, "error_code": self.error_code}
 
     def to_json(self) -> dict[str, Any]:
-        """What `jobs show` shows: everything, the request and the receipt included."""
-        return {**self.summary(), "request": self.request, "request_sha256": self.request_sha256,
-                "options": self.options, "units": [f"{h}/{u}" for h, u in self.units],
-                "captures": list(self.captures), "receipt": self.receipt}
+        """What `jobs show` shows: everything, the request and the receipt included, their
+        secrets redacted (rows written before redaction existed hold them in full)."""
+        return {**self.summary(), "request": redact(self.request),
+                "request_sha256": self.request_sha256, "options": redact(self.options),
+                "units": [f"{h}/{u}" for h, u in self.units],
+                "captures": list(self.captures), "receipt": redact(self.receipt)}
 
 
 def _row(r: sqlite3.Row) -> JobRow:
@@ -178,11 +181,15 @@ class JobStore:
             if entry is not None else None
         return replace(row, receipt=receipt.to_json() if receipt is not None else None)
 
-    def list(self, states: tuple[str, ...] = JOB_STATES, limit: int = 200) -> list[JobRow]:
+    def list(self, states: tuple[str, ...] = JOB_STATES, limit: int = 200, *,
+             uid: int | None = None) -> list[JobRow]:
+        """The latest jobs in `states`, newest first; with `uid`, only that user's."""
         marks = ",".join("?" for _ in states)
+        mine = "" if uid is None else " AND uid = ?"
         rows = self._db.execute(
-            f"SELECT * FROM jobs WHERE state IN ({marks}) "  # noqa: S608 (placeholders only)
-            "ORDER BY submitted_at DESC LIMIT ?", (*states, limit)).fetchall()
+            f"SELECT * FROM jobs WHERE state IN ({marks}){mine} "  # noqa: S608 (placeholders)
+            "ORDER BY submitted_at DESC LIMIT ?",
+            (*states, *(() if uid is None else (uid,)), limit)).fetchall()
         return [_row(r) for r in rows]
 
     def counts(self) -> dict[tuple[str, str], int]:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from coldsnap.formats.redaction import redact, scrub, scrub_doc
 from coldsnap.formats.timing import TimingEvent
 
 Channel = Literal["stderr", "stdout"]
@@ -32,13 +33,16 @@ class JobOutput:
         self._partial: dict[Channel, str] = {"stderr": "", "stdout": ""}
         self._waiters: list[asyncio.Future[None]] = []
         self.ended = False
+        # The request's secrets (coldsnap.formats.redaction.secret_values): no line and no
+        # receipt that a follower gets carries them.
+        self.secrets: tuple[str, ...] = ()
 
     def write(self, channel: Channel, text: str) -> None:
         with self._lock:
             pending = self._partial[channel] + text
             *lines, self._partial[channel] = pending.split("\n")
             for line in lines:
-                self._items.append({"kind": channel, "text": line})
+                self._items.append({"kind": channel, "text": scrub(line, self.secrets)})
         if lines:
             self._wake()
 
@@ -52,9 +56,9 @@ class JobOutput:
         with self._lock:
             for channel, rest in self._partial.items():
                 if rest:
-                    self._items.append({"kind": channel, "text": rest})
+                    self._items.append({"kind": channel, "text": scrub(rest, self.secrets)})
                     self._partial[channel] = ""
-            self._items.append({"kind": "end", **item})
+            self._items.append({"kind": "end", **scrub_doc(redact(item), self.secrets)})
             self.ended = True
         self._wake()
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from coldsnap.formats.redaction import redact, secret_values
+from coldsnap.formats.service_policy import ServicePolicy
 from coldsnap.runner.claim import claim
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
@@ -25,6 +27,7 @@ from coldsnap.service.job import Ended, Job
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.output import JobOutput
+from coldsnap.service.policy import submission_refusals
 from coldsnap.service.submission import SubmissionInvalid, parse_submission
 
 # After the drain's grace period, how long the cancelled jobs' rollbacks may take (each
@@ -39,8 +42,12 @@ Reply = tuple[int, dict[str, Any]]
 
 class Scheduler:
     def __init__(self, store: JobStore, metrics: Metrics, *, inventory: Path, store_root: Path,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None,
+                 policy: ServicePolicy | None = None) -> None:
         self.jobs = store
+        # What a submission may name (coldsnap.formats.service_policy); without a policy
+        # file only root submits, unrestricted.
+        self.policy = policy if policy is not None else ServicePolicy.root_only()
         self.metrics = metrics
         self.inventory = inventory
         self.store_root = store_root
@@ -72,12 +79,18 @@ class Scheduler:
         except SubmissionInvalid as exc:
             return 400, {"error": "invalid submission", "lines": exc.lines,
                          "exit_status": EXIT_BAD_INPUT}
+        refusals = submission_refusals(self.policy, sub, uid)
+        if refusals:
+            return 400, {"error": "refused by the service's policy", "lines": refusals,
+                         "exit_status": EXIT_BAD_INPUT}
         output = JobOutput(asyncio.get_running_loop())
+        output.secrets = secret_values(sub.request.canonical()) if sub.request else ()
         # Why the operation cannot run is sent back, as the CLI would print it.
         prepared: Prepared | None = None
         try:
             prepared = OPERATIONS[sub.operation].prepare(
-                sub.run_options(self.inventory, self.store_root), sub.request)
+                sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy),
+                sub.request)
         except Refused as exc:
             output.write("stderr", f"coldsnapd: {exc}\n")
         except Exception as exc:  # an inventory or store the service cannot read
@@ -104,8 +117,10 @@ class Scheduler:
         job = Job(prepared, held, uid, output, self._ended,
                   verbose=bool(sub.options.get("verbose")))
         t = prepared.touches
+        # Stored redacted: the job store is what job views show. The sha256 is the full
+        # request's, computed when it was parsed.
         self.jobs.add(id=job.id, operation=sub.operation,
-                      request=sub.request.canonical() if sub.request else None,
+                      request=redact(sub.request.canonical()) if sub.request else None,
                       request_sha256=key.request_sha256,
                       options={**sub.options, "engine": prepared.engine,
                                "snapshot_driver": prepared.snapshot_driver,
@@ -166,14 +181,14 @@ class Scheduler:
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
         job = self.active.get(job_id)
+        row = self.jobs.get(job_id) if job is None else None
+        # Another user's job is answered as absent, as `jobs show` answers it.
+        owner = job.uid if job is not None else row.uid if row is not None else None
+        if owner is None or uid not in (0, owner):
+            return 404, {"error": f"no job {job_id}"}
         if job is None:
-            row = self.jobs.get(job_id)
-            if row is None:
-                return 404, {"error": f"no job {job_id}"}
+            assert row is not None
             return 409, {"error": f"job {job_id} already ended: {row.state}"}
-        if uid not in (0, job.uid):
-            return 403, {"error": f"job {job_id} was submitted by uid {job.uid}; only that "
-                                  "user or root may cancel it"}
         return 202, {"message": job.cancel(sig, f"cancel asked by uid {uid}")}
 
     async def drain(self, grace_s: float, hurry: asyncio.Event | None = None) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
+from coldsnap.formats.service_policy import ServicePolicy, host_roots
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import RunOptions
 
@@ -30,7 +31,17 @@ _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
     "json": (bool, False, lambda v: None),
     "verbose": (bool, False, lambda v: None),
     "deadline": (float, None, lambda v: None if 0 < v < float("inf") else "a positive number"),
+    # Where the client writes its receipt and timing events: the service never writes them,
+    # it holds them to its policy's outputs.allow (coldsnap.service.policy).
+    "receipt_json": (str, None, lambda v: None if _client_path(v) else _CLIENT_PATH),
+    "timing_events": (str, None, lambda v: None if _client_path(v) else _CLIENT_PATH),
 }
+CLIENT_FILES = ("receipt_json", "timing_events")
+_CLIENT_PATH = "'-' or an absolute path of at most 4096 characters"
+
+
+def _client_path(value: str) -> bool:
+    return value == "-" or (value.startswith("/") and len(value) <= 4096 and "\0" not in value)
 
 
 class SubmissionInvalid(Exception):
@@ -48,10 +59,15 @@ class Submission:
     options: dict[str, Any]
     wait: bool
 
-    def run_options(self, inventory: Path, store: Path) -> RunOptions:
-        """The options the operation's `prepare` runs with; the outputs (receipt, timing
-        events) are the client's, never the service's files."""
-        return RunOptions(inventory=inventory, store=store, **self.options)
+    def run_options(self, inventory: Path, store: Path, *, uid: int,
+                    policy: ServicePolicy) -> RunOptions:
+        """The options the operation's `prepare` runs with, for the submitter `uid` under the
+        service's `policy`; the outputs (receipt, timing events) are the client's, never the
+        service's files."""
+        mount_roots, log_roots = host_roots(policy, uid)
+        given = {k: v for k, v in self.options.items() if k not in CLIENT_FILES}
+        return RunOptions(inventory=inventory, store=store, uid=uid, mount_roots=mount_roots,
+                          log_roots=log_roots, **given)
 
 
 def parse_submission(doc: Any) -> Submission:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.formats.service_policy import ServicePolicy
 from coldsnap.runner.prepared import RunOptions, Touches
 from coldsnap.runner.service_api import SUBMISSION_OPTIONS
 from coldsnap.service import submission
@@ -92,7 +93,8 @@ def test_a_restore_submission_without_a_request() -> None:
     sub = parse_submission({"operation": "restore", "wait": False,
                             "options": {"artifact": "cap-1", "prepare_only": True}})
     assert (sub.operation, sub.request, sub.wait) == ("restore", None, False)
-    options = sub.run_options(Path("/inv.yaml"), Path("/store"))
+    options = sub.run_options(Path("/inv.yaml"), Path("/store"), uid=0,
+                              policy=ServicePolicy.root_only())
     assert (options.artifact, options.prepare_only, options.fallback) == ("cap-1", True, "none")
     # The outputs (receipt, timing events) are the client's files: the service has none.
     assert not hasattr(options, "receipt_json") and not hasattr(options, "timing_events")
@@ -102,12 +104,16 @@ def test_a_restore_submission_without_a_request() -> None:
 def test_the_service_checks_every_option_a_client_sends() -> None:
     assert tuple(submission._OPTIONS) == SUBMISSION_OPTIONS
     fields = set(RunOptions.__dataclass_fields__)
-    assert set(SUBMISSION_OPTIONS) <= fields
+    # The client's own files are only held to the policy; every other option reaches the
+    # operation.
+    assert set(SUBMISSION_OPTIONS) - set(submission.CLIENT_FILES) <= fields
+    assert not set(submission.CLIENT_FILES) & fields
 
 
 def test_a_submitted_deadline_reaches_the_operation() -> None:
     sub = parse_submission({"operation": "restore", "options": {"deadline": 90}})
-    assert sub.run_options(Path("/inv.yaml"), Path("/store")).deadline == 90.0
+    assert sub.run_options(Path("/inv.yaml"), Path("/store"), uid=0,
+                           policy=ServicePolicy.root_only()).deadline == 90.0
 
 
 def test_notifications_reach_a_datagram_socket_also_an_abstract_one(tmp_path: Path) -> None:

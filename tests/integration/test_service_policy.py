@@ -1,0 +1,283 @@
+"""The service's policy on the dev cluster: a real unprivileged user, created here and put in
+the socket's group, submits to a real `coldsnapd serve --policy FILE` with the real CLI.
+
+Each request naming what the policy does not allow (a mount of `/`, a log path under /etc, an
+image outside images.allow, an output outside outputs.allow) is refused with exit 2 naming
+the field, before anything runs. Root's job is invisible to the user, root's workload cannot
+be put to sleep by them, and a token in a unit's environment shows in no job view, receipt or
+log line."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from coldsnap.formats.request import parse_request
+from devtools.served import Served
+from tests.integration.conftest import REPO
+from tests.integration.ops_fixtures import Ops
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "hf_policy_test_" + secrets.token_hex(8)
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path  # where its requests and receipts live (an allowed output root)
+
+
+@dataclass
+class Setup:
+    served: Served
+    user: User
+    store: Path
+    requests: Path  # the dev cluster's requests
+    work: Path
+    ops: Ops
+
+
+@pytest.fixture(scope="module")
+def user() -> Iterator[User]:
+    tag = secrets.token_hex(3)
+    group, name = f"cs-submit-{tag}", f"cs-user-{tag}"
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        subprocess.run(["useradd", "--no-create-home", "--gid", group, "--shell",
+                        "/usr/sbin/nologin", name], check=True)
+        entry = pwd.getpwnam(name)
+        home = Path(f"/tmp/{name}")
+        home.mkdir(mode=0o755)
+        os.chown(home, entry.pw_uid, entry.pw_gid)
+        try:
+            yield User(name, entry.pw_uid, grp.getgrnam(group).gr_gid, home)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+            subprocess.run(["userdel", name], check=False)
+    finally:
+        subprocess.run(["groupdel", group], check=False)
+
+
+@pytest.fixture(scope="module")
+def setup(dev_inventory: Path, user: User,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    requests = dev_inventory.parent / "requests"
+    base = yaml.safe_load((requests / "tp2-two-hosts.yaml").read_text())
+    unit = base["launch"]["units"][0]
+    repository = unit["image"].split("@")[0].rsplit("/", 1)[0]
+    work = tmp_path_factory.mktemp("policy")
+    policy = work / "policy.yaml"
+    policy.write_text(yaml.safe_dump({
+        "submitters": {"groups": [grp.getgrgid(user.gid).gr_name]},
+        "images": {"allow": [repository]},
+        "mounts": {"allow": sorted({m["source"] for u in base["launch"]["units"]
+                                    for m in u.get("mounts", [])} | {str(user.home)})},
+        "log_paths": {"allow": [str(work / "logs"), str(user.home)]},
+        "outputs": {"allow": [str(user.home), str(work)]},
+        "unrestricted": True,  # root's own jobs here are the user's neighbours, not the test
+    }))
+    # The socket's directory must let the user reach it; the socket itself is 0660, group
+    # the submitters' group.
+    run_dir = Path(f"/run/coldsnap-policy-{secrets.token_hex(3)}")
+    run_dir.mkdir(mode=0o755)
+    store = work / "store"
+    s = Served(work, dev_inventory, store, "--host-check-seconds", "5", "--policy",
+               str(policy), "--socket-group", grp.getgrgid(user.gid).gr_name)
+    s.socket = run_dir / "coldsnapd.sock"
+    ops = Ops(dev_inventory, store, work)
+    ops.remove_units()
+    try:
+        s.start()
+        yield Setup(s, user, store, requests, work, ops)
+    finally:
+        s.close()
+        ops.remove_units()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _as(setup: Setup, who: User | None, *args: str) -> subprocess.CompletedProcess[str]:
+    """`coldsnapd ARGS --socket S`, as `who` (its own uid, gid and groups) or as root."""
+    prefix = [] if who is None else ["setpriv", f"--reuid={who.uid}", f"--regid={who.gid}",
+                                     "--init-groups"]
+    return subprocess.run([*prefix, sys.executable, "-m", "coldsnap", *args, "--socket",
+                           str(setup.served.socket)], capture_output=True, text=True,
+                          timeout=900, cwd=str(who.home if who else REPO),
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def _request(setup: Setup, name: str, owner: User | None, **changes: Any) -> Path:
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    doc["id"] = name
+    doc["output"] = str((owner.home if owner else setup.work) / f"{name}.json")
+    doc.update(changes)
+    folder = owner.home if owner else setup.work
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.chmod(0o644)
+    return path
+
+
+WORKLOAD = {"cluster_id": "policy-cluster", "intent_id": "i-1", "recipe": "tp2",
+            "runtime": "vllm", "model": "coldsnap-test/tp2-two-hosts"}
+
+
+@pytest.fixture(scope="module")
+def roots_job(setup: Setup) -> dict[str, Any]:
+    """Root's capture that keeps serving, with a token in its environment."""
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    for unit in doc["launch"]["units"]:
+        unit["environment"]["HF_TOKEN"] = TOKEN
+    path = _request(setup, "policy-root-capture", None, launch=doc["launch"],
+                    workload=WORKLOAD, lifecycle={"activation_state": "running"})
+    receipt = setup.work / "root-receipt.json"
+    run = _as(setup, None, "capture", "--request-json", str(path), "--receipt-json",
+              str(receipt))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert TOKEN not in run.stderr + run.stdout
+    return {"id": "policy-root-capture", "receipt": receipt, "stderr": run.stderr}
+
+
+def _nothing_ran(setup: Setup, operation_id: str) -> None:
+    assert not (setup.store / "operations" / f"{operation_id}.json").exists()
+    listed = _as(setup, None, "jobs", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert operation_id not in [j["id"] for j in json.loads(listed.stdout)["jobs"]]
+
+
+@pytest.mark.parametrize(("case", "line"), [
+    ("mount", "launch.units[0].mounts[0].source: / is outside mounts.allow"),
+    ("log_path", "workload.log_path: /etc/coldsnap-policy-test.log is outside "
+                 "log_paths.allow"),
+    ("image", "launch.units[1].image: 198.18.0.1:5000/elsewhere/engine@"),
+    ("output", "output: /etc/coldsnap-policy-test.json is outside outputs.allow"),
+])
+def test_a_request_outside_the_policy_is_refused_naming_the_field(
+        setup: Setup, case: str, line: str) -> None:
+    user = setup.user
+    name = f"policy-{case.replace('_', '-')}-{secrets.token_hex(3)}"
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    changes: dict[str, Any] = {"launch": doc["launch"]}
+    if case == "mount":
+        doc["launch"]["units"][0]["mounts"][0]["source"] = "/"
+    elif case == "log_path":
+        changes["workload"] = {**WORKLOAD, "cluster_id": name,
+                               "log_path": "/etc/coldsnap-policy-test.log"}
+    elif case == "image":
+        pinned = doc["launch"]["units"][1]["image_digest"]
+        doc["launch"]["units"][1]["image"] = f"198.18.0.1:5000/elsewhere/engine@{pinned}"
+    path = _request(setup, name, user, **changes)
+    if case == "output":
+        patched = yaml.safe_load(path.read_text())
+        patched["output"] = "/etc/coldsnap-policy-test.json"
+        path.write_text(yaml.safe_dump(patched, sort_keys=False))
+    run = _as(setup, user, "capture", "--request-json", str(path))
+    assert run.returncode == 2, run.stderr
+    assert line in run.stderr, run.stderr
+    _nothing_ran(setup, name)
+    assert not Path("/etc/coldsnap-policy-test.log").exists()
+
+
+def test_a_receipt_outside_outputs_allow_is_refused(setup: Setup) -> None:
+    user = setup.user
+    name = f"policy-receipt-{secrets.token_hex(3)}"
+    path = _request(setup, name, user)
+    run = _as(setup, user, "capture", "--request-json", str(path), "--receipt-json",
+              "/dev/shm/receipt.json")
+    assert run.returncode == 2, run.stderr
+    assert "--receipt-json: /dev/shm/receipt.json is outside outputs.allow" in run.stderr
+    _nothing_ran(setup, name)
+
+
+@pytest.mark.parametrize("field", ["mount", "log_path"])
+def test_a_symlink_out_of_an_allowed_root_is_refused_on_the_host(
+        setup: Setup, field: str) -> None:
+    """The request names a path under an allowed root, which passes the service's check; on
+    the host it resolves to /etc, and the unit is refused before its container exists.
+    (Before root's workload serves: it holds the ports of these units.)"""
+    user = setup.user
+    link = user.home / f"to-etc-{field}"
+    link.symlink_to("/etc")
+    name = f"policy-link-{field.replace('_', '-')}-{secrets.token_hex(3)}"
+    doc = yaml.safe_load((setup.requests / "tp2-two-hosts.yaml").read_text())
+    changes: dict[str, Any] = {"launch": doc["launch"]}
+    victim = Path("/etc") / f"{name}.log"
+    if field == "mount":
+        doc["launch"]["units"][0]["mounts"][0]["source"] = str(link)
+        expected = (f"mounts[0].source: {link} resolves to /etc on the host, outside "
+                    "mounts.allow")
+    else:
+        changes["workload"] = {**WORKLOAD, "cluster_id": name,
+                               "log_path": str(link / victim.name)}
+        expected = (f"workload.log_path: {link / victim.name} resolves to {victim} on the "
+                    "host, outside log_paths.allow")
+    path = _request(setup, name, user, **changes)
+    run = _as(setup, user, "capture", "--request-json", str(path))
+    assert run.returncode == 1, run.stderr
+    assert expected in run.stderr, run.stderr
+    assert not victim.exists()
+
+
+def test_roots_job_is_invisible_to_the_user(setup: Setup, roots_job: dict[str, Any]) -> None:
+    user = setup.user
+    listed = _as(setup, user, "jobs", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    jobs = json.loads(listed.stdout)["jobs"]
+    assert roots_job["id"] not in [j["id"] for j in jobs]
+    assert {j["uid"] for j in jobs} <= {user.uid}  # only the user's own (the symlink tests')
+    shown = _as(setup, user, "jobs", "show", roots_job["id"])
+    assert shown.returncode == 2 and f"no job {roots_job['id']}" in shown.stderr
+    assert TOKEN not in shown.stdout + shown.stderr
+    cancel = _as(setup, user, "jobs", "cancel", roots_job["id"])
+    assert cancel.returncode == 2 and f"no job {roots_job['id']}" in cancel.stderr
+    # Root sees it, redacted.
+    as_root = _as(setup, None, "jobs", "show", roots_job["id"])
+    assert as_root.returncode == 0, as_root.stderr
+    view = json.loads(as_root.stdout)
+    assert view["request"]["launch"]["units"][0]["environment"]["HF_TOKEN"] == "<redacted>"
+    full = yaml.safe_load((setup.work / "policy-root-capture.yaml").read_text())
+    assert view["request_sha256"] == parse_request(full).request_sha256
+
+
+def test_the_token_is_in_no_view_receipt_or_log(setup: Setup,
+                                                roots_job: dict[str, Any]) -> None:
+    receipt = roots_job["receipt"].read_text()
+    assert json.loads(receipt)["operation_id"] == roots_job["id"]
+    assert TOKEN not in receipt
+    status, _, text = setup.served.call("GET", f"/v1/jobs/{roots_job['id']}/events")
+    assert status == 200 and text.strip()
+    assert TOKEN not in text
+    status, _, text = setup.served.call("GET", f"/v1/jobs/{roots_job['id']}")
+    assert status == 200 and TOKEN not in text
+    assert TOKEN not in setup.served.log.read_text()
+    assert TOKEN not in roots_job["stderr"]
+
+
+def test_sleep_of_roots_workload_by_the_user_is_refused_naming_the_owner(
+        setup: Setup, roots_job: dict[str, Any]) -> None:
+    user = setup.user
+    path = _request(setup, f"policy-sleep-{secrets.token_hex(3)}", user,
+                    operation="sleep", artifact=roots_job["id"], workload=WORKLOAD)
+    doc = yaml.safe_load(path.read_text())
+    del doc["output"]
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = _as(setup, user, "sleep", "--request-json", str(path))
+    assert run.returncode == 2, run.stderr
+    assert "workload cluster:policy-cluster belongs to uid 0" in run.stderr
+    assert setup.ops.running_units(), "root's workload still serves"
+

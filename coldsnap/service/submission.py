@@ -11,6 +11,8 @@ and store they make the options the operation's `prepare` runs with, as in the C
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,30 @@ _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
 }
 
 
+# A submission's JSON nests a few levels (envelope, request, its sections): far below this. A
+# deeper body is refused before it is decoded, so that no decoder or validator recurses on it.
+MAX_NESTING = 64
+
+# A JSON string (its brackets are no structure) or one bracket.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_OPENING = frozenset(b"[{")
+
+
+def nesting_depth_over(blob: bytes, limit: int) -> bool:
+    """Whether the JSON text `blob` nests arrays and objects deeper than `limit`, told
+    without decoding it (a malformed text may be over-counted: it is refused anyway)."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(blob):
+        first = token.group()[0]
+        if first in _OPENING:
+            depth += 1
+            if depth > limit:
+                return True
+        elif first != ord('"'):
+            depth -= 1
+    return False
+
+
 class SubmissionInvalid(Exception):
     """The submission cannot run: each line names the bad field."""
 
@@ -52,6 +78,18 @@ class Submission:
         """The options the operation's `prepare` runs with; the outputs (receipt, timing
         events) are the client's, never the service's files."""
         return RunOptions(inventory=inventory, store=store, **self.options)
+
+
+def decode_submission(blob: bytes) -> Any:
+    """The JSON value of a submission's body; SubmissionInvalid when it is none, or one
+    nested deeper than MAX_NESTING."""
+    if nesting_depth_over(blob, MAX_NESTING):
+        raise SubmissionInvalid([f"the body nests arrays or objects deeper than {MAX_NESTING} "
+                                 "levels"])
+    try:
+        return json.loads(blob)
+    except (ValueError, RecursionError) as exc:
+        raise SubmissionInvalid([f"the body is not JSON: {exc}"]) from None
 
 
 def parse_submission(doc: Any) -> Submission:

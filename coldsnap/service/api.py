@@ -2,13 +2,17 @@
 
     GET  /v1/info                   the service: version, pid, inventory, store, state
     POST /v1/jobs                   submit (coldsnap.service.submission); 201 {"job": ID},
+                                    400 for a body that is no JSON object or nests deeper
+                                    than 64 levels,
                                     200 {"already": RECEIPT} for a retry of a success,
                                     4xx {"error", "lines"?, "exit_status"}
     GET  /v1/jobs[?state=S]         the latest jobs
     GET  /v1/jobs/{id}              one job, with its request and receipt
     GET  /v1/jobs/{id}/events[?from=N]  NDJSON: the job's stderr/stdout lines and timing
                                     events from item N, then {"kind": "end", "exit_status",
-                                    "receipt"}; heartbeats while the job is quiet
+                                    "receipt", "artifact"?} (a succeeded capture's artifact
+                                    document, which the client writes to `output`);
+                                    heartbeats while the job is quiet
     POST /v1/jobs/{id}/cancel       {"signal": "SIGINT"|"SIGTERM"}
     GET  /metrics                   Prometheus text
 

@@ -122,7 +122,8 @@ class Scheduler:
                                       f"{blockers}; refused (wait: false)",
                              "exit_status": EXIT_BAD_INPUT}
             try:
-                held = await loop.run_in_executor(self._threads, claim, prepared)
+                held = await loop.run_in_executor(self._threads, claim, prepared,
+                                                  sub.outputs())
             except Refused as exc:
                 return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
             except AlreadyDone as done:
@@ -209,7 +210,11 @@ class Scheduler:
         if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)
-        job.output.end({"exit_status": ended.exit_status, "receipt": receipt.to_json()})
+        end: dict[str, Any] = {"exit_status": ended.exit_status, "receipt": receipt.to_json()}
+        if ended.ctx.artifact_document is not None:
+            # The client writes it to the request's `output`, as its user.
+            end["artifact"] = ended.ctx.artifact_document
+        job.output.end(end)
         self.active.pop(job.id, None)
         # Followers of older jobs get their end from the job store; their lines are let go.
         ended_ids = [i for i in self.outputs if i not in self.active]

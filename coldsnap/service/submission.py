@@ -1,7 +1,13 @@
 """A job submission, as the API receives it, turned into the operation its command would run.
 
     {"operation": "restore", "request": {...} | null, "wait": true,
-     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false}}
+     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false},
+     "output_exists": false}
+
+`output_exists`: the client found the capture request's `output` there already (the service
+never looks at a user's paths: the client writes `output` itself, from the job's end item).
+Such a capture runs only as a retry of its own success, answered with that run's receipt;
+otherwise it is refused before its id is claimed.
 
 The request is the canonical JSON of a format-4 request (the CLI parsed and checked it
 first; the service parses it again: it never trusts a client). The options are the runner's
@@ -21,8 +27,9 @@ from typing import Any
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
+from coldsnap.runner.claim import Outputs
 from coldsnap.runner.kinds import OPERATIONS
-from coldsnap.runner.prepared import RunOptions
+from coldsnap.runner.prepared import ReceiptKey, Refused, RunOptions
 
 # option -> (its type, its default, a check that says what is wrong or None)
 _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
@@ -73,6 +80,13 @@ class Submission:
     request: Request | None
     options: dict[str, Any]
     wait: bool
+    output_exists: bool = False
+
+    def outputs(self) -> Outputs | None:
+        """The client's files as the claim sees them (coldsnap.runner.claim.Outputs)."""
+        if self.output_exists and self.request is not None and self.request.output:
+            return _TakenOutput(self.request.output)
+        return None
 
     def run_options(self, inventory: Path, store: Path) -> RunOptions:
         """The options the operation's `prepare` runs with; the outputs (receipt, timing
@@ -95,7 +109,7 @@ def decode_submission(blob: bytes) -> Any:
 def parse_submission(doc: Any) -> Submission:
     if not isinstance(doc, dict):
         raise SubmissionInvalid(["the submission must be a JSON object"])
-    unknown = sorted(set(doc) - {"operation", "request", "options", "wait"})
+    unknown = sorted(set(doc) - {"operation", "request", "options", "wait", "output_exists"})
     if unknown:
         raise SubmissionInvalid([f"{k}: unknown field" for k in unknown])
     operation = doc.get("operation")
@@ -104,6 +118,9 @@ def parse_submission(doc: Any) -> Submission:
     wait = doc.get("wait", True)
     if not isinstance(wait, bool):
         raise SubmissionInvalid(["wait: must be true or false"])
+    output_exists = doc.get("output_exists", False)
+    if not isinstance(output_exists, bool):
+        raise SubmissionInvalid(["output_exists: must be true or false"])
     options = _options(doc.get("options") or {})
     raw = doc.get("request")
     request: Request | None = None
@@ -118,7 +135,25 @@ def parse_submission(doc: Any) -> Submission:
         except RequestInvalid as exc:
             raise SubmissionInvalid([f"request.{i.path}: {i.message}" if i.path
                                      else f"request: {i.message}" for i in exc.issues]) from None
-    return Submission(operation, request, options, wait)
+    return Submission(operation, request, options, wait, output_exists)
+
+
+class _TakenOutput:
+    """A capture whose `output` the client found taken: only the ledger's answer to a retry
+    of a success (checked before `create`) lets it through."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+
+    def check(self, key: ReceiptKey, *, prepare_only: bool) -> None:
+        return None
+
+    def create(self) -> None:
+        raise Refused(f"output {self.output} already exists; a capture never replaces a file "
+                      "(give a new output, and a new id)")
+
+    def discard(self) -> None:
+        return None
 
 
 def _options(raw: Any) -> dict[str, Any]:

@@ -80,11 +80,15 @@ class Served:
                 return got
         raise AssertionError(f"no {key} from coldsnapd serve:\n{self.log.read_text()[-4000:]}")
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any, str]:
+    def call(self, method: str, path: str, body: Any = None, *,
+             data: bytes | None = None) -> tuple[int, Any, str]:
+        """One API call with `body` as JSON, or `data` as the raw body."""
+
         async def go() -> tuple[int, Any, str]:
             connector = aiohttp.UnixConnector(path=str(self.socket))
+            sent: dict[str, Any] = {"data": data} if data is not None else {"json": body}
             async with aiohttp.ClientSession(connector=connector) as session, \
-                    session.request(method, f"http://coldsnapd{path}", json=body,
+                    session.request(method, f"http://coldsnapd{path}", **sent,
                                     timeout=aiohttp.ClientTimeout(total=60)) as response:
                 text = await response.text()
                 try:

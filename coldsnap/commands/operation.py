@@ -27,6 +27,8 @@ from coldsnap.commands.outputs import (
     UserFiles,
     answer_again,
     check_output_flags,
+    check_user_paths,
+    write_output,
     write_receipt,
 )
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, report_failure
@@ -134,6 +136,11 @@ def operation_handler(
             request = read_request(args.request, operation)
             if request is None:
                 return EXIT_BAD_INPUT
+        # Every file this command writes once the operation ran, checked before it runs.
+        problem = check_user_paths(args.receipt_json, args.timing_events,
+                                   request.output if request else None)
+        if problem:
+            return report_failure(problem)
         if not args.local:
             # Imported here: the client loads aiohttp, which a local run never needs.
             from coldsnap.commands.service_client import submit_if_serving
@@ -152,7 +159,8 @@ def run_locally(args: argparse.Namespace, operation: Operation, request: Request
         prepared = OPERATIONS[operation].prepare(run_options(args), request)
     except (Refused, InventoryError) as exc:
         return report_failure(str(exc))
-    files = UserFiles(args.receipt_json, args.timing_events)
+    files = UserFiles(args.receipt_json, args.timing_events,
+                      request.output if request else None)
     try:
         held = claim(prepared, files)
     except Refused as exc:
@@ -170,7 +178,7 @@ def run_locally(args: argparse.Namespace, operation: Operation, request: Request
                                verbose=args.verbose, progress=board)
     finally:
         sink.close()
-    return finish(outcome, args.receipt_json)
+    return finish(outcome, args.receipt_json, request.output if request else None)
 
 
 def terminal_report(*, stdout_taken: bool) -> Report:
@@ -186,12 +194,14 @@ def terminal_report(*, stdout_taken: bool) -> Report:
     return Report(err, err if stdout_taken else out)
 
 
-def finish(outcome: Outcome, receipt_json: str | None) -> int:
-    """The receipt where it was asked for, and the exit status; the last stderr line says
-    why an operation failed."""
+def finish(outcome: Outcome, receipt_json: str | None, output: str | None = None) -> int:
+    """A capture's artifact at its `output`, the receipt where it was asked for, and the exit
+    status; the last stderr line says why an operation failed."""
     for line in outcome.notes:
         sys.stderr.write(line + "\n")
     status = outcome.exit_status
+    if not write_output(outcome.artifact, output, outcome.receipt.operation_id):
+        status = EXIT_FAILED
     try:
         write_receipt(outcome.receipt, receipt_json)
     except OSError as exc:

@@ -1,8 +1,11 @@
-"""The CLI's own files for an operation: the receipt (`--receipt-json PATH|-`) and the timing
-events (`--timing-events PATH|-`). The CLI writes them itself, whether the operation runs in
-this process or in the service, and checks them before anything runs: a receipt of another
-request, or any file that is no receipt, is never replaced, and an existing events file is
-never truncated.
+"""The CLI's own files for an operation: the receipt (`--receipt-json PATH|-`), the timing
+events (`--timing-events PATH|-`) and a capture's artifact (the request's `output`). The CLI
+writes them itself, as its user, whether the operation runs in this process or in the service
+(which never writes a user's path), and checks them before anything runs: each path is
+absolute and clean and its directory exists and is writable by this user; a receipt of another
+request, or any file that is no receipt, is never replaced, an existing events file is never
+truncated, and an existing `output` is never replaced (only a retry of a capture that
+succeeded may find it there: it is answered with that run's receipt).
 """
 
 from __future__ import annotations
@@ -57,6 +60,60 @@ def open_events(path: str) -> IO[bytes]:
     return os.fdopen(fd, "wb")
 
 
+
+
+def _directory_problem(field: str, path: str) -> str | None:
+    """Why this user cannot create a file at the absolute, clean `path`, or None."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        return f"{field} {path}: its directory {parent} does not exist"
+    # Effective ids: what this process (a setuid wrapper too) may do, not its real user.
+    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in
+                     os.supports_effective_ids):
+        return f"{field} {path}: its directory {parent} is not writable by this user"
+    return None
+
+
+def check_user_paths(receipt_json: str | None, timing_events: str | None,
+                     output: str | None) -> str | None:
+    """Refusal message (exit 2, naming the field) for a path the CLI could not write once the
+    operation ran: relative, with `.` or `..` in it, or in a directory that is missing or not
+    this user's to write. Checked before anything runs."""
+    for field, path in (("--receipt-json", receipt_json), ("--timing-events", timing_events),
+                        ("output", output)):
+        if path is None or (path == "-" and field != "output"):
+            continue
+        if not is_clean_absolute(path):
+            either = "" if field == "output" else "'-' or "
+            return (f"{field} {path!r} must be {either}an absolute, clean path (no '.', '..', "
+                    "'//' or trailing '/')")
+        problem = _directory_problem(field, path)
+        if problem:
+            return problem
+    return None
+
+
+def write_artifact(document: dict[str, Any], output: str) -> None:
+    """A capture's artifact to its `output`, atomically; an existing file is never replaced
+    (FileExistsError)."""
+    data = json.dumps(document, indent=2, sort_keys=True).encode() + b"\n"
+    atomic_write_bytes(Path(output), data, replace=False)
+
+
+def write_output(document: dict[str, Any] | None, output: str | None, capture_id: str) -> bool:
+    """A succeeded capture's artifact to `output` (nothing to do without both); False, having
+    said why on stderr, when it cannot be written: the capture stays in the store."""
+    if document is None or output is None:
+        return True
+    try:
+        write_artifact(document, output)
+    except OSError as exc:
+        sys.stderr.write(f"coldsnapd: cannot write output {output}: "
+                         f"{exc.strerror or exc}; the capture succeeded and its artifact is "
+                         f"in the store: `coldsnapd artifacts show --json {capture_id}` "
+                         "prints it\n")
+        return False
+    return True
 
 
 def write_receipt(receipt: Receipt, target: str | None) -> None:
@@ -182,18 +239,29 @@ def answer_again(receipt: Receipt, receipt_json: str | None) -> int:
     return EXIT_OK
 
 
+def output_taken(output: str) -> Refused:
+    return Refused(f"output {output} already exists; a capture never replaces a file (give a "
+                   "new output, and a new id)")
+
+
 class UserFiles:
     """The `Outputs` of one in-process run (coldsnap.runner.claim)."""
 
-    def __init__(self, receipt_json: str | None, timing_events: str | None) -> None:
+    def __init__(self, receipt_json: str | None, timing_events: str | None,
+                 output: str | None = None) -> None:
         self.receipt_json = receipt_json
         self.timing_events = timing_events
+        self.output = output
         self.events: IO[bytes] | str | None = None
 
     def check(self, key: ReceiptKey, *, prepare_only: bool) -> None:
         check_receipt_target(self.receipt_json, key, prepare_only=prepare_only)
 
     def create(self) -> None:
+        # After the ledger's check: a retry of a success found its own output, and was
+        # answered already.
+        if self.output is not None and os.path.lexists(self.output):
+            raise output_taken(self.output)
         self.events = open_events_target(self.timing_events)
 
     def discard(self) -> None:

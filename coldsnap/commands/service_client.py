@@ -3,7 +3,9 @@ socket answers, and then behaves as if it ran the operation itself: the job's st
 stderr, its reports on stdout, its timing events to `--timing-events`, its receipt to
 `--receipt-json`, and the job's exit status. SIGINT/SIGTERM ask the service to cancel the job
 (its rollback runs there) and the command still waits for the receipt; a third signal leaves
-at once, as in-process.
+at once, as in-process. They are handled from before the first call to the service: one that
+comes before the job exists submits nothing, and one that comes while the submission is on
+its way cancels the job its answer names.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from coldsnap.commands.outputs import (
     check_receipt_target,
     discard_events,
     open_events_target,
+    write_output,
     write_receipt,
 )
 from coldsnap.exits import EXIT_FAILED, report_failure
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.request import Request
 from coldsnap.formats.timing import TimingEvent
+from coldsnap.operations.context import OperationCancelled
 from coldsnap.runner.prepared import AlreadyDone, ReceiptKey, Refused
 from coldsnap.runner.service_api import DEFAULT_SOCKET, SUBMISSION_OPTIONS
 from coldsnap.runner.signals import OperationSignals
@@ -116,20 +120,37 @@ class ServiceClient:
 def submit_if_serving(args: argparse.Namespace, operation: str,
                       request: Request | None) -> int | None:
     """The exit status of the operation run by the service, or None when no service answers
-    (the command then runs it in-process)."""
+    (the command then runs it in-process).
+
+    SIGINT/SIGTERM are handled from before the first call to the service: one that comes
+    before the job exists submits nothing; one that comes while the submission is on its way
+    lets the answer arrive and cancels the job it made (then follows its rollback to the
+    receipt, as in-process)."""
     path = socket_path(args)
-    if not answers(path):
-        return None
-    if request is not None:
-        key = ReceiptKey(request.id, operation, request.request_sha256)
-        try:
-            check_receipt_target(args.receipt_json, key,
-                                 prepare_only=bool(getattr(args, "prepare_only", False)))
-        except Refused as exc:
-            return report_failure(str(exc))
-        except AlreadyDone as done:
-            return answer_again(done.receipt, args.receipt_json)
-    return asyncio.run(_submit(args, operation, request, path))
+    with OperationSignals(request.id if request is not None else operation) as signals:
+        serving = answers(path)
+        if signals.first is not None:
+            return _nothing_submitted(signals, path)
+        if not serving:
+            return None
+        if request is not None:
+            key = ReceiptKey(request.id, operation, request.request_sha256)
+            try:
+                check_receipt_target(args.receipt_json, key,
+                                     prepare_only=bool(getattr(args, "prepare_only", False)))
+            except Refused as exc:
+                return report_failure(str(exc))
+            except AlreadyDone as done:
+                return answer_again(done.receipt, args.receipt_json)
+        return asyncio.run(_submit(args, operation, request, path, signals))
+
+
+def _nothing_submitted(signals: OperationSignals, path: Path) -> int:
+    status = signals.exit_status
+    assert signals.first is not None and status is not None
+    sys.stderr.write(f"coldsnapd: {signals.first.name}: nothing was submitted to the service "
+                     f"at {path}\n")
+    return status
 
 
 def _differs(args: argparse.Namespace, info: dict[str, Any]) -> str | None:
@@ -152,45 +173,80 @@ def _submission(args: argparse.Namespace, operation: str,
     for name in ("receipt_json", "timing_events"):
         if options.get(name) not in (None, "-"):
             options[name] = os.path.abspath(options[name])
-    return {"operation": operation, "request": request.canonical() if request else None,
-            "options": options, "wait": bool(getattr(args, "wait", True))}
+    doc = {"operation": operation, "request": request.canonical() if request else None,
+           "options": options, "wait": bool(getattr(args, "wait", True))}
+    # The service cannot see this user's files: it is told that `output` is taken, and then
+    # runs the request only as a retry of a success (answered with that run's receipt).
+    if request is not None and request.output is not None and os.path.lexists(request.output):
+        doc["output_exists"] = True
+    return doc
 
 
 async def _submit(args: argparse.Namespace, operation: str, request: Request | None,
-                  path: Path) -> int:
+                  path: Path, signals: OperationSignals) -> int:
     async with ServiceClient(path) as client:
         try:
-            status, info = await client.call("GET", "/v1/info")
-            if status != 200:
-                return report_failure(f"{path} does not answer as coldsnapd serve "
-                                      f"(HTTP {status})", EXIT_FAILED)
-            problem = _differs(args, info)
-            if problem:
-                return report_failure(problem)
-            try:
-                events = open_events_target(args.timing_events)
-            except Refused as exc:
-                return report_failure(str(exc))
-            status, reply = await client.call("POST", "/v1/jobs",
-                                              _submission(args, operation, request))
+            return await signals.cancellable(
+                _submit_and_follow(client, args, operation, request, signals))
+        except OperationCancelled:
+            return _nothing_submitted(signals, path)
+
+
+async def _submit_and_follow(client: ServiceClient, args: argparse.Namespace, operation: str,
+                             request: Request | None, signals: OperationSignals) -> int:
+    path = client.path
+    try:
+        status, info = await client.call("GET", "/v1/info")
+        if status != 200:
+            return report_failure(f"{path} does not answer as coldsnapd serve "
+                                  f"(HTTP {status})", EXIT_FAILED)
+        problem = _differs(args, info)
+        if problem:
+            return report_failure(problem)
+        try:
+            events = open_events_target(args.timing_events)
+        except Refused as exc:
+            return report_failure(str(exc))
+        posted = asyncio.ensure_future(client.call("POST", "/v1/jobs",
+                                                   _submission(args, operation, request)))
+        try:
+            status, reply = await asyncio.shield(posted)
+        except asyncio.CancelledError:
+            if signals.first is None:
+                raise
+            # Signalled while the submission was on its way: it may have made a job already.
+            # Its answer says which one to cancel; then the job is followed to its receipt.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            status, reply = await posted
+    except ServiceLost as exc:
+        return report_failure(str(exc), EXIT_FAILED)
+    if status != 201:
+        discard_events(events, args.timing_events)
+        if "already" in reply:
+            return answer_again(Receipt.model_validate(reply["already"]), args.receipt_json)
+        for line in reply.get("lines") or []:
+            sys.stderr.write(line + "\n")
+        return report_failure(str(reply.get("error", f"HTTP {status}")),
+                              int(reply.get("exit_status", EXIT_FAILED)))
+    job_id = str(reply["job"])
+    sys.stderr.write(f"coldsnapd: {operation} {job_id} runs in the service at {path}\n")
+    signals.operation_id = job_id
+    if signals.first is not None:
+        try:
+            await client.call("POST", f"/v1/jobs/{job_id}/cancel",
+                              {"signal": signals.first.name})
         except ServiceLost as exc:
-            return report_failure(str(exc), EXIT_FAILED)
-        if status != 201:
             discard_events(events, args.timing_events)
-            if "already" in reply:
-                return answer_again(Receipt.model_validate(reply["already"]), args.receipt_json)
-            for line in reply.get("lines") or []:
-                sys.stderr.write(line + "\n")
-            return report_failure(str(reply.get("error", f"HTTP {status}")),
-                        int(reply.get("exit_status", EXIT_FAILED)))
-        job_id = str(reply["job"])
-        sys.stderr.write(f"coldsnapd: {operation} {job_id} runs in the service at {path}\n")
-        with OperationSignals(job_id) as signals:
-            return await signals.cancellable(_follow(client, args, job_id, events, signals))
+            return report_failure(f"{exc}; job {job_id} may still run: cancel it with "
+                                  f"`coldsnapd jobs cancel {job_id}`", EXIT_FAILED)
+    return await _follow(client, args, job_id, events, signals,
+                         request.output if request else None)
 
 
 async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
-                  events: Any, signals: OperationSignals) -> int:
+                  events: Any, signals: OperationSignals, output: str | None) -> int:
     sink = EventSink(events)
     # The receipt or the timing events may own stdout: then reports go to stderr, as the
     # status command does in-process.
@@ -211,7 +267,7 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
                     elif kind == "timing":
                         sink(TimingEvent.model_validate(item["event"]))
                     elif kind == "end":
-                        return _end(args, item)
+                        return _end(args, item, output)
                 raise ServiceLost(f"the service ended job {job_id}'s stream early")
             except asyncio.CancelledError:
                 if signals.first is None:
@@ -230,9 +286,13 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
         sink.close()
 
 
-def _end(args: argparse.Namespace, item: dict[str, Any]) -> int:
+def _end(args: argparse.Namespace, item: dict[str, Any], output: str | None) -> int:
     status = int(item["exit_status"])
     receipt = Receipt.model_validate(item["receipt"])
+    artifact = item.get("artifact")
+    if not write_output(artifact if isinstance(artifact, dict) else None, output,
+                        receipt.operation_id):
+        status = EXIT_FAILED
     try:
         write_receipt(receipt, args.receipt_json)
     except OSError as exc:

@@ -4,15 +4,15 @@ committed across its hosts, and every unit's and worker's objects pulled into th
 Coordinated in phases with a barrier between them: no unit is dumped before every unit is
 quiesced and its GPUs checkpointed. A failure anywhere rolls every unit back (returned to
 serving, or stopped, as `lifecycle.activation_state` says), discards committed capsules, and
-writes nothing to `output` or the store's artifact index.
+writes nothing to the store's artifact index. The request's `output` is the front end's: the
+command that asked for the capture writes the artifact there as its user (it checked the path
+before anything ran), whichever process ran the capture.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.collect import collect_worker_objects, remove_capsule_files
@@ -49,7 +49,6 @@ from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.base import ProgressCallback
-from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.hosts.retry import is_transient
 from coldsnap.operations.context import (
     OperationContext,
@@ -99,10 +98,6 @@ async def capture(
     """Run a capture request to a committed artifact, or raise OperationFailed. `roots`: what
     the host's realpath of each mount source and log path must stay under (None:
     unrestricted)."""
-    output = Path(request.output) if request.output else None
-    if output is not None and output.exists():
-        raise OperationFailed("output-exists", f"output {output} already exists; capture never "
-                                               "replaces an artifact")
     if store.has_artifact(request.id):
         raise OperationFailed("artifact-exists", f"artifact {request.id} already exists in the "
                                                  f"store {store.root}; a capture needs a fresh id")
@@ -125,8 +120,7 @@ async def capture(
     async with hosts.sessions(topology.hosts) as sessions:
         runs = [UnitRun(p, sessions[p.host]) for p in placed]
         try:
-            return await _capture_units(request, runs, facts, hosts, store, ctx, output,
-                                        keep_serving)
+            return await _capture_units(request, runs, facts, hosts, store, ctx, keep_serving)
         except BaseException:
             await _rollback(ctx, hosts, runs, request.id, keep_serving)
             raise
@@ -139,7 +133,6 @@ async def _capture_units(
     hosts: HostSet,
     store: LocalStore,
     ctx: OperationContext,
-    output: Path | None,
     keep_serving: bool,
 ) -> CaptureOutcome:
     async def start(r: UnitRun) -> None:
@@ -254,15 +247,6 @@ async def _capture_units(
     await _finish_units(ctx, runs, keep_serving)
     with ctx.span("capture.write"):
         stored = store.put_artifact(artifact)
-        if output is not None:
-            try:
-                # Capture is conflict-on-existing-output: never replace a file.
-                atomic_write_bytes(output, json.dumps(artifact.to_json(), indent=2,
-                                                      sort_keys=True).encode() + b"\n",
-                                   replace=False)
-            except OSError as exc:
-                store.remove_artifact(artifact.capture_id)
-                raise OperationFailed("output", f"cannot write output {output}: {exc}") from exc
     return CaptureOutcome(stored, fetcher.summary(),
                           [r.capsule.manifest for r in runs if r.capsule is not None])
 

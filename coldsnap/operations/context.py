@@ -115,6 +115,9 @@ class OperationContext:
         # Per host, the bytes its staged objects hold and the bytes actually sent there (a
         # restore's staging), for whoever reports on operations (the service's metrics).
         self.staged: dict[str, tuple[int, int]] = {}
+        # A capture's artifact (format 9, as JSON) once it is committed, for the front end
+        # to write to the request's `output`: never written by whoever runs the operation.
+        self.artifact_document: dict[str, Any] | None = None
 
     def rollback_summary(self) -> str | None:
         if self.rollback is None:

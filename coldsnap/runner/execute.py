@@ -9,6 +9,7 @@ import asyncio
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.exits import EXIT_OK
@@ -69,6 +70,8 @@ class Outcome:
     exit_status: int
     notes: list[str] = field(default_factory=list)
     failure: str | None = None
+    # A succeeded capture's artifact document, which the front end writes to `output`.
+    artifact: dict[str, Any] | None = None
 
 
 def run_context(prepared: Prepared, claim: Claim, *,
@@ -90,7 +93,8 @@ def conclude(prepared: Prepared, claim: Claim, ctx: OperationContext,
                          snapshot_driver=prepared.snapshot_driver,
                          prepare_only=prepared.prepare_only, result=claim.result(result),
                          error=error)
-    outcome = Outcome(receipt, EXIT_OK if error is None else error.exit_status)
+    outcome = Outcome(receipt, EXIT_OK if error is None else error.exit_status,
+                      artifact=ctx.artifact_document if error is None else None)
     try:
         claim.complete(receipt)
     except (OSError, StoreError) as exc:

@@ -46,6 +46,8 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
             report.say(f"{f.host}: fetched {f.fetched} object(s), "
                        f"{human_bytes(f.fetched_bytes)}; {f.present} already in the store")
         stored = out.stored
+        # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
+        ctx.artifact_document = stored.artifact.to_json()
         size = sum(o.bytes for o in stored.artifact.objects)
         report.say(f"captured {stored.capture_id} ({stored.digest[:19]}): "
                    f"{len(stored.artifact.capsule.images)} capsule(s), "

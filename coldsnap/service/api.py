@@ -2,13 +2,17 @@
 
     GET  /v1/info                   the service: version, pid, inventory, store, state
     POST /v1/jobs                   submit (coldsnap.service.submission); 201 {"job": ID},
+                                    400 for a body that is no JSON object or nests deeper
+                                    than 64 levels,
                                     200 {"already": RECEIPT} for a retry of a success,
                                     4xx {"error", "lines"?, "exit_status"}
     GET  /v1/jobs[?state=S]         the latest jobs
     GET  /v1/jobs/{id}              one job, with its request and receipt
     GET  /v1/jobs/{id}/events[?from=N]  NDJSON: the job's stderr/stdout lines and timing
                                     events from item N, then {"kind": "end", "exit_status",
-                                    "receipt"}; heartbeats while the job is quiet
+                                    "receipt", "artifact"?} (a succeeded capture's artifact
+                                    document, which the client writes to `output`);
+                                    heartbeats while the job is quiet
     POST /v1/jobs/{id}/cancel       {"signal": "SIGINT"|"SIGTERM"}
     GET  /metrics                   Prometheus text
 
@@ -94,11 +98,8 @@ async def submit(request: web.Request) -> web.Response:
     refusal = submitter_refusal(request.app[SCHEDULER].policy, uid, gid)
     if refusal is not None:
         return _reply(403, {"error": refusal, "exit_status": EXIT_BAD_INPUT})
-    try:
-        doc = await request.json()
-    except ValueError as exc:
-        return _reply(400, {"error": f"the body is not JSON: {exc}", "exit_status": 2})
-    status, reply = request.app[SCHEDULER].submit(doc, uid)
+    # Decoded by the scheduler off the loop: a body may be 17 MiB, or nested to no end.
+    status, reply = await request.app[SCHEDULER].submit(await request.read(), uid)
     return _reply(status, reply)
 
 

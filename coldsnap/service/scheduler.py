@@ -5,6 +5,11 @@ waits until no running job and no job queued before it conflicts with it (first 
 served: a later job never overtakes an earlier one on the same units); jobs on disjoint units
 run at once. With `wait: false` a job that would wait is refused instead, and nothing of it is
 recorded: its id stays free.
+
+A submission is decoded and prepared (its artifact file read, references resolved, store
+objects hashed) in a small pool of threads of its own, never on the loop: a slow or hostile
+input delays only its own answer. Its admission (the checks above, the claim of its id, its
+place in the queue) then runs one submission at a time, in the order they were prepared.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.formats.redaction import redact, secret_values
 from coldsnap.formats.service_policy import ServicePolicy
-from coldsnap.runner.claim import claim
+from coldsnap.runner.claim import Claim, claim
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
 from coldsnap.runner.service_api import JobState
@@ -28,7 +34,12 @@ from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.output import JobOutput
 from coldsnap.service.policy import submission_refusals
-from coldsnap.service.submission import SubmissionInvalid, parse_submission
+from coldsnap.service.submission import (
+    Submission,
+    SubmissionInvalid,
+    decode_submission,
+    parse_submission,
+)
 
 # After the drain's grace period, how long the cancelled jobs' rollbacks may take (each
 # rollback bounds itself at about 150 s; this is the backstop).
@@ -37,7 +48,24 @@ ROLLBACK_BACKSTOP_S = 300.0
 # How many ended jobs' lines stay in memory for late followers.
 KEEP_OUTPUTS = 100
 
+# Submissions prepared at once (each may read an artifact file and hash store objects); a
+# pool of their own, so that they never take the threads the running jobs use.
+SUBMISSION_THREADS = 4
+
 Reply = tuple[int, dict[str, Any]]
+
+
+class _Refusal(Exception):
+    """A submission refused while it was prepared, with the reply that says why."""
+
+    def __init__(self, status: int, doc: dict[str, Any]) -> None:
+        super().__init__(status)
+        self.reply: Reply = (status, doc)
+
+
+def _shutting_down() -> Reply:
+    return 503, {"error": "coldsnapd is shutting down and accepts no job",
+                 "exit_status": EXIT_FAILED}
 
 
 class Scheduler:
@@ -57,6 +85,8 @@ class Scheduler:
         self.recovering = True
         self.draining = False
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
+        self._threads = ThreadPoolExecutor(SUBMISSION_THREADS, thread_name_prefix="submission")
+        self._admitting = asyncio.Lock()
 
     @property
     def running(self) -> list[Job]:
@@ -70,50 +100,74 @@ class Scheduler:
         state = "draining; " if self.draining else "recovering; " if self.recovering else ""
         return f"{state}{len(self.running)} job(s) running, {len(self.queued)} queued"
 
-    def submit(self, doc: Any, uid: int) -> Reply:
+    async def submit(self, body: bytes, uid: int) -> Reply:
+        """Admit one submission (the POST body). What reads the user's input (decoding,
+        the operation's `prepare`: its artifact file, references, hashes of store objects)
+        runs in the submission threads, so that no input stalls the loop and the jobs on it;
+        what orders jobs (conflicts, the queue) runs on the loop."""
         if self.draining:
-            return 503, {"error": "coldsnapd is shutting down and accepts no job",
-                         "exit_status": EXIT_FAILED}
+            return _shutting_down()
+        loop = asyncio.get_running_loop()
+        output = JobOutput(loop)
         try:
-            sub = parse_submission(doc)
+            sub, prepared = await loop.run_in_executor(self._threads, self._prepare, body,
+                                                       output, uid)
+        except _Refusal as refusal:
+            return refusal.reply
+        key = prepared.key
+        # One admission at a time from here: the checks below stay true until the job is in
+        # `active` (jobs that end meanwhile only make them looser).
+        async with self._admitting:
+            if self.draining:
+                return _shutting_down()
+            if key.operation_id in self.active:
+                return 409, {"error": f"job {key.operation_id} is already queued or running",
+                             "exit_status": EXIT_BAD_INPUT}
+            blockers = self._blockers(prepared.touches, before=None)
+            if blockers and not sub.wait:
+                return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
+                                      f"{blockers}; refused (wait: false)",
+                             "exit_status": EXIT_BAD_INPUT}
+            try:
+                held = await loop.run_in_executor(self._threads, claim, prepared,
+                                                  sub.outputs())
+            except Refused as exc:
+                return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
+            except AlreadyDone as done:
+                return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
+            job = self._admit(sub, prepared, held, uid, output)
+        return 201, {"job": job.id, "state": "running" if job.running else "queued",
+                     "waiting_for": job.waiting_for}
+
+    def _prepare(self, body: bytes, output: JobOutput,
+                 uid: int) -> tuple[Submission, Prepared]:
+        """In a submission thread: the submission and its prepared operation, or _Refusal
+        with the reply that says why not."""
+        try:
+            sub = parse_submission(decode_submission(body))
         except SubmissionInvalid as exc:
-            return 400, {"error": "invalid submission", "lines": exc.lines,
-                         "exit_status": EXIT_BAD_INPUT}
+            raise _Refusal(400, {"error": "invalid submission", "lines": exc.lines,
+                                 "exit_status": EXIT_BAD_INPUT}) from None
         refusals = submission_refusals(self.policy, sub, uid)
         if refusals:
-            return 400, {"error": "refused by the service's policy", "lines": refusals,
-                         "exit_status": EXIT_BAD_INPUT}
-        output = JobOutput(asyncio.get_running_loop())
+            raise _Refusal(400, {"error": "refused by the service's policy", "lines": refusals,
+                                 "exit_status": EXIT_BAD_INPUT})
         output.secrets = secret_values(sub.request.canonical()) if sub.request else ()
         # Why the operation cannot run is sent back, as the CLI would print it.
-        prepared: Prepared | None = None
         try:
-            prepared = OPERATIONS[sub.operation].prepare(
+            return sub, OPERATIONS[sub.operation].prepare(
                 sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy),
                 sub.request)
         except Refused as exc:
             output.write("stderr", f"coldsnapd: {exc}\n")
         except Exception as exc:  # an inventory or store the service cannot read
             output.write("stderr", f"coldsnapd: {type(exc).__name__}: {exc}\n")
-        if prepared is None:
-            output.end({})
-            return 400, {"error": "refused", "lines": output.lines(),
-                         "exit_status": EXIT_BAD_INPUT}
-        key = prepared.key
-        if key.operation_id in self.active:
-            return 409, {"error": f"job {key.operation_id} is already queued or running",
-                         "exit_status": EXIT_BAD_INPUT}
-        blockers = self._blockers(prepared.touches, before=None)
-        if blockers and not sub.wait:
-            return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
-                                  f"{blockers}; refused (wait: false)",
-                         "exit_status": EXIT_BAD_INPUT}
-        try:
-            held = claim(prepared)
-        except Refused as exc:
-            return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
-        except AlreadyDone as done:
-            return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
+        output.end({})
+        raise _Refusal(400, {"error": "refused", "lines": output.lines(),
+                             "exit_status": EXIT_BAD_INPUT})
+
+    def _admit(self, sub: Submission, prepared: Prepared, held: Claim, uid: int,
+               output: JobOutput) -> Job:
         job = Job(prepared, held, uid, output, self._ended,
                   verbose=bool(sub.options.get("verbose")))
         t = prepared.touches
@@ -121,7 +175,7 @@ class Scheduler:
         # request's, computed when it was parsed.
         self.jobs.add(id=job.id, operation=sub.operation,
                       request=redact(sub.request.canonical()) if sub.request else None,
-                      request_sha256=key.request_sha256,
+                      request_sha256=prepared.key.request_sha256,
                       options={**sub.options, "engine": prepared.engine,
                                "snapshot_driver": prepared.snapshot_driver,
                                "id_generated": prepared.id_generated},
@@ -129,8 +183,9 @@ class Scheduler:
         self.active[job.id] = job
         self.outputs[job.id] = output
         self.pump()
-        return 201, {"job": job.id, "state": "running" if job.running else "queued",
-                     "waiting_for": job.waiting_for}
+        if self.draining and not job.running:  # the drain began while its id was claimed
+            job.cancel(signal.SIGTERM, "coldsnapd is shutting down")
+        return job
 
     def _blockers(self, touches: Touches, before: str | None) -> str | None:
         """The jobs a job touching `touches` waits for (those running, and those queued
@@ -171,7 +226,11 @@ class Scheduler:
         if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)
-        job.output.end({"exit_status": ended.exit_status, "receipt": receipt.to_json()})
+        end: dict[str, Any] = {"exit_status": ended.exit_status, "receipt": receipt.to_json()}
+        if ended.ctx.artifact_document is not None:
+            # The client writes it to the request's `output`, as its user.
+            end["artifact"] = ended.ctx.artifact_document
+        job.output.end(end)
         self.active.pop(job.id, None)
         # Followers of older jobs get their end from the job store; their lines are let go.
         ended_ids = [i for i in self.outputs if i not in self.active]
@@ -209,4 +268,5 @@ class Scheduler:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=ROLLBACK_BACKSTOP_S)
             self.unclean.extend(t.get_name() for t in pending)
+        self._threads.shutdown(wait=False, cancel_futures=True)
         return not self.unclean and not self.active

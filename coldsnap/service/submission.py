@@ -1,7 +1,13 @@
 """A job submission, as the API receives it, turned into the operation its command would run.
 
     {"operation": "restore", "request": {...} | null, "wait": true,
-     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false}}
+     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false},
+     "output_exists": false}
+
+`output_exists`: the client found the capture request's `output` there already (the service
+never looks at a user's paths: the client writes `output` itself, from the job's end item).
+Such a capture runs only as a retry of its own success, answered with that run's receipt;
+otherwise it is refused before its id is claimed.
 
 The request is the canonical JSON of a format-4 request (the CLI parsed and checked it
 first; the service parses it again: it never trusts a client). The options are the runner's
@@ -11,6 +17,8 @@ and store they make the options the operation's `prepare` runs with, as in the C
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +28,9 @@ from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
 from coldsnap.formats.service_policy import ServicePolicy, host_roots
+from coldsnap.runner.claim import Outputs
 from coldsnap.runner.kinds import OPERATIONS
-from coldsnap.runner.prepared import RunOptions
+from coldsnap.runner.prepared import ReceiptKey, Refused, RunOptions
 
 # option -> (its type, its default, a check that says what is wrong or None)
 _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
@@ -44,6 +53,30 @@ def _client_path(value: str) -> bool:
     return value == "-" or (value.startswith("/") and len(value) <= 4096 and "\0" not in value)
 
 
+# A submission's JSON nests a few levels (envelope, request, its sections): far below this. A
+# deeper body is refused before it is decoded, so that no decoder or validator recurses on it.
+MAX_NESTING = 64
+
+# A JSON string (its brackets are no structure) or one bracket.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_OPENING = frozenset(b"[{")
+
+
+def nesting_depth_over(blob: bytes, limit: int) -> bool:
+    """Whether the JSON text `blob` nests arrays and objects deeper than `limit`, told
+    without decoding it (a malformed text may be over-counted: it is refused anyway)."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(blob):
+        first = token.group()[0]
+        if first in _OPENING:
+            depth += 1
+            if depth > limit:
+                return True
+        elif first != ord('"'):
+            depth -= 1
+    return False
+
+
 class SubmissionInvalid(Exception):
     """The submission cannot run: each line names the bad field."""
 
@@ -58,6 +91,13 @@ class Submission:
     request: Request | None
     options: dict[str, Any]
     wait: bool
+    output_exists: bool = False
+
+    def outputs(self) -> Outputs | None:
+        """The client's files as the claim sees them (coldsnap.runner.claim.Outputs)."""
+        if self.output_exists and self.request is not None and self.request.output:
+            return _TakenOutput(self.request.output)
+        return None
 
     def run_options(self, inventory: Path, store: Path, *, uid: int,
                     policy: ServicePolicy) -> RunOptions:
@@ -70,10 +110,22 @@ class Submission:
                           log_roots=log_roots, **given)
 
 
+def decode_submission(blob: bytes) -> Any:
+    """The JSON value of a submission's body; SubmissionInvalid when it is none, or one
+    nested deeper than MAX_NESTING."""
+    if nesting_depth_over(blob, MAX_NESTING):
+        raise SubmissionInvalid([f"the body nests arrays or objects deeper than {MAX_NESTING} "
+                                 "levels"])
+    try:
+        return json.loads(blob)
+    except (ValueError, RecursionError) as exc:
+        raise SubmissionInvalid([f"the body is not JSON: {exc}"]) from None
+
+
 def parse_submission(doc: Any) -> Submission:
     if not isinstance(doc, dict):
         raise SubmissionInvalid(["the submission must be a JSON object"])
-    unknown = sorted(set(doc) - {"operation", "request", "options", "wait"})
+    unknown = sorted(set(doc) - {"operation", "request", "options", "wait", "output_exists"})
     if unknown:
         raise SubmissionInvalid([f"{k}: unknown field" for k in unknown])
     operation = doc.get("operation")
@@ -82,6 +134,9 @@ def parse_submission(doc: Any) -> Submission:
     wait = doc.get("wait", True)
     if not isinstance(wait, bool):
         raise SubmissionInvalid(["wait: must be true or false"])
+    output_exists = doc.get("output_exists", False)
+    if not isinstance(output_exists, bool):
+        raise SubmissionInvalid(["output_exists: must be true or false"])
     options = _options(doc.get("options") or {})
     raw = doc.get("request")
     request: Request | None = None
@@ -96,7 +151,25 @@ def parse_submission(doc: Any) -> Submission:
         except RequestInvalid as exc:
             raise SubmissionInvalid([f"request.{i.path}: {i.message}" if i.path
                                      else f"request: {i.message}" for i in exc.issues]) from None
-    return Submission(operation, request, options, wait)
+    return Submission(operation, request, options, wait, output_exists)
+
+
+class _TakenOutput:
+    """A capture whose `output` the client found taken: only the ledger's answer to a retry
+    of a success (checked before `create`) lets it through."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+
+    def check(self, key: ReceiptKey, *, prepare_only: bool) -> None:
+        return None
+
+    def create(self) -> None:
+        raise Refused(f"output {self.output} already exists; a capture never replaces a file "
+                      "(give a new output, and a new id)")
+
+    def discard(self) -> None:
+        return None
 
 
 def _options(raw: Any) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from coldsnap.formats.artifact import Artifact, parse_artifact
@@ -32,6 +31,7 @@ from coldsnap.store.local import (
     StoredArtifact,
     StoreError,
 )
+from coldsnap.store.user_file import UserFileMissing, UserFileRefused, read_user_file
 
 MIN_PREFIX = 6
 # An artifact lists its launch and objects; even thousands of workers stay far below this.
@@ -90,27 +90,19 @@ def _by_name(store: LocalStore, ref: str) -> StoredArtifact:
 
 def read_artifact_file(ref: str) -> tuple[Artifact, str]:
     """Follow `ref` to a regular file and parse it as a format-9 artifact; returns it with its
-    digest (of its canonical form, defaults applied, as the store computes it)."""
+    digest (of its canonical form, defaults applied, as the store computes it). The file is
+    read as coldsnap.store.user_file reads what a user names: a FIFO, a device or a file of
+    /proc is refused at once."""
     if not is_clean_absolute(ref):
         raise ArtifactRefInvalid(f"artifact path {ref!r} must be absolute and clean (no '.', "
                                  "'..', '//' or trailing '/')")
     try:
-        real = Path(ref).resolve(strict=True)
-    except FileNotFoundError:
-        raise ArtifactNotFound(f"artifact file {ref} does not exist (or a symlink on the way "
-                               "points nowhere)") from None
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
-        raise ArtifactRefInvalid(f"cannot follow artifact path {ref}: {exc}") from None
-    shown = ref if str(real) == ref else f"{ref} (-> {real})"
-    if not real.is_file():
-        raise ArtifactRefInvalid(f"artifact path {shown} is not a regular file")
-    try:
-        with real.open("rb") as f:
-            blob = f.read(MAX_ARTIFACT_BYTES + 1)
-    except OSError as exc:
-        raise ArtifactRefInvalid(f"cannot read artifact file {shown}: {exc.strerror}") from None
-    if len(blob) > MAX_ARTIFACT_BYTES:
-        raise ArtifactRefInvalid(f"artifact file {shown} is larger than 64 MiB")
+        blob, real = read_user_file(ref, what="artifact file", limit=MAX_ARTIFACT_BYTES)
+    except UserFileMissing as exc:
+        raise ArtifactNotFound(str(exc)) from None
+    except UserFileRefused as exc:
+        raise ArtifactRefInvalid(str(exc)) from None
+    shown = ref if real == ref else f"{ref} (-> {real})"
     try:
         raw: Any = json.loads(blob)
     except (ValueError, RecursionError) as exc:

@@ -45,6 +45,7 @@ def inventory(tmp_path: Path) -> Path:
 
 def capture_doc(tmp_path: Path, **changes: Any) -> dict[str, Any]:
     doc = minimal_request()
+    (tmp_path / "out").mkdir(exist_ok=True)  # the CLI checks that output's directory exists
     doc["output"] = str(tmp_path / "out" / "artifact.json")
     doc.update(changes)
     return doc

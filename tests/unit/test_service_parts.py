@@ -157,3 +157,23 @@ def test_systemd_analyze_verifies_the_units(tmp_path: Path) -> None:
                           str(tmp_path / "coldsnapd.socket")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "" and run.stdout == "", run.stderr
+
+
+@pytest.mark.parametrize(("blob", "over"), [
+    (b"[" * 65 + b"]" * 65, True),
+    (b"[" * 64 + b"]" * 64, False),
+    # Brackets inside strings (escaped quotes too) are no structure.
+    (b'{"a": "' + b"[" * 100 + b'\\" {{{{"}', False),
+    (b'[[["]]]"' + b"[" * 62, True),
+    (b'{"a": [{"b": [1, 2]}], "c": "}}}}"}', False),
+])
+def test_nesting_is_measured_without_decoding(blob: bytes, over: bool) -> None:
+    assert submission.nesting_depth_over(blob, 64) is over
+
+
+def test_a_submission_body_decodes_or_names_what_is_wrong() -> None:
+    assert submission.decode_submission(b'{"operation": "restore"}') == {"operation": "restore"}
+    with pytest.raises(SubmissionInvalid, match="deeper than 64 levels"):
+        submission.decode_submission(b"[" * 10000)
+    with pytest.raises(SubmissionInvalid, match="not JSON"):
+        submission.decode_submission(b"{")

@@ -4,6 +4,7 @@ that run) is in tests/integration/test_service.py."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +82,48 @@ def test_bad_submissions_are_refused_naming_the_field(served: Served) -> None:
     assert "no-such-capture" in " ".join(doc["lines"]), doc
     status, doc, _ = served.call("GET", "/v1/jobs")
     assert (status, doc) == (200, {"jobs": []})
+
+
+@pytest.mark.parametrize("depth", [100, 10000])
+def test_a_deeply_nested_body_is_refused_with_a_message(served: Served, depth: int) -> None:
+    for body in (b"[" * depth + b"]" * depth,
+                 b'{"operation": "restore", "options": ' + b'{"a": ' * depth + b"1"
+                 + b"}" * depth + b"}"):
+        status, doc, text = served.call("POST", "/v1/jobs", data=body)
+        assert status == 400, text
+        assert doc["exit_status"] == 2
+        assert doc["lines"] == ["the body nests arrays or objects deeper than 64 levels"]
+    assert served.call("GET", "/v1/info")[0] == 200
+
+
+@pytest.mark.parametrize(("body", "line"), [
+    (b"[1, 2]", "the submission must be a JSON object"),
+    (b'"restore"', "the submission must be a JSON object"),
+    (b"{not json", "the body is not JSON"),
+    (b"", "the body is not JSON"),
+])
+def test_a_body_that_is_no_json_object_is_refused(served: Served, body: bytes,
+                                                  line: str) -> None:
+    status, doc, text = served.call("POST", "/v1/jobs", data=body)
+    assert status == 400, text
+    assert doc["lines"][0].startswith(line) and doc["exit_status"] == 2
+
+
+def test_artifact_paths_that_would_block_are_refused_naming_the_field(served: Served,
+                                                                       tmp_path: Path) -> None:
+    fifo = tmp_path / "artifact.json"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/proc/kmsg", "/dev/zero"):
+        status, doc, text = served.call("POST", "/v1/jobs", {
+            "operation": "restore", "options": {"artifact": path}})
+        assert status == 400, text
+        said = " ".join(doc["lines"])
+        assert f"--artifact {path}" in said, said
+        assert "not a regular file" in said or "which holds no documents" in said, said
+    # The CLI says the same, and exits 2.
+    cli = served.cli("restore", "--artifact", str(fifo), "--inventory", str(served.inventory),
+                     "--store", str(served.store))
+    assert cli.returncode == 2 and "is a FIFO, not a regular file" in cli.stderr, cli.stderr
 
 
 def test_jobs_commands_and_the_client_refusing_another_store(served: Served,

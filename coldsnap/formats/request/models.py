@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from coldsnap.formats.canonical import digest
-from coldsnap.formats.fields import Id, NonEmpty, StrictModel, check_abs_path, invalid
+from coldsnap.formats.fields import AbsPath, Id, NonEmpty, StrictModel, check_abs_path, invalid
 from coldsnap.formats.request.launch import Launch
 from coldsnap.formats.request.policy import Policy
 
@@ -81,7 +81,8 @@ class Request(StrictModel):
     operation: Annotated[str, AfterValidator(_check_operation)]
     id: Id
     snapshot_driver: SnapshotDriver
-    output: NonEmpty | None = None
+    # Written by the client (the CLI), as its user: an absolute, clean path.
+    output: AbsPath | None = None
     artifact: NonEmpty | None = None
     workload: Workload | None = None
     lifecycle: Lifecycle | None = None

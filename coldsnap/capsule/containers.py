@@ -136,18 +136,26 @@ async def ensure_host_file(s: CapsuleSession, unit: str, step: str, path: str,
     """Create `path` on the host when it is missing (a bind mount needs its source), keeping
     what it holds: an engine log is appended to, never truncated. A new file is 0644 (umask
     022 for this step alone, whatever the SSH session's is); an existing file keeps its mode
-    and owner: nothing here changes a file the request merely names."""
+    and owner: nothing here changes a file the request merely names. CRIU reopens the engine's
+    log with the mode it dumped, ENGINE_LOG_MODE, so a file of another mode is refused here,
+    before anything starts, rather than by a restore."""
     host = s.target.host
     res = await host.run(["mkdir", "-p", "--", posixpath.dirname(path)], check=False,
                          timeout=30)
     if res.exit_status == 0:
         # A fixed script; the path is its argument, never part of the script's text.
-        res = await host.run(["sh", "-c", 'umask 022 && { [ -e "$1" ] || : >> "$1"; }',
-                              "ensure-host-file", path],
+        res = await host.run(["sh", "-c", 'umask 022 && { [ -e "$1" ] || : >> "$1"; } && '
+                              '[ -f "$1" ] && stat -c %a -- "$1"', "ensure-host-file", path],
                              check=False, timeout=30)
     if res.exit_status != 0:
-        raise fail(s, unit, step, f"cannot create {path} on the host: "
-                   f"{res.stderr.decode(errors='replace').strip()}", error)
+        raise fail(s, unit, step, f"cannot create {path} on the host (or it is no regular "
+                   f"file): {res.stderr.decode(errors='replace').strip()}", error)
+    mode = res.stdout.decode().strip()
+    if mode != ENGINE_LOG_MODE.lstrip("0"):
+        raise fail(s, unit, step, f"workload.log_path {path} has mode {mode}: the engine's "
+                   f"log is kept with mode {ENGINE_LOG_MODE} across a snapshot (CRIU reopens "
+                   "it with the mode it dumped), and coldsnapd never changes a file the "
+                   f"request names; chmod {ENGINE_LOG_MODE} it, or name a new file", error)
 
 
 async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,

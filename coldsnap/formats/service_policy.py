@@ -7,7 +7,6 @@ who may submit, and which images, host paths and output paths a submission may n
     outputs:     {allow: [path root, ...]}          output, --receipt-json, --timing-events
     submitters:  {groups: [group name, ...]}        whose members may submit
     unrestricted: false   # true: root (uid 0) is not held to the rules above
-    engine_root:  false   # whether a request may run its engine as root
 
 A section left out allows nothing. Without a policy file only root may submit, and root is
 then unrestricted (`ServicePolicy.root_only()`).
@@ -66,7 +65,6 @@ class ServicePolicy(StrictModel):
     outputs: PathRule = Field(default_factory=PathRule)
     submitters: SubmitterRule = Field(default_factory=SubmitterRule)
     unrestricted: bool = False
-    engine_root: bool = False
 
     @classmethod
     def root_only(cls) -> ServicePolicy:

@@ -267,7 +267,11 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
                     elif kind == "timing":
                         sink(TimingEvent.model_validate(item["event"]))
                     elif kind == "end":
-                        return _end(args, item, output)
+                        artifact = None
+                        if item.get("artifact") is True and output is not None:
+                            got, doc = await client.call("GET", f"/v1/jobs/{job_id}/artifact")
+                            artifact = doc if got == 200 else None
+                        return _end(args, item, output, artifact)
                 raise ServiceLost(f"the service ended job {job_id}'s stream early")
             except asyncio.CancelledError:
                 if signals.first is None:
@@ -286,12 +290,15 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
         sink.close()
 
 
-def _end(args: argparse.Namespace, item: dict[str, Any], output: str | None) -> int:
+def _end(args: argparse.Namespace, item: dict[str, Any], output: str | None,
+         artifact: dict[str, Any] | None) -> int:
     status = int(item["exit_status"])
     receipt = Receipt.model_validate(item["receipt"])
-    artifact = item.get("artifact")
-    if not write_output(artifact if isinstance(artifact, dict) else None, output,
-                        receipt.operation_id):
+    if item.get("artifact") is True and output is not None and artifact is None:
+        sys.stderr.write(f"coldsnapd: the service did not hand out the artifact for {output}; "
+                         "the capture succeeded and its artifact is in the service's store\n")
+        status = EXIT_FAILED
+    elif not write_output(artifact, output, receipt.operation_id):
         status = EXIT_FAILED
     try:
         write_receipt(receipt, args.receipt_json)

@@ -154,11 +154,16 @@ def _repository(image: str) -> str:
 
 
 def image_allowed(allow: Sequence[str], image: str, image_digest: str) -> bool:
-    """An entry that is a digest must equal the unit's `image_digest`; any other entry is a
+    """An entry that is a digest must equal the unit's `image_digest`, one that is a whole
+    reference (`repo@sha256:...`) the unit's `image`; any other entry is a
     `registry/repository` prefix, matched on `/` boundaries (`reg/team` allows
     `reg/team/engine` but not `reg/team-b/engine`)."""
     repo = _repository(image)
     for entry in allow:
+        if "@" in entry:
+            if entry == image:
+                return True
+            continue
         if is_digest(entry):
             if entry == image_digest:
                 return True

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.runner.ledger import Entry, Ledger
+from coldsnap.runner.owners import claim_workload
 from coldsnap.runner.prepared import AlreadyDone, Prepared, ReceiptKey, Refused
 from coldsnap.store import StoreError
 
@@ -93,6 +94,11 @@ def claim(prepared: Prepared, outputs: Outputs | None = None) -> Claim:
         record = ledger.reserve(key.operation_id, key.operation, key.request_sha256)
         if record is not None:
             _on_record(record, key)  # another run claimed the id just now
+        if prepared.starts_workload is not None:
+            # Recorded only by an operation that holds its id: a refused one leaves nothing.
+            workload, uid = prepared.starts_workload
+            claim_workload(prepared.store_root, workload, uid, key.operation,
+                           key.operation_id, starts=True)
     except BaseException as exc:
         if outputs is not None:
             outputs.discard()

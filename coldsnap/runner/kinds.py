@@ -14,7 +14,7 @@ from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
-from coldsnap.runner.owners import claim_workload, workload_name
+from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
     Prepare,
     Prepared,
@@ -36,8 +36,8 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     # cluster id); one that removes them still may not reuse another user's cluster id.
     keeps_serving = request.lifecycle is not None and \
         request.lifecycle.activation_state == "running"
-    claim_workload(store.root, workload_name(request, request.id), options.caller_uid,
-                   "capture", request.id, starts=keeps_serving)
+    workload = workload_name(request, request.id)
+    check_owner(store.root, workload, options.caller_uid, "capture")
 
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await capture(request, hosts, store, ctx,
@@ -58,7 +58,8 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
                     engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
                     inventory=inventory, store_root=store.root, body=body,
-                    touches=Touches.of(request.launch, request.id), deadline=options.deadline)
+                    touches=Touches.of(request.launch, request.id), deadline=options.deadline,
+                    starts_workload=(workload, options.caller_uid) if keeps_serving else None)
 
 
 def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -> StoredArtifact:
@@ -93,8 +94,8 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
         ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)
     prepare_only = options.prepare_only
     # A restore starts its workload, or replaces it: the owner's, or root's, to do.
-    claim_workload(store.root, workload_name(request, artifact.capture_id),
-                   options.caller_uid, "restore", key.operation_id, starts=not prepare_only)
+    workload = workload_name(request, artifact.capture_id)
+    check_owner(store.root, workload, options.caller_uid, "restore")
 
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
@@ -122,7 +123,8 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
                                        artifact.capture_id),
                     prepare_only=prepare_only, id_generated=request is None,
                     deadline=options.deadline,
-                    bytes_to_move=sum(o.bytes for o in artifact.objects))
+                    bytes_to_move=sum(o.bytes for o in artifact.objects),
+                    starts_workload=None if prepare_only else (workload, options.caller_uid))
 
 
 @dataclass(frozen=True)

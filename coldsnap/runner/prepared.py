@@ -116,6 +116,9 @@ class Prepared:
     id_generated: bool = False
     deadline: float | None = None  # seconds; None: derived from bytes_to_move
     bytes_to_move: int = 0
+    # (workload name, uid): the workload this operation starts, whose owner the claim records
+    # (coldsnap.runner.owners) once the id is held; None: it starts none.
+    starts_workload: tuple[str, int] | None = None
 
 
 # (options, request or None) -> the operation; raises Refused (or InventoryError) when not

@@ -10,9 +10,11 @@
     GET  /v1/jobs/{id}              one job, with its request and receipt
     GET  /v1/jobs/{id}/events[?from=N]  NDJSON: the job's stderr/stdout lines and timing
                                     events from item N, then {"kind": "end", "exit_status",
-                                    "receipt", "artifact"?} (a succeeded capture's artifact
+                                    "receipt", "artifact"?} (true: a succeeded capture's artifact
                                     document, which the client writes to `output`);
                                     heartbeats while the job is quiet
+    GET  /v1/jobs/{id}/artifact     that artifact document, whole (it holds the request's
+                                    environment, which no job view shows): submitter and root
     POST /v1/jobs/{id}/cancel       {"signal": "SIGINT"|"SIGTERM"}
     GET  /metrics                   Prometheus text
 
@@ -123,6 +125,19 @@ async def show_job(request: web.Request) -> web.Response:
     return _reply(200, row.to_json())
 
 
+async def job_artifact(request: web.Request) -> web.Response:
+    """A succeeded capture's artifact document, whole (its environment is not redacted: the
+    client writes it as the request's `output`), for the job's submitter and root only."""
+    uid = peer_uid(request)
+    job_id = _job_id(request)
+    s = request.app[SCHEDULER]
+    row = s.jobs.get(job_id)
+    doc = s.artifacts.get(job_id)
+    if row is None or not sees(uid, row) or doc is None:
+        return _reply(404, {"error": f"no artifact of job {job_id} to hand out"})
+    return _reply(200, doc)
+
+
 async def job_events(request: web.Request) -> web.StreamResponse:
     uid = peer_uid(request)
     job_id = _job_id(request)
@@ -180,6 +195,7 @@ def build_app(scheduler: Scheduler, metrics_: Metrics, *, inventory: Path,
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{id}", show_job)
     app.router.add_get("/v1/jobs/{id}/events", job_events)
+    app.router.add_get("/v1/jobs/{id}/artifact", job_artifact)
     app.router.add_post("/v1/jobs/{id}/cancel", cancel_job)
     app.router.add_get("/metrics", metrics)
     return app

@@ -58,14 +58,7 @@ class JobOutput:
                 if rest:
                     self._items.append({"kind": channel, "text": scrub(rest, self.secrets)})
                     self._partial[channel] = ""
-            # A capture's artifact document goes out whole: the client writes it as the
-            # user's `output`, and its digest covers every byte. Only the submitter and root
-            # follow a job (coldsnap.service.api).
-            shown = {k: v for k, v in item.items() if k != "artifact"}
-            end = {"kind": "end", **scrub_doc(redact(shown), self.secrets)}
-            if "artifact" in item:
-                end["artifact"] = item["artifact"]
-            self._items.append(end)
+            self._items.append({"kind": "end", **scrub_doc(redact(item), self.secrets)})
             self.ended = True
         self._wake()
 

@@ -82,6 +82,8 @@ class Scheduler:
         self.on_change = on_change
         self.active: dict[str, Job] = {}  # queued and running, in submission order
         self.outputs: dict[str, JobOutput] = {}  # every job this process ran, to follow
+        # A succeeded capture's artifact document, until its output is let go.
+        self.artifacts: dict[str, dict[str, Any]] = {}
         self.recovering = True
         self.draining = False
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
@@ -228,14 +230,18 @@ class Scheduler:
         self.metrics.job_ended(receipt, ended.ctx)
         end: dict[str, Any] = {"exit_status": ended.exit_status, "receipt": receipt.to_json()}
         if ended.ctx.artifact_document is not None:
-            # The client writes it to the request's `output`, as its user.
-            end["artifact"] = ended.ctx.artifact_document
+            # The client writes it to the request's `output`, as its user: it asks for it
+            # (GET /v1/jobs/ID/artifact, the submitter's and root's only), since the document
+            # holds the request's environment, which no job view shows.
+            self.artifacts[job.id] = ended.ctx.artifact_document
+            end["artifact"] = True
         job.output.end(end)
         self.active.pop(job.id, None)
         # Followers of older jobs get their end from the job store; their lines are let go.
         ended_ids = [i for i in self.outputs if i not in self.active]
         for old in ended_ids[:max(len(ended_ids) - KEEP_OUTPUTS, 0)]:
             del self.outputs[old]
+            self.artifacts.pop(old, None)
         self.pump()
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:

@@ -116,6 +116,12 @@ def visible_devices() -> set[str] | None:
     return {d for d in raw.split(",") if d}
 
 
+def refused_by_test(action: str) -> bool:
+    """A driver failing an action, for fault tests: a file `refuse-<action>` in the state
+    directory (the test writes it into the running unit; the rootfs is read-only)."""
+    return os.path.exists(os.path.join(state_dir(), f"refuse-{action}"))
+
+
 def apply_action(pid: int, action: str, device_map: dict[str, str] | None) -> dict[str, Any]:
     with driver_lock():
         data = read_state(pid)
@@ -211,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(read_state(pid)["state"])
             return 0
         dmap = parse_device_map(opts["--device-map"]) if "--device-map" in opts else None
+        if refused_by_test(opts["--action"]):
+            print(f"{opts['--action']} refused (test)", file=sys.stderr)
+            return 1
         apply_action(pid, opts["--action"], dmap)
     except SimError as exc:
         print(f"cuda-checkpoint (simulated): error: {exc}", file=sys.stderr)

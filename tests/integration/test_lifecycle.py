@@ -163,7 +163,14 @@ def test_capture_log_path_then_a_restore_without_one(ops: Ops) -> None:
     log = Path(wl["log_path"])
     log.parent.mkdir(parents=True)
     log.write_text("an earlier line\n")
-    log.chmod(0o600)  # the mode CRIU will find must not depend on the file's own
+    # CRIU reopens the log with the mode it dumped (0644), and coldsnapd never changes a file
+    # the request names: one of another mode is refused before anything starts, and kept.
+    log.chmod(0o600)
+    refused = ops.coldsnapd("capture", "--request", str(ops.request(
+        "tp2-two-hosts", suffix="life-log-600", workload=wl)))
+    assert refused.status == 1 and "workload.log_path" in refused.stderr, refused.stderr
+    assert "has mode 600" in refused.stderr and log.stat().st_mode & 0o777 == 0o600
+    log.chmod(0o644)
     run = ops.coldsnapd("capture", "--request", str(ops.request(
         "tp2-two-hosts", suffix="life-log", workload=wl))).ok()
     assert run.receipt is not None
@@ -205,19 +212,11 @@ def test_warm_activation_restores_asleep_until_wake(ops: Ops, capture_id: str) -
         ops.remove_units()
 
 
-# Replaces the capsule's cuda-checkpoint (the simulator) with one that refuses one action: a
-# driver that fails half-way through a sleep or a wake, on one host only. `--off` puts the
-# simulator back.
-_REFUSE = """if [ "$1" = --off ]; then
-  ln -sf cuda-checkpoint-sim /usr/local/bin/cuda-checkpoint; exit 0
-fi
-cat > /usr/local/bin/cuda-checkpoint.refusing <<EOF
-#!/bin/sh
-for a; do [ "\\$a" = $1 ] && { echo "$1 refused (test)" >&2; exit 1; }; done
-exec /usr/local/bin/cuda-checkpoint-sim "\\$@"
-EOF
-chmod +x /usr/local/bin/cuda-checkpoint.refusing
-mv -f /usr/local/bin/cuda-checkpoint.refusing /usr/local/bin/cuda-checkpoint
+# A driver that fails half-way through a sleep or a wake, on one host only: the simulated
+# driver fails the named action while its state directory (a writable path of the unit: the
+# rootfs is read-only) holds `refuse-<action>`; --off clears it.
+_REFUSE = """rm -f /var/lib/cuda-sim/refuse-*
+[ "$1" = --off ] || : > "/var/lib/cuda-sim/refuse-$1"
 """
 
 

@@ -36,6 +36,9 @@ pytestmark = pytest.mark.integration
 VLLM_REF = REPO / ".dev-cluster" / "vllm-capsule.ref"
 REQUEST = "vllm-cpu-tp1"
 PORT = 8000
+# scripts/dev-requests starts the engine with this key (VLLM_API_KEY): coldsnapd validates it
+# with the key, and so does everything here.
+API_KEY = "coldsnap-dev-vllm-key"
 MODEL = "tiny-llama"  # --served-model-name in scripts/dev-requests
 COMPLETION = {"model": MODEL, "prompt": "The weights are random", "max_tokens": 24,
               "temperature": 0, "logprobs": 2}
@@ -46,11 +49,22 @@ IN_FLIGHT = {"model": MODEL, "prompt": "The weights are random", "max_tokens": 2
              "temperature": 0, "ignore_eos": True}
 
 
-def post(address: str, path: str, body: dict[str, Any], timeout: float = 300) -> Any:
+def post(address: str, path: str, body: dict[str, Any], timeout: float = 300,
+         key: str | None = API_KEY) -> Any:
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(f"http://{address}:{PORT}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers=headers, method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def status_without_key(address: str) -> int:
+    try:
+        post(address, "/v1/completions", COMPLETION, key=None)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    return 200
 
 
 def healthy(address: str) -> bool:
@@ -105,6 +119,7 @@ class Story:
     before: dict[str, Any]  # the captured engine's answers, asked after the capture
     old_port_free: bool
     restores: list[tuple[Run, dict[str, Any]]] = field(default_factory=list)
+    keyless: list[int] = field(default_factory=list)  # each restored engine, asked without key
 
 
 def span_start_ns(receipt: dict[str, Any], name: str) -> int:
@@ -161,6 +176,7 @@ def story(ops: Ops) -> Iterator[Story]:
             raise AssertionError(f"restore {i + 1} succeeded, then host-1 did not answer: "
                                  f"{exc}\n{run.stderr[-3000:]}") from exc
         s.restores.append((run, got))
+        s.keyless.append(status_without_key(addresses["host-1"]))
         ops.remove_units()
     yield s
 
@@ -204,6 +220,15 @@ def test_every_restore_onto_host1_answers_as_the_captured_engine(story: Story,
     # Byte for byte, as JSON, not only as equal Python values.
     assert json.dumps(got, sort_keys=True) == json.dumps(story.before, sort_keys=True)
     assert story.before["completion"][0]["logprobs"]["token_logprobs"], "logprobs were asked"
+
+
+def test_every_restored_engine_wants_its_api_key(story: Story) -> None:
+    """The engine runs with an API key: each restore validated it with that key (a restore
+    succeeds only once its validation completion answered), and without it the restored
+    engine refuses."""
+    assert story.keyless == [401, 401, 401]
+    for run, _ in story.restores:
+        assert API_KEY not in run.stderr and API_KEY not in json.dumps(run.receipt)
 
 
 def test_the_request_files_exist_beside_the_others() -> None:

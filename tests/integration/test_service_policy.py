@@ -165,7 +165,7 @@ def _nothing_ran(setup: Setup, operation_id: str) -> None:
     ("log_path", "workload.log_path: /etc/coldsnap-policy-test.log is outside "
                  "log_paths.allow"),
     ("image", "launch.units[1].image: 198.18.0.1:5000/elsewhere/engine@"),
-    ("output", "output: /etc/coldsnap-policy-test.json is outside outputs.allow"),
+    ("output", "output: /dev/shm/coldsnap-policy-test.json is outside outputs.allow"),
 ])
 def test_a_request_outside_the_policy_is_refused_naming_the_field(
         setup: Setup, case: str, line: str) -> None:
@@ -184,7 +184,7 @@ def test_a_request_outside_the_policy_is_refused_naming_the_field(
     path = _request(setup, name, user, **changes)
     if case == "output":
         patched = yaml.safe_load(path.read_text())
-        patched["output"] = "/etc/coldsnap-policy-test.json"
+        patched["output"] = "/dev/shm/coldsnap-policy-test.json"
         path.write_text(yaml.safe_dump(patched, sort_keys=False))
     run = _as(setup, user, "capture", "--request-json", str(path))
     assert run.returncode == 2, run.stderr

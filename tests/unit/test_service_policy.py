@@ -131,6 +131,10 @@ def test_images_match_on_repository_boundaries_or_by_digest() -> None:
     assert not image_allowed(allow, f"reg:5000/teams@{IMAGE_DIGEST}", IMAGE_DIGEST)
     assert image_allowed(allow, "other/x@sha256:" + "cd" * 32, "sha256:" + "cd" * 32)
     assert not image_allowed([], f"reg:5000/team/engine@{IMAGE_DIGEST}", IMAGE_DIGEST)
+    # A whole pinned reference allows that reference only.
+    pinned = [f"reg:5000/other/engine@{IMAGE_DIGEST}"]
+    assert image_allowed(pinned, f"reg:5000/other/engine@{IMAGE_DIGEST}", IMAGE_DIGEST)
+    assert not image_allowed(pinned, f"reg:5000/other/engine-x@{IMAGE_DIGEST}", IMAGE_DIGEST)
 
 
 def test_root_is_held_to_the_policy_unless_it_is_unrestricted() -> None:

@@ -26,6 +26,7 @@ from coldsnap.formats.service_policy import (
     parse_service_policy,
     request_refusals,
 )
+from coldsnap.runner.claim import claim
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.owners import claim_workload, gc_refusal, owner_of, record_owner
 from coldsnap.runner.prepared import Refused, RunOptions
@@ -251,7 +252,10 @@ def test_sleep_and_a_replacing_restore_of_another_users_workload_are_refused(
     store.put_artifact(make_artifact("cap-a"))
     restore = parse_request({**_restore_doc(), "workload": _workload("prod")})
     mine = RunOptions(inventory=inventory, store=store.root, uid=1000)
-    OPERATIONS["restore"].prepare(mine, restore)
+    prepared = OPERATIONS["restore"].prepare(mine, restore)
+    # Prepared, nothing is recorded yet: the claim records the owner once it holds the id.
+    assert owner_of(store.root, "cluster:prod") is None
+    claim(prepared)
     owner = owner_of(store.root, "cluster:prod")
     assert owner is not None and owner.uid == 1000
     theirs = RunOptions(inventory=inventory, store=store.root, uid=1001)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -269,8 +270,12 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
                     elif kind == "end":
                         artifact = None
                         if item.get("artifact") is True and output is not None:
-                            got, doc = await client.call("GET", f"/v1/jobs/{job_id}/artifact")
-                            artifact = doc if got == 200 else None
+                            # Without it the receipt is still written, and the output's
+                            # failure said (_end).
+                            with contextlib.suppress(ServiceLost):
+                                got, doc = await client.call(
+                                    "GET", f"/v1/jobs/{job_id}/artifact")
+                                artifact = doc if got == 200 else None
                         return _end(args, item, output, artifact)
                 raise ServiceLost(f"the service ended job {job_id}'s stream early")
             except asyncio.CancelledError:

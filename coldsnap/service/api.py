@@ -135,6 +135,8 @@ async def job_artifact(request: web.Request) -> web.Response:
     doc = s.artifacts.get(job_id)
     if row is None or not sees(uid, row) or doc is None:
         return _reply(404, {"error": f"no artifact of job {job_id} to hand out"})
+    if uid == row.uid:
+        s.artifact_fetched(job_id)
     return _reply(200, doc)
 
 

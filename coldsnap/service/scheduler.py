@@ -15,6 +15,7 @@ place in the queue) then runs one submission at a time, in the order they were p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -47,6 +48,10 @@ ROLLBACK_BACKSTOP_S = 300.0
 
 # How many ended jobs' lines stay in memory for late followers.
 KEEP_OUTPUTS = 100
+
+# How long a drained service stays up for a client to fetch the artifact of a capture that
+# ended during the drain (its end item said so; the client writes the request's `output`).
+ARTIFACT_GRACE_S = 10.0
 
 # Submissions prepared at once (each may read an artifact file and hash store objects); a
 # pool of their own, so that they never take the threads the running jobs use.
@@ -82,8 +87,13 @@ class Scheduler:
         self.on_change = on_change
         self.active: dict[str, Job] = {}  # queued and running, in submission order
         self.outputs: dict[str, JobOutput] = {}  # every job this process ran, to follow
-        # A succeeded capture's artifact document, until its output is let go.
+        # A succeeded capture's artifact document, until its output is let go; the jobs whose
+        # client writes it to an `output`, and those of them it has not fetched yet.
         self.artifacts: dict[str, dict[str, Any]] = {}
+        self.wants_artifact: set[str] = set()
+        self.unfetched: set[str] = set()
+        self._all_fetched = asyncio.Event()
+        self._all_fetched.set()
         self.recovering = True
         self.draining = False
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
@@ -138,6 +148,8 @@ class Scheduler:
             except AlreadyDone as done:
                 return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
             job = self._admit(sub, prepared, held, uid, output)
+            if sub.request is not None and sub.request.output:
+                self.wants_artifact.add(job.id)
         return 201, {"job": job.id, "state": "running" if job.running else "queued",
                      "waiting_for": job.waiting_for}
 
@@ -235,6 +247,10 @@ class Scheduler:
             # holds the request's environment, which no job view shows.
             self.artifacts[job.id] = ended.ctx.artifact_document
             end["artifact"] = True
+            if job.id in self.wants_artifact:
+                self.unfetched.add(job.id)
+                self._all_fetched.clear()
+        self.wants_artifact.discard(job.id)
         job.output.end(end)
         self.active.pop(job.id, None)
         # Followers of older jobs get their end from the job store; their lines are let go.
@@ -242,6 +258,7 @@ class Scheduler:
         for old in ended_ids[:max(len(ended_ids) - KEEP_OUTPUTS, 0)]:
             del self.outputs[old]
             self.artifacts.pop(old, None)
+            self.artifact_fetched(old)
         self.pump()
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
@@ -275,4 +292,13 @@ class Scheduler:
             _, pending = await asyncio.wait(tasks, timeout=ROLLBACK_BACKSTOP_S)
             self.unclean.extend(t.get_name() for t in pending)
         self._threads.shutdown(wait=False, cancel_futures=True)
+        # A capture that ended meanwhile: its client fetches the artifact after the end item.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_fetched.wait(), ARTIFACT_GRACE_S)
         return not self.unclean and not self.active
+
+    def artifact_fetched(self, job_id: str) -> None:
+        """The client of `job_id` has its artifact (or it is let go): nothing to wait for."""
+        self.unfetched.discard(job_id)
+        if not self.unfetched:
+            self._all_fetched.set()

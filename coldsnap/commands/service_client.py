@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -213,13 +214,10 @@ async def _submit_and_follow(client: ServiceClient, args: argparse.Namespace, op
         try:
             status, reply = await asyncio.shield(posted)
         except asyncio.CancelledError:
-            if signals.first is None:
+            if _taken_back(signals) is None:
                 raise
             # Signalled while the submission was on its way: it may have made a job already.
             # Its answer says which one to cancel; then the job is followed to its receipt.
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
             status, reply = await posted
     except ServiceLost as exc:
         return report_failure(str(exc), EXIT_FAILED)
@@ -279,20 +277,29 @@ async def _follow(client: ServiceClient, args: argparse.Namespace, job_id: str,
                         return _end(args, item, output, artifact)
                 raise ServiceLost(f"the service ended job {job_id}'s stream early")
             except asyncio.CancelledError:
-                if signals.first is None:
+                first = _taken_back(signals)
+                if first is None:
                     raise
                 # The first signal: the service cancels the job and rolls it back; this
                 # command waits for the receipt as it would in-process.
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()
-                await client.call("POST", f"/v1/jobs/{job_id}/cancel",
-                                  {"signal": signals.first.name})
+                await client.call("POST", f"/v1/jobs/{job_id}/cancel", {"signal": first.name})
     except ServiceLost as exc:
         return report_failure(f"{exc}; `coldsnapd jobs show {job_id}` says how it ended once the "
                     "service is back", EXIT_FAILED)
     finally:
         sink.close()
+
+
+def _taken_back(signals: OperationSignals) -> signal.Signals | None:
+    """Inside `except CancelledError`: this command's first signal when the cancel came from
+    it, which is then taken back (so that the command goes on: cancels the job, waits for its
+    receipt); None for any other cancel, which the caller re-raises."""
+    first = signals.first
+    if first is not None:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+    return first
 
 
 def _end(args: argparse.Namespace, item: dict[str, Any], output: str | None,

@@ -23,7 +23,8 @@ an artifact references but the store lacks are listed as missing.
 
 Exit status: 0 every object intact (or every corrupt one removed with --repair),
 {EXIT_STORE_CORRUPT} corrupt objects found and left in place,
-{EXIT_FAILED} the store could not be read.
+{EXIT_FAILED} the store or one of its objects could not be read (an object this user
+cannot open is named and never removed).
 """
 
 
@@ -38,6 +39,8 @@ def _print_text(report: VerifyReport) -> None:
         else:
             fate = "kept (--repair removes it)"
         out.write(f"corrupt {c.digest}: {c.reason}; referenced by {used}; {fate}\n")
+    for digest, why in sorted(report.unreadable.items()):
+        out.write(f"unreadable {digest}: {why} (not removed)\n")
     for digest, refs in sorted(report.missing.items()):
         used = ", ".join(r.text() for r in refs)
         out.write(f"missing {digest}: referenced by {used} (a capture that brings its "
@@ -47,7 +50,10 @@ def _print_text(report: VerifyReport) -> None:
         f"store verify: {report.checked} object(s) in {report.store}, {len(report.hashed)} "
         f"hashed ({human_bytes(report.hashed_bytes)}), the others unchanged since the last "
         f"verify; {len(report.corrupt)} corrupt, {removed} removed, "
-        f"{len(report.missing)} missing\n")
+        f"{len(report.missing)} missing"
+        + (f", {len(report.unreadable)} unreadable" if report.unreadable else "")
+        + ("" if report.recorded else f"; {STAMPS_FILE} not written (read-only store?)")
+        + "\n")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -59,7 +65,9 @@ def _verify(args: argparse.Namespace) -> int:
         print_json(report.to_json())
     else:
         _print_text(report)
-    return EXIT_STORE_CORRUPT if report.unrepaired else EXIT_OK
+    if report.unrepaired:
+        return EXIT_STORE_CORRUPT
+    return EXIT_FAILED if report.unreadable else EXIT_OK
 
 
 def register(subparsers: Any) -> None:

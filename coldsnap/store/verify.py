@@ -11,6 +11,7 @@ rewritten (atomically, fsync'd) after every run, with the objects present then.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -58,6 +59,11 @@ class VerifyReport:
     # Referenced by an artifact but not in the store (removed by a repair, say): a restore
     # of those artifacts fails until a capture or an import brings them back.
     missing: dict[str, list[Reference]] = field(default_factory=dict)
+    # Objects this user cannot open (digest -> why): not known corrupt, so never removed.
+    unreadable: dict[str, str] = field(default_factory=dict)
+    # Whether verified.json was written: without it (a read-only store) the next run hashes
+    # everything again.
+    recorded: bool = False
 
     @property
     def unrepaired(self) -> list[Corrupt]:
@@ -77,6 +83,9 @@ class VerifyReport:
                          **({"error": c.error} if c.error else {})} for c in self.corrupt],
             "missing": [{"digest": d, "artifacts": refs(r)}
                         for d, r in sorted(self.missing.items())],
+            "unreadable": [{"digest": d, "error": why}
+                           for d, why in sorted(self.unreadable.items())],
+            "recorded": self.recorded,
         }
 
 
@@ -111,11 +120,14 @@ def _references(store: LocalStore) -> dict[str, list[Reference]]:
 
 def _check(path: str, hexdigest: str, known: list[int] | None,
            report: VerifyReport) -> tuple[str, list[int] | None]:
-    """("", its record) for an intact object, (why, None) for a corrupt one."""
+    """("", its record) for an intact object, (why, None) for a corrupt one; OSError when
+    it cannot be opened or read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        return f"cannot be read: {exc.strerror}", None
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link", None
+        raise
     try:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
@@ -164,7 +176,13 @@ def verify_store(store: LocalStore, *, repair: bool = False) -> VerifyReport:
             seen: os.stat_result | None = os.lstat(path)
         except FileNotFoundError:
             continue  # removed meanwhile
-        why, record = _check(path, name, known.get(name), report)
+        try:
+            why, record = _check(path, name, known.get(name), report)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            report.unreadable["sha256:" + name] = exc.strerror or type(exc).__name__
+            continue
         if not why:
             if record is not None:
                 records[name] = record
@@ -178,8 +196,12 @@ def verify_store(store: LocalStore, *, repair: bool = False) -> VerifyReport:
     present = {"sha256:" + n for n in names} - {c.digest for c in report.corrupt if c.removed}
     report.missing = {d: r for d, r in refs.items() if d not in present}
     if store.root.is_dir():
-        atomic_write_bytes(store.root / STAMPS_FILE,
-                           canonical_json({"format": _FORMAT, "objects": records}))
+        try:
+            atomic_write_bytes(store.root / STAMPS_FILE,
+                               canonical_json({"format": _FORMAT, "objects": records}))
+            report.recorded = True
+        except OSError:
+            pass  # a store this user may only read: checked all the same, recorded nowhere
     return report
 
 

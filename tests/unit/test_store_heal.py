@@ -182,3 +182,15 @@ def test_store_verify_command_exit_status_and_json(
     assert f"corrupt {digests[1]}" in out and "removed" in out
     assert f"missing {digests[1]}: referenced by cap-a" in out
     assert main(["store", "verify", "--store", root]) == EXIT_OK
+
+
+def test_a_symlink_in_place_of_an_object_is_corrupt_and_never_followed(tmp_path: Path) -> None:
+    store, digests = _store_with_artifact(tmp_path)
+    path = store.object_path(digests[2])
+    elsewhere = tmp_path / "elsewhere"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)  # the right bytes, but not a file of the store
+    found = verify_store(store, repair=True)
+    assert [(c.digest, c.reason, c.removed) for c in found.corrupt] == [
+        (digests[2], "is a symbolic link", True)]
+    assert not path.is_symlink() and elsewhere.is_file()

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "coldsnap.commands.restore",
     "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
+    "coldsnap.commands.store",
     "coldsnap.commands.gc",
     "coldsnap.service.command",
     "coldsnap.commands.jobs",
@@ -35,7 +36,8 @@ coldsnapd snapshots a warmed-up inference engine (vLLM, SGLang) into a ColdSnap 
 and restores it in seconds on the same or other GPU hosts, reached over SSH.
 
 Exit status: 0 success, 1 operation failed, 2 bad input (request, inventory, arguments),
-130 or 143 when SIGINT or SIGTERM cancelled an operation (it was rolled back first).
+3 `store verify` found corrupt objects and left them, 130 or 143 when SIGINT or SIGTERM
+cancelled an operation (it was rolled back first).
 """
 
 

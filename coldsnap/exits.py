@@ -13,6 +13,8 @@ EXIT_FAILED: Final = 1
 # The request, inventory, arguments or artifact reference are wrong, or the operation id is
 # used already: nothing ran.
 EXIT_BAD_INPUT: Final = 2
+# `store verify` found objects whose bytes do not match their digest and left them in place.
+EXIT_STORE_CORRUPT: Final = 3
 
 
 def exit_status_for_signal(signum: int) -> int:

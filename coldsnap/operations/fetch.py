@@ -2,8 +2,9 @@
 
 Every object's digest is known before its first byte moves (the host hashed it when the
 capsule was committed or the payload collected), so:
-- an object the store holds already is not pulled again: the same model payload taken by
-  an earlier capture, or a capsule layer that did not change;
+- an object the store holds already, intact, is not pulled again: the same model payload
+  taken by an earlier capture, or a capsule layer that did not change (a stored copy that
+  no longer hashes to its digest is pulled again and replaced);
 - an object that several units of this capture hold (replicas of one model on several
   hosts) is pulled from one of them; the others wait for that pull;
 - the host only reads the file (`Host.get`'s `expected`): the bytes are hashed once, here,
@@ -104,10 +105,13 @@ class Fetcher:
             if running is not None:
                 stats.present += 1
                 return await _pulled_elsewhere(running, host.name, w)
-            if self.store.has(w.sha256):
-                # Verified again on every read, as every object in the store is.
+            if await self._held(w.sha256):
                 stats.present += 1
                 return w.sha256, w.bytes
+            running = self._pulls.get(w.sha256)  # started by another unit while we looked
+            if running is not None:
+                stats.present += 1
+                return await _pulled_elsewhere(running, host.name, w)
             task = asyncio.ensure_future(self._pull(host, w, slots, progress))
             self._pulls[w.sha256] = task
             digest, size = await task
@@ -126,6 +130,16 @@ class Fetcher:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    async def _held(self, object_digest: str) -> bool:
+        """Whether the store holds the object intact: a copy whose bytes no longer match
+        its digest is pulled again (and replaced), not kept for every restore to refuse.
+        Its verified stamp answers at once; an unstamped copy is hashed off the event loop."""
+        if self.store.vouched(object_digest):
+            return True
+        if not self.store.has(object_digest):
+            return False
+        return await asyncio.to_thread(self.store.holds, object_digest)
 
     async def _pull(self, host: Host, w: Wanted, slots: asyncio.Semaphore,
                     progress: Callable[[str], ProgressCallback | None] | None,

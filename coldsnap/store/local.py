@@ -144,7 +144,20 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def _holds(self, object_digest: str) -> bool:
+    def vouched(self, object_digest: str) -> bool:
+        """Whether the object's verified stamp still matches its file: intact, known without
+        reading a byte. False for an object never stamped or changed since (its bytes may
+        still be right: `holds` hashes them)."""
+        try:
+            fd = os.open(self.object_path(object_digest), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            return stamped_digest(fd) == object_digest.removeprefix("sha256:")
+        finally:
+            os.close(fd)
+
+    def holds(self, object_digest: str) -> bool:
         """Whether the store holds the object intact (a corrupt copy gets replaced)."""
         try:
             self.verify(object_digest)
@@ -201,7 +214,7 @@ class LocalStore:
         if expected is not None and actual != expected:
             raise ObjectCorrupt(f"received bytes hash to {actual}, expected {expected}")
         dest = self.object_path(actual)
-        if self._holds(actual):
+        if self.holds(actual):
             path.unlink()  # deduplicated: identical bytes are already stored
         else:
             _stamp_path(path, actual)
@@ -212,11 +225,13 @@ class LocalStore:
     def commit_hashed(self, path: Path, digest: str) -> tuple[str, int]:
         """Move a fully written temporary file into the store under `digest`, which the
         writer computed from the very bytes it wrote (a transfer hashes as it writes), so
-        nothing is read again. An object already stored under that digest is kept."""
+        nothing is read again. An object already stored under that digest is kept when its
+        verified stamp vouches for it; any other copy (corrupted in place, or unstamped) is
+        replaced by these bytes, which are known good, rather than read to find out."""
         dest = self.object_path(digest)
         size = path.stat().st_size
-        if dest.is_file() and dest.stat().st_size == size:
-            path.unlink()  # deduplicated: verified again on every read anyway
+        if self.vouched(digest):
+            path.unlink()  # deduplicated
         else:
             _stamp_path(path, digest)
             os.replace(path, dest)

@@ -19,8 +19,10 @@ Public API:
 - `interface_refusals(env, interfaces) -> list[str]`: what is wrong with one unit's variables.
 - `RendezvousValue(source, value, host, port)`, `rendezvous_values(command, env)`: every
   rendezvous address a unit's command and environment give.
-- `rendezvous_refusal(value, *, addresses, names, same_host) -> str | None`: whether a value
-  names the host that runs the world's rank 0.
+- `rendezvous_refusal(value, *, addresses, names, same_host, resolved) -> str | None`: whether
+  a value names the host that runs the world's rank 0.
+- `OWN_ADDRESS_VARIABLES`, `own_address_refusals(env, interfaces)`: variables that give the
+  unit's own address (VLLM_HOST_IP, NODE_IP) must give one of its host's.
 """
 
 from __future__ import annotations
@@ -209,3 +211,25 @@ def rendezvous_refusal(value: RendezvousValue, *, addresses: set[str], names: se
         return "a name the rank-0 host cannot resolve"
     return (f"resolves to {', '.join(sorted(found))} on the rank-0 host, not one of its "
             "addresses")
+
+
+# Variables through which an engine is told its own host's address, which it binds or
+# advertises to its peers (vLLM's VLLM_HOST_IP; NODE_IP).
+OWN_ADDRESS_VARIABLES = ("VLLM_HOST_IP", "NODE_IP")
+
+
+def own_address_refusals(env: Mapping[str, str],
+                         interfaces: Sequence[InterfaceFact]) -> list[str]:
+    """One line per own-address variable whose address is not one of the host's (a name is
+    not judged: the engine resolves it where it runs)."""
+    if any(i.addresses is None for i in interfaces):
+        return []  # the probe could not read the addresses
+    addresses = host_addresses(interfaces)
+    problems = []
+    for var in OWN_ADDRESS_VARIABLES:
+        value = env.get(var, "").strip()
+        ip = _ip(value) if value else None
+        if ip is not None and str(ip) not in addresses:
+            problems.append(f"{var}={value} is not an address of this host (the host has: "
+                            f"{_have(interfaces)})")
+    return problems

@@ -30,6 +30,7 @@ from coldsnap.placement_rules import (
     RendezvousValue,
     host_addresses,
     interface_refusals,
+    own_address_refusals,
     rendezvous_refusal,
     rendezvous_values,
 )
@@ -154,7 +155,8 @@ async def check_placement_network(hosts: HostSet, launch: Launch, topology: Topo
                                   facts: Mapping[str, HostFacts], *,
                                   rendezvous: str | None = None) -> None:
     """Refuse (OperationRefused "placement-network", exit 2) a placement whose transport
-    interface variables select nothing usable on a unit's host, or whose rendezvous address is
+    interface variables select nothing usable on a unit's host, whose own-address variables
+    (VLLM_HOST_IP, NODE_IP) give another host's address, or whose rendezvous address is
     not the host of the world's rank-0 unit (with `rendezvous` "external": is not reached by a
     TCP connection from every unit's host). Every problem is named: unit, variable or flag,
     value, and what the host has. Reads only; nothing is staged or started."""
@@ -166,7 +168,8 @@ async def check_placement_network(hosts: HostSet, launch: Launch, topology: Topo
         have = facts[unit.host].interfaces
         if have is not None:
             problems += [f"{where[unit.id]}: environment {p}"
-                         for p in interface_refusals(unit.environment, have)]
+                         for p in (*interface_refusals(unit.environment, have),
+                                   *own_address_refusals(unit.environment, have))]
 
     group_of = {w.unit: w.world_group for w in topology.workers}
     rank0 = {w.world_group: units[w.unit].host for w in topology.workers if w.global_rank == 0}

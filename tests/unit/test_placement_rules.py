@@ -27,6 +27,7 @@ from coldsnap.placement_rules import (
     RendezvousValue,
     host_addresses,
     interface_refusals,
+    own_address_refusals,
     rendezvous_refusal,
     rendezvous_values,
 )
@@ -76,6 +77,16 @@ def test_gloo_and_tensorpipe_name_exact_interfaces_each_of_which_must_work() -> 
         "TP_SOCKET_IFNAME=ens: no interface ens"]
     # Not an interface variable: never judged.
     assert interface_refusals({"NCCL_DEBUG": "INFO"}, HOST2) == []
+
+
+def test_an_own_address_variable_must_give_an_address_of_the_host() -> None:
+    assert own_address_refusals({"VLLM_HOST_IP": "198.18.0.4"}, HOST2) == []
+    assert own_address_refusals({"NODE_IP": "node-a"}, HOST2) == []  # a name: not judged
+    [wrong] = own_address_refusals({"VLLM_HOST_IP": "198.18.0.2"}, HOST2)
+    assert wrong.startswith("VLLM_HOST_IP=198.18.0.2 is not an address of this host (the "
+                            "host has: lo up")
+    # Addresses the probe could not read: nothing to judge.
+    assert own_address_refusals({"NODE_IP": "10.0.0.1"}, (InterfaceFact("eth0", True),)) == []
 
 
 def test_rendezvous_values_from_flags_and_environment() -> None:

@@ -5,7 +5,7 @@ kernel policy, runs the capsule-pinned `criu check` itself; this module only dec
 
 Public API:
 - `GpuFact(uuid, name, compute_capability)`, `HostFacts(arch, kernel, driver_version, gpus, boot_id,
-  docker, docker_instance)`.
+  docker, docker_instance, hostname, interfaces)`.
 - `check_admission(unit, facts, *, devices, snapshot_driver_min, enforce_captured_driver_floor
   =True, kernel_policy="capability", base="compatibility.units[i]") -> Admission`.
   `devices` are the restore unit's device selectors (slot i -> devices[i]); a selector is a GPU
@@ -26,6 +26,7 @@ from typing import Literal
 
 from coldsnap.formats.artifact import CompatibilityUnit
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.placement_rules import InterfaceFact
 
 # The same machine architecture has several names (uname vs Debian vs OCI); compare meanings.
 _ARCH_ALIASES = {"amd64": "x86_64", "x86-64": "x86_64", "x64": "x86_64", "arm64": "aarch64",
@@ -50,6 +51,10 @@ class HostFacts:
     boot_id: str | None = None
     docker: str | None = None
     docker_instance: str | None = None
+    # The network its units see (they share the host's): placement admission
+    # (coldsnap.placement_rules). None: the probe could not list the interfaces.
+    hostname: str | None = None
+    interfaces: Sequence[InterfaceFact] | None = None
 
 
 @dataclass(slots=True)

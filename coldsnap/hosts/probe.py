@@ -1,6 +1,8 @@
-"""Host facts: what a host is (arch, kernel, Docker, NVIDIA driver and GPUs, free space).
+"""Host facts: what a host is (arch, kernel, Docker, NVIDIA driver and GPUs, free space, its
+network interfaces and their addresses).
 
-One round trip per host, one light command: `sh` reads uname, the free space of `data_dir`
+One round trip per host, one light command: `sh` reads uname, the interfaces (`ip -o link`,
+`ip -o addr`; without `ip`, /sys/class/net), the free space of `data_dir`
 (`stat -f`, the statvfs figures) and Docker's version from its socket (`curl`, else the
 `docker` CLI). Only a real host's GPU part needs more: nvidia-ml-py *on the host*, run by
 python3 in the same command; when the host has no `pynvml` module, this side's copy of the
@@ -16,6 +18,7 @@ import asyncio
 import functools
 import importlib.util
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from coldsnap.admission import GpuFact, HostFacts
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry
+from coldsnap.placement_rules import InterfaceFact
 
 if TYPE_CHECKING:
     from coldsnap.hosts.pool import HostPool
@@ -34,6 +38,22 @@ echo "@@arch $(uname -m)"
 echo "@@kernel $(uname -r)"
 b=; { read -r b </proc/sys/kernel/random/boot_id; } 2>/dev/null
 echo "@@boot-id $b"
+echo "@@hostname $(uname -n)"
+# The host's network as its units see it (they share it): netlink when `ip` is there, which
+# answers for this namespace whatever /sys shows; else /sys's names and states, no addresses.
+if command -v ip >/dev/null 2>&1; then
+  echo "@@ip-link"; ip -o link show 2>/dev/null
+  echo "@@ip-addr"; ip -o addr show 2>/dev/null
+else
+  echo "@@sys-net"
+  for d in /sys/class/net/*; do
+    [ -e "$d" ] || continue
+    s=; f=
+    { read -r s <"$d/operstate"; } 2>/dev/null
+    { read -r f <"$d/flags"; } 2>/dev/null
+    echo "${d##*/} $s $f"
+  done
+fi
 p=$1
 while [ -n "$p" ] && [ ! -e "$p" ]; do p=${p%/*}; done
 [ -n "$p" ] || p=/
@@ -154,6 +174,43 @@ def _docker(sections: dict[str, list[str]], socket: str, notes: list[str]) -> st
     return None
 
 
+_LINK = re.compile(r"^\d+:\s+([^:@\s]+)(?:@\S*)?:\s+<([^>]*)>")
+_ADDR = re.compile(r"^\d+:\s+([^:@\s]+)(?:@\S*)?\s+inet6?\s+([0-9A-Fa-f.:]+)(?:/\d+)?\s")
+
+
+def parse_interfaces(sec: dict[str, list[str]]) -> list[InterfaceFact] | None:
+    """The interfaces the probe listed, in its order; None when it listed none (an older
+    probe's answer, or a host whose network could not be read)."""
+    if "ip-link" in sec:
+        links: dict[str, bool] = {}
+        for line in sec["ip-link"][1:]:
+            m = _LINK.match(line)
+            if m:
+                flags = set(m.group(2).split(","))
+                # Administratively up and with a carrier: NO-CARRIER lacks LOWER_UP.
+                links[m.group(1)] = "UP" in flags and "LOWER_UP" in flags
+        addrs: dict[str, list[str]] = {n: [] for n in links}
+        for line in sec.get("ip-addr", [""])[1:]:
+            m = _ADDR.match(line)
+            if m and m.group(1) in addrs:
+                addrs[m.group(1)].append(m.group(2))
+        return [InterfaceFact(n, up, tuple(addrs[n])) for n, up in links.items()] or None
+    if "sys-net" in sec:
+        out = []
+        for line in sec["sys-net"][1:]:
+            parts = line.split()
+            if not parts:
+                continue
+            state = parts[1] if len(parts) > 1 else ""
+            try:
+                admin_up = bool(int(parts[2], 16) & 1) if len(parts) > 2 else False
+            except ValueError:
+                admin_up = False
+            out.append(InterfaceFact(parts[0], admin_up and state in ("up", "unknown")))
+        return out or None
+    return None
+
+
 def parse_probe_output(text: str, data_dir: str, docker_socket: str | None) -> dict[str, Any]:
     """The probe command's answer as facts: arch, kernel, boot_id, data_dir_free_bytes,
     docker, docker_instance, nvidia_driver, gpus (NVML's, when it ran), notes."""
@@ -170,6 +227,8 @@ def parse_probe_output(text: str, data_dir: str, docker_socket: str | None) -> d
     facts: dict[str, Any] = {"arch": arch, "kernel": kernel, "notes": notes,
                              "boot_id": _first(sec, "boot-id"),
                              "docker_instance": _first(sec, "docker-instance"),
+                             "hostname": _first(sec, "hostname"),
+                             "interfaces": parse_interfaces(sec),
                              "data_dir_free_bytes": avail * frsize, "nvidia_driver": None,
                              "gpus": [],
                              "docker": _docker(sec, docker_socket, notes) if docker_socket
@@ -216,6 +275,9 @@ class HostProbe:
     simulated: bool = False
     data_dir_free_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    hostname: str | None = None
+    # None: the probe could not list them (placement admission then checks nothing of them).
+    interfaces: list[InterfaceFact] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,7 +289,9 @@ class HostProbe:
                          gpus=tuple(GpuFact(g.uuid, g.name, g.compute_capability)
                                     for g in self.gpus),
                          boot_id=self.boot_id, docker=self.docker,
-                         docker_instance=self.docker_instance)
+                         docker_instance=self.docker_instance, hostname=self.hostname,
+                         interfaces=(None if self.interfaces is None
+                                     else tuple(self.interfaces)))
 
 
 @functools.cache
@@ -300,6 +364,8 @@ async def probe_host(
         simulated=entry.simulated,
         data_dir_free_bytes=raw["data_dir_free_bytes"],
         notes=list(raw["notes"]),
+        hostname=raw["hostname"],
+        interfaces=raw["interfaces"],
     )
 
 

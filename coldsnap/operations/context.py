@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import structlog
 
-from coldsnap.exits import EXIT_FAILED, exit_status_for_signal
+from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, exit_status_for_signal
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.engines import EngineName
 from coldsnap.formats.receipt import (
@@ -47,6 +47,13 @@ class OperationFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class OperationRefused(OperationFailed):
+    """The request cannot work where it is placed, found before anything was staged or
+    started: bad input (exit 2), as a request that fails validation is."""
+
+    exit_status = EXIT_BAD_INPUT
 
 
 class OperationCancelled(OperationFailed):

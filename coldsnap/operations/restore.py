@@ -1,7 +1,8 @@
 """`coldsnapd restore`: an artifact brought back on its captured hosts or on others.
 
 Order: identity check (restore request vs captured launch) -> every needed object verified in
-the store -> destination facts and admission per unit -> owner-scoped staging, and meanwhile
+the store -> destination facts, placement admission (interfaces and rendezvous addresses:
+network.check_placement_network) and admission per unit -> owner-scoped staging, and meanwhile
 capsule load and CRIU probe per unit whose capsule comes from the registry (after staging for
 one loaded from its staged layers; a probe that passed on the same boot of the host is not run
 again: coldsnap.operations.probe_cache) -> (prepare-only stops here) -> every unit's container
@@ -66,6 +67,7 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import (
+    check_placement_network,
     check_ports_free,
     listening_by_host,
     placement_documents,
@@ -202,6 +204,9 @@ async def restore(
                                  roots=roots)
         except PlacementError as exc:
             raise OperationFailed("placement", str(exc)) from None
+        with ctx.span("restore.placement-network"):
+            await check_placement_network(hosts, launch, topology, facts,
+                                          rendezvous=policy.compatibility.rendezvous)
 
         refusals = _admission(artifact, launch, policy, facts)
         replay_units = set(refusals)

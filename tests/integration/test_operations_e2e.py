@@ -330,6 +330,72 @@ def test_restore_onto_a_taken_port_is_refused_before_any_container(
         squatter.wait()
 
 
+def _moved_request(ops: Ops, tp2: dict[str, Any], suffix: str,
+                   edit: Any) -> Path:
+    path = ops.request("tp2-two-hosts-restore-moved", suffix=suffix, artifact=tp2["capture_id"])
+    doc = yaml.safe_load(path.read_text())
+    edit(doc["launch"]["units"])
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _refused_before_staging(ops: Ops, run: Any, *needles: str) -> str:
+    """Exit 2, a failed receipt with code placement-network naming every needle, and nothing
+    staged or started on the destination hosts."""
+    assert run.status == 2, run.stderr[-3000:]
+    assert run.receipt is not None and run.receipt["state"] == "failed"
+    error = run.receipt["error"]
+    assert error["code"] == "placement-network", error
+    for needle in needles:
+        assert needle in error["message"], error["message"]
+    spans = {s["name"] for s in run.receipt["timing"]["spans"]}
+    assert not spans & {"restore.stage", "restore.start-restore"}, spans
+    for host in ("host-2", "host-3"):
+        assert ops.staged(host) == set() and ops.image_sets(host) == set()
+    assert ops.running_units() == {}
+    return str(error["message"])
+
+
+def test_a_moved_restore_keeping_the_captured_master_addr_is_refused_before_staging(
+        ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+    old = ops.hosts["host-0"]["address"]  # the captured rank-0 host, where nothing will run
+
+    def keep_master(units: list[dict[str, Any]]) -> None:
+        for unit in units:
+            unit["command"][unit["command"].index("--master-addr") + 1] = old
+
+    run = ops.coldsnapd("restore", "--request",
+                        str(_moved_request(ops, tp2, "stale-master", keep_master)))
+    new = ops.hosts["host-2"]["address"]
+    _refused_before_staging(
+        ops, run, f"unit unit-0 (launch.units[0]) on host host-2: --master-addr {old}: not an "
+        "address of the rank-0 host", "unit unit-1 (launch.units[1]) on host host-3",
+        f"rank 0 runs on host host-2, whose addresses are 127.0.0.1, {new}")
+
+
+def test_two_units_moved_onto_one_host_keeping_their_old_interfaces_are_refused(
+        ops: Ops, tp2: dict[str, Any]) -> None:
+    ops.clear_staged()
+
+    def onto_host2(units: list[dict[str, Any]]) -> None:
+        for i, unit in enumerate(units):
+            unit["host"], unit["devices"] = "host-2", [str(i)]
+            unit["environment"] = {"NCCL_SOCKET_IFNAME": f"ens{i}"}  # their old hosts'
+            unit["command"][unit["command"].index("--master-addr") + 1] = \
+                ops.hosts["host-2"]["address"]
+            unit["command"][unit["command"].index("--port") + 1] = str(8000 + i)
+
+    run = ops.coldsnapd("restore", "--request",
+                        str(_moved_request(ops, tp2, "old-ifname", onto_host2)))
+    message = _refused_before_staging(
+        ops, run, "unit unit-0 (launch.units[0]) on host host-2: environment "
+        "NCCL_SOCKET_IFNAME=ens0 matches no interface that is up with an address",
+        "unit unit-1 (launch.units[1]) on host host-2: environment NCCL_SOCKET_IFNAME=ens1",
+        f"the host has: lo up 127.0.0.1 ::1, ens2 up {ops.hosts['host-2']['address']}")
+    assert "--master-addr" not in message  # the rendezvous is right: only the interfaces
+
+
 def test_sglang_surface_captured_and_restored(ops: Ops) -> None:
     run = ops.coldsnapd("capture", "--request",
                         str(ops.request("tp2-two-hosts-sglang", suffix="e2e"))).ok()

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("leaf helpers", 0, ("coldsnap", "coldsnap.digests", "coldsnap.exits", "coldsnap.logs")),
     ("formats", 1, ("coldsnap.formats",)),
     ("topology, admission", 2, ("coldsnap.topology", "coldsnap.identity",
-                                "coldsnap.admission")),
+                                "coldsnap.admission", "coldsnap.placement_rules")),
     ("hosts", 3, ("coldsnap.hosts",)),
     ("engines", 4, ("coldsnap.engines",)),
     ("capsule", 5, ("coldsnap.capsule",)),

@@ -98,6 +98,11 @@ class CapsulePolicy(StrictModel):
 class CompatibilityPolicy(StrictModel):
     enforce_captured_driver_floor: bool = True
     kernel: Literal["capability", "exact"] = "capability"
+    # Where the workers meet (--master-addr, --dist-init-addr, MASTER_ADDR): absent or
+    # `rank0-host`, on the host of the world's rank-0 unit; `external`, a server elsewhere that
+    # every unit's host must reach. Optional so that the canonical form of a request that does
+    # not say stays as it was.
+    rendezvous: Literal["rank0-host", "external"] | None = None
 
 
 class Policy(StrictModel):

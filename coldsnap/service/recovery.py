@@ -107,17 +107,17 @@ async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow,
 
 
 def _with_repair(undone: UnitRollback, repaired: list[UnitRepaired]) -> UnitRollback:
-    """The unit's outcome once its repair ran: serving again (an earlier instance revived)
-    or back as it was (a lifecycle state), else failed, saying what it is now."""
+    """The unit's outcome once its repair ran, as a rollback in the operation's own process
+    says it: its containers' outcome with what the repair said (`removed (previous X serving
+    again)`), `back as it was` where only the repair acted, `failed` when it could not."""
     if not repaired:
         return undone
     detail = "; ".join([*([undone.detail] if undone.detail else []),
                         *(r.text for r in repaired)])
     if not all(r.ok for r in repaired):
         return UnitRollback(undone.host, undone.unit, "failed", detail)
-    revived = any(r.text.startswith("previous ") for r in repaired)
-    return UnitRollback(undone.host, undone.unit,
-                        "returned to serving" if revived else "back as it was", detail)
+    outcome = "back as it was" if undone.outcome == "nothing to undo" else undone.outcome
+    return UnitRollback(undone.host, undone.unit, outcome, detail)
 
 
 def _removed(results: list[HostResult], row: JobRow) -> list[UnitRollback]:

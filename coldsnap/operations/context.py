@@ -87,12 +87,15 @@ class UnitRollback:
 @dataclass(frozen=True)
 class UnitRepaired:
     """What a recovery did to one unit a dead operation had touched: `ok` when the unit is
-    back as it was before that operation; `text` says so, or the state it is in and why."""
+    back as it was before that operation; `text` says so, or the state it is in and why.
+    `final`: trying again cannot change it (the container is gone, say), unlike an
+    unreachable host."""
 
     host: str
     unit: str
     ok: bool
     text: str
+    final: bool = True
 
 
 class TouchedUnit(StrictModel):

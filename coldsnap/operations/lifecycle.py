@@ -15,6 +15,8 @@ artifact as a restore checks it). Each unit's container is found on its host by 
 
 A failure rolls a sleep back (every unit it changed returns to its earlier state); a wake is
 not undone. Either way the error ends with what `status` would say of every unit then.
+Before changing any unit, sleep and wake record every unit's state (`ctx.record_touched`);
+`restore_states` brings each back to it after the operation died (coldsnap.runner.repair).
 """
 
 from __future__ import annotations
@@ -435,8 +437,10 @@ async def restore_states(stored: StoredArtifact, request: Request, hosts: HostSe
             out.append(UnitRepaired(u.host, u.unit, True, text))
             continue
         why = u.detail or problem or f"no way back from {now[u.unit]}"
+        # Gone or stopped, a unit stays so; otherwise a later try may get further.
         out.append(UnitRepaired(u.host, u.unit, False,
-                                f"{u.unit} on {u.host} {u.state}, was {was}: {why}"))
+                                f"{u.unit} on {u.host} {u.state}, was {was}: {why}",
+                                final=u.state in ("missing", "stopped")))
     return out
 
 

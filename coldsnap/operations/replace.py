@@ -6,7 +6,9 @@ restore (SERVING_ROLES) of the same workload: the request's `workload.cluster_id
 same artifact and no cluster id. It holds the unit's ports and GPUs, so `stop_previous` stops
 it (kept, not removed) just before the new unit starts; `remove_previous` removes it once the
 new one has validated; `revive` restores it again from the snapshot its own container carries
-when the new one fails.
+when the new one fails. The instances about to be stopped are recorded first
+(`touched_previous`, in the ledger), so that gc or the service's recovery revives them when
+the restore dies before it could (coldsnap.runner.repair).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ lock is free) and its record still says `running`, nobody rolled it back:
 - sleep, wake: each unit is brought back to the state it was in before (woken, put to
   sleep or checkpointed again), or reported with the state it is in.
 
-The outcome is recorded in the record (`repaired`) when every unit is back; otherwise the
-next gc tries again and says again what it found.
+The outcome is recorded in the record (`repaired`) once no unit can change by trying again
+(back, or gone); while one failed for a reason that may pass (an unreachable host, a step that
+failed), the next gc tries again and says again what it found.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ async def repair(hosts: HostSet, store: LocalStore, entry: Entry) -> list[UnitRe
     except (OperationFailed, CapsuleError, HostError, StoreError, ValidationError,
             OSError) as exc:
         why = getattr(exc, "message", None) or getattr(exc, "detail", None) or str(exc)
-        results = [UnitRepaired(u.host, u.unit, False, f"{u.name} not brought back: {why}")
+        results = [UnitRepaired(u.host, u.unit, False, f"{u.name} not brought back: {why}",
+                                final=False)
                    for u in touched.units]
-    if results and all(r.ok for r in results):
+    if results and all(r.ok or r.final for r in results):
         Ledger(store.root).update(entry.operation_id, repaired=[r.text for r in results])
     return results
 
@@ -143,7 +145,8 @@ async def _revive_previous(hosts: HostSet, store: LocalStore,
                 run = ReplacingRun(PlacedUnit(u.unit, u.host, (), spec), s, head=u.head)
                 ok, text = await revive(s, run, old, store)
             except (CapsuleError, HostError) as exc:
-                ok, text = False, f"previous {u.name} not serving again: {exc}"
+                return UnitRepaired(u.host, u.unit, False,
+                                    f"previous {u.name} not serving again: {exc}", final=False)
             return UnitRepaired(u.host, u.unit, ok, text)
 
         out += await asyncio.gather(*(one(u) for u in known))

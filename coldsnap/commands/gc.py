@@ -28,6 +28,7 @@ from coldsnap.operations.sweep import TEMP_MAX_AGE_S
 from coldsnap.runner.ledger import prune_locks
 from coldsnap.runner.orphans import HostResult, Judge, gc_host
 from coldsnap.runner.owners import gc_refusal
+from coldsnap.runner.repair import pending, planned, repair
 
 
 @dataclass
@@ -40,7 +41,20 @@ class LocalSweep:
     run_locks: list[str]
 
 
-def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> None:
+@dataclass
+class Repair:
+    """What gc did to a unit a dead operation had changed outside its own containers (an
+    earlier instance a replacing restore stopped, a unit a sleep or wake changed)."""
+
+    operation: str
+    host: str
+    unit: str
+    ok: bool
+    text: str
+
+
+def _print_text(results: list[HostResult], local: LocalSweep, repairs: list[Repair],
+                planned_lines: list[str], dry_run: bool) -> None:
     removed = kept = 0
     verb = "would remove" if dry_run else "removed"
     for path in local.store_tmp:
@@ -72,6 +86,11 @@ def _print_text(results: list[HostResult], local: LocalSweep, dry_run: bool) -> 
                     ("would remove" if dry_run else "removed") if d.orphan else "kept")
             print(f"{r.host}: {verb} {d.path} (of {d.operation}): {d.reason}"
                   + (f": {d.error}" if d.error else ""))
+    for line in planned_lines:
+        print(line)
+    for rep in repairs:
+        print(f"{rep.host}: {rep.text} ({'after' if rep.ok else 'NOT REPAIRED after'} "
+              f"{rep.operation} died)")
     verb = "would remove" if dry_run else "removed"
     print(f"gc: {verb} {removed} container(s), kept {kept}", file=sys.stderr)
 
@@ -90,12 +109,22 @@ def _handler(args: argparse.Namespace) -> int:
         return report_failure(refusal)
     judge = Judge(store.root)
 
+    dead = pending(store.root, args.operation)
+    planned_lines = [line for entry in dead for line in planned(entry)] if args.dry_run else []
+    repairs: list[Repair] = []
+
     async def main() -> list[HostResult]:
         async with HostPool(inventory) as pool:
             hosts = HostSet(inventory, pool)
-            return list(await asyncio.gather(*(
+            found = list(await asyncio.gather(*(
                 gc_host(hosts, h.name, judge, args.operation, args.dry_run)
                 for h in inventory.hosts)))
+            # Once the dead operations' containers are gone: they hold the ports and GPUs
+            # of the instances they replaced.
+            for entry in [] if args.dry_run else dead:
+                repairs.extend(Repair(entry.operation_id, r.host, r.unit, r.ok, r.text)
+                               for r in await repair(hosts, store, entry))
+            return found
 
     results = asyncio.run(main())
     local = LocalSweep(
@@ -105,12 +134,15 @@ def _handler(args: argparse.Namespace) -> int:
         else prune_locks(store.root, dry_run=args.dry_run))
     if args.json:
         doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
-                               "hosts": [asdict(r) for r in results], **asdict(local)}
+                               "hosts": [asdict(r) for r in results], **asdict(local),
+                               "repairs": [asdict(r) for r in repairs],
+                               "would_repair": planned_lines}
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     else:
-        _print_text(results, local, args.dry_run)
+        _print_text(results, local, repairs, planned_lines, args.dry_run)
     failed = [r.host for r in results if r.error or any(c.error for c in r.containers)
               or any(d.error for d in r.leftovers)]
+    failed += sorted({r.host for r in repairs if not r.ok} - set(failed))
     if failed:
         return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
     return EXIT_OK
@@ -129,7 +161,12 @@ def register(subparsers: Any) -> None:
                     "never recorded are left alone. Also removes temporary files older than a "
                     "day (the store's tmp, partial transfers and commits in each host's "
                     "data_dir) and the run locks of operations that ended over 30 days ago. "
-                    "Exit 1 when a host could not be reached or a removal failed.")
+                    "What a dead operation changed outside its own containers is brought "
+                    "back: the earlier instances a replacing restore stopped serve again, "
+                    "the units a sleep or wake changed return to their state before it (or "
+                    "are reported with the state they are in). "
+                    "Exit 1 when a host could not be reached, a removal failed or a unit "
+                    "could not be brought back.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--operation", metavar="ID",
                        help="only the containers of this operation (its id as in the receipt)")

@@ -20,6 +20,7 @@ import structlog
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, exit_status_for_signal
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.engines import EngineName
+from coldsnap.formats.fields import StrictModel
 from coldsnap.formats.receipt import (
     Operation,
     Receipt,
@@ -90,6 +91,44 @@ class UnitRollback:
         return f"{text} ({self.detail})" if self.detail else text
 
 
+@dataclass(frozen=True)
+class UnitRepaired:
+    """What a recovery did to one unit a dead operation had touched: `ok` when the unit is
+    back as it was before that operation; `text` says so, or the state it is in and why.
+    `final`: trying again cannot change it (the container is gone, say), unlike an
+    unreachable host."""
+
+    host: str
+    unit: str
+    ok: bool
+    text: str
+    final: bool = True
+
+
+class TouchedUnit(StrictModel):
+    """A unit an operation is about to change, as a recovery after that operation's death
+    (coldsnap.runner.repair) must find it and bring it back: `container` and `name` are the
+    container changed, `earlier` its state before (`serving` for an earlier instance a
+    replacing restore stops; a lifecycle state, as `status` says it, for sleep and wake)."""
+
+    host: str
+    unit: str
+    container: str
+    name: str
+    earlier: str
+    head: bool = False  # holds a service's first rank: the validation prompt goes there
+
+
+class Touched(StrictModel):
+    """What an operation hands `OperationContext.touching` before it changes units: the
+    artifact it acts with, its request as a document (None: a restore without one), and
+    the units."""
+
+    artifact: str
+    request: dict[str, Any] | None = None
+    units: list[TouchedUnit] = []
+
+
 def new_operation_id(operation: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return f"{operation}-{stamp}-{secrets.token_hex(4)}"
@@ -125,6 +164,14 @@ class OperationContext:
         # A capture's artifact (format 9, as JSON) once it is committed, for the front end
         # to write to the request's `output`: never written by whoever runs the operation.
         self.artifact_document: dict[str, Any] | None = None
+        # Called before the operation changes units that exist without it (a replaced
+        # instance, a unit put to sleep or woken): whoever runs the operation records them
+        # durably (the ledger), so that a recovery after a kill -9 can bring them back.
+        self.touching: Callable[[Touched], None] | None = None
+
+    def record_touched(self, touched: Touched) -> None:
+        if self.touching is not None and touched.units:
+            self.touching(touched)
 
     def rollback_summary(self) -> str | None:
         if self.rollback is None:

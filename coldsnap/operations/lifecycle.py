@@ -15,6 +15,8 @@ artifact as a restore checks it). Each unit's container is found on its host by 
 
 A failure rolls a sleep back (every unit it changed returns to its earlier state); a wake is
 not undone. Either way the error ends with what `status` would say of every unit then.
+Before changing any unit, sleep and wake record every unit's state (`ctx.record_touched`);
+`restore_states` brings each back to it after the operation died (coldsnap.runner.repair).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from coldsnap.capsule.containers import UnitContainer
 from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving, validate
@@ -46,7 +48,14 @@ from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request import Launch, Request, Validation
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.captured import capsule_meta
-from coldsnap.operations.context import OperationContext, OperationFailed, RollbackOutcome
+from coldsnap.operations.context import (
+    OperationContext,
+    OperationFailed,
+    RollbackOutcome,
+    Touched,
+    TouchedUnit,
+    UnitRepaired,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
 from coldsnap.operations.restore import restore_placement
@@ -272,6 +281,14 @@ async def _running_workload(
     async with hosts.sessions(t.topology.hosts) as sessions:
         runs = _runs(t, hosts, sessions)
         await _find(ctx, t, hosts, runs)
+        # Each unit's state before anything changes it, for a recovery should this die.
+        heads = set(service_heads(t.topology).values())
+        ctx.record_touched(Touched(
+            artifact=stored.capture_id, request=request.canonical(),
+            units=[TouchedUnit(host=r.placed.host, unit=r.placed.unit_id,
+                               container=r.started.container_id, name=r.started.container_name,
+                               earlier=unit_status(r).state, head=r.placed.unit_id in heads)
+                   for r in runs]))
         yield t, captured, runs
 
 
@@ -368,6 +385,84 @@ async def _wake_units(ctx: OperationContext, t: Target, hosts: HostSet,
     return sorted(heads)
 
 
+RepairAction = Literal["none", "wake", "sleep", "checkpoint", "report"]
+# The states a repair can start from: a unit that is not one of these (missing, stopped, its
+# engine down, a GPU failed) is reported as it is.
+_REPAIRABLE = frozenset({"running", "sleeping", "checkpointed", "locked", "mixed"})
+
+
+def repair_action(earlier: str, now: str) -> RepairAction:
+    """What brings a unit that a dead sleep or wake left `now` back to its `earlier` state:
+    woken (GPUs running, engine awake), put to sleep (GPUs running, engine asleep),
+    checkpointed (engine asleep, GPUs checkpointed); else reported as it is."""
+    if now == earlier:
+        return "none"
+    if now not in _REPAIRABLE:
+        return "report"
+    back: dict[str, RepairAction] = {"running": "wake", "sleeping": "sleep",
+                                     "checkpointed": "checkpoint"}
+    return back.get(earlier, "report")
+
+
+async def restore_states(stored: StoredArtifact, request: Request, hosts: HostSet,
+                         store: LocalStore, ctx: OperationContext,
+                         earlier: Mapping[str, str]) -> list[UnitRepaired]:
+    """Bring every unit of the workload back to its `earlier` state (unit id -> state, as a
+    sleep or wake that died recorded it before it changed anything); one result per unit."""
+    t = target(stored, request, hosts)
+    t = replace(t, capsules={u.id: capsule_meta(store, stored.artifact, u.id)
+                             for u in t.launch.units})
+    captured = _captured(t)
+    async with hosts.sessions(t.topology.hosts) as sessions:
+        runs = _runs(t, hosts, sessions)
+        now = {u.unit: u.state for u in await _statuses(t, hosts, runs)}
+        want = {r.placed.unit_id: repair_action(earlier.get(r.placed.unit_id, "unknown"),
+                                                now[r.placed.unit_id]) for r in runs}
+        problem = ""
+        try:
+            waking = [r for r in runs if want[r.placed.unit_id] == "wake"]
+            if waking:
+                await _wake_units(ctx, t, hosts, waking, captured)
+            await _put_down(ctx, [r for r in runs if want[r.placed.unit_id] == "sleep"],
+                            [r for r in runs if want[r.placed.unit_id] == "checkpoint"], captured)
+        except OperationFailed as exc:
+            problem = exc.message
+        after = await _statuses(t, hosts, runs)
+    out: list[UnitRepaired] = []
+    for u in after:
+        was = earlier.get(u.unit, "unknown")
+        if u.state == was:
+            text = f"{u.unit} on {u.host} {was} again" if want[u.unit] != "none" \
+                else f"{u.unit} on {u.host} {was}, as before"
+            out.append(UnitRepaired(u.host, u.unit, True, text))
+            continue
+        why = u.detail or problem or f"no way back from {now[u.unit]}"
+        # Gone or stopped, a unit stays so; otherwise a later try may get further.
+        out.append(UnitRepaired(u.host, u.unit, False,
+                                f"{u.unit} on {u.host} {u.state}, was {was}: {why}",
+                                final=u.state in ("missing", "stopped")))
+    return out
+
+
+async def _put_down(ctx: OperationContext, sleeping: Sequence[LifecycleRun],
+                    checkpointed: Sequence[LifecycleRun],
+                    captured: Mapping[str, tuple[str, ...]]) -> None:
+    """Units that were asleep before: GPUs running again where a unit is to stay on them or
+    was left part-way, every awake engine quiesced, then the GPUs of those that were
+    checkpointed checkpointed again (the order of a sleep)."""
+    await phase(ctx, "gpu-resume", [
+        r for r in sleeping if r.engine is None] + [
+        r for r in checkpointed
+        if r.engine is None and any(g != "checkpointed" for g in r.gpus.values())],
+        lambda r: _gpus_running(r, captured))
+    both = [*sleeping, *checkpointed]
+    await phase(ctx, "quiesce", [r for r in both if r.engine == "awake"],
+                lambda r: quiesce(r.session, r.started))
+    await phase(ctx, "gpu-checkpoint",
+                [r for r in checkpointed if any(g != "checkpointed" for g in r.gpus.values())],
+                lambda r: checkpoint_unit(r.session, r.started))
+
+
 async def status(stored: StoredArtifact, request: Request, hosts: HostSet,
                  ctx: OperationContext) -> list[UnitStatus]:
     t = target(stored, request, hosts)
@@ -380,6 +475,8 @@ async def status(stored: StoredArtifact, request: Request, hosts: HostSet,
 __all__ = [
     "UnitStatus",
     "WorkerStatus",
+    "repair_action",
+    "restore_states",
     "sleep",
     "status",
     "summary",

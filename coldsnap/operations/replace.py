@@ -6,7 +6,9 @@ restore (SERVING_ROLES) of the same workload: the request's `workload.cluster_id
 same artifact and no cluster id. It holds the unit's ports and GPUs, so `stop_previous` stops
 it (kept, not removed) just before the new unit starts; `remove_previous` removes it once the
 new one has validated; `revive` restores it again from the snapshot its own container carries
-when the new one fails.
+when the new one fails. The instances about to be stopped are recorded first
+(`touched_previous`, in the ledger), so that gc or the service's recovery revives them when
+the restore dies before it could (coldsnap.runner.repair).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from coldsnap.formats.artifact import Artifact
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request import Request
 from coldsnap.operations.captured import capsule_meta
-from coldsnap.operations.context import OperationContext
+from coldsnap.operations.context import OperationContext, Touched, TouchedUnit
 from coldsnap.operations.unit_runs import UnitRun
 from coldsnap.operations.units import PlacedUnit
 from coldsnap.store import LocalStore, StoreError
@@ -79,6 +81,17 @@ async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, Capsu
 
     found = await asyncio.gather(*(one(p) for p in placed))
     return {p.unit_id: f for p, f in zip(placed, found, strict=True)}
+
+
+def touched_previous(runs: Sequence[ReplacingRun], artifact: str,
+                     request: Request | None) -> Touched:
+    """The earlier instances `stop_previous` is about to stop, for the ledger: should this
+    restore die before it removes or revives them, a recovery revives them from this."""
+    return Touched(artifact=artifact, request=request.canonical() if request else None,
+                   units=[TouchedUnit(host=r.placed.host, unit=r.placed.unit_id,
+                                      container=old.id, name=old.name, earlier="serving",
+                                      head=r.head)
+                          for r in runs for old in r.previous if old.running])
 
 
 async def stop_previous(r: ReplacingRun) -> None:

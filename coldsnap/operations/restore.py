@@ -82,6 +82,7 @@ from coldsnap.operations.replace import (
     remove_previous,
     revive,
     stop_previous,
+    touched_previous,
 )
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
@@ -273,6 +274,7 @@ async def restore(
                 raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
                                       "unit restored from its snapshot; re-created natively: "
                                       + ", ".join(outcome.replayed_units))
+            ctx.record_touched(touched_previous(runs, artifact.capture_id, request))
             try:
                 outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
                                                          topology, runs, warm=warm)

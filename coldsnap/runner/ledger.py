@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from coldsnap.formats.fields import Digest, Id, StrictModel, is_id
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
 from coldsnap.hosts.durable import atomic_write_bytes
-from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.context import OperationContext, OperationFailed, Touched
 from coldsnap.store import StoreError
 
 LEDGER_DIR: Final = "operations"
@@ -65,6 +65,11 @@ class Entry(StrictModel):
     # The last prepare-only run of an id that a full run holds: it never replaces that run's
     # outcome, and its receipt is kept beside it.
     prepared: Receipt | None = None
+    # The units the run was about to change that exist without it (written before it
+    # changed them), and, once a recovery after the run's death dealt with them, what it
+    # said per unit (coldsnap.runner.repair).
+    touched: Touched | None = None
+    repaired: list[str] | None = None
 
     def receipt_of(self, *, prepare_only: bool) -> Receipt | None:
         """The receipt of the id's full run, or of its last prepare-only run."""
@@ -165,12 +170,21 @@ class Ledger:
                 self.write(existing.model_copy(update={"prepared": receipt}))
                 return
             kept = existing.kept_units if existing is not None else []
+            touched = existing.touched if existing is not None else None
+            repaired = existing.repaired if existing is not None else None
             self.write(Entry(operation_id=receipt.operation_id, operation=receipt.operation,
                              request_sha256=receipt.request_sha256, state=receipt.state,
                              prepare_only=prepare_only, started_at=receipt.started_at,
                              pid=os.getpid(), control_node=socket.gethostname(),
                              completed_at=receipt.completed_at, kept_units=kept,
-                             receipt=receipt))
+                             touched=touched, repaired=repaired, receipt=receipt))
+
+    def update(self, operation_id: str, **fields: Any) -> None:
+        """Set `fields` of an existing record (none: nothing is written)."""
+        with self.claiming():
+            entry = self.load(operation_id)
+            if entry is not None:
+                self.write(entry.model_copy(update=fields))
 
 
 class OperationRun:
@@ -197,6 +211,10 @@ class OperationRun:
             raise OperationFailed("operation-running", f"operation {self.ctx.operation_id} is "
                                   "already running on this control node") from None
         self._lock = lock
+        # Before it stops or changes a unit, the operation says which: written now, it is
+        # there for whoever finds this run dead.
+        self.ctx.touching = lambda touched: self.ledger.update(self.ctx.operation_id,
+                                                               touched=touched)
         try:
             self._publish("running", ())
         except BaseException:

@@ -8,6 +8,10 @@ Its record then holds its receipt (`failed`, error code `interrupted`, with what
 did per unit), and so does its row. A queued job never touched a host: it only gets its
 receipt.
 
+What the job's operation changed outside its own containers is then brought back
+(coldsnap.runner.repair): the earlier instances a replacing restore stopped serve again, the
+units a sleep or wake changed return to their state before it; the receipt says so per unit.
+
 A job whose operation finished before the process died (its receipt is in its ledger record
 already) keeps that receipt.
 """
@@ -20,13 +24,19 @@ from pathlib import Path
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
-from coldsnap.operations.context import OperationContext, OperationFailed, UnitRollback
+from coldsnap.operations.context import (
+    OperationContext,
+    OperationFailed,
+    UnitRepaired,
+    UnitRollback,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import Ledger, record_interrupted
 from coldsnap.runner.orphans import Container, HostResult, Judge, gc_host
+from coldsnap.runner.repair import pending, repair
 from coldsnap.runner.service_api import ACTIVE
 from coldsnap.service.job_store import JobRow, JobStore
-from coldsnap.store import StoreError
+from coldsnap.store import LocalStore, StoreError
 
 
 async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> list[str]:
@@ -58,7 +68,7 @@ async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Pat
     if row.started_ns is not None:
         ctx.started_ns = row.started_ns
     if row.state == "running":
-        ctx.rollback = await _roll_back(hosts, judge, row)
+        ctx.rollback = await _roll_back(hosts, judge, row, LocalStore(store_root))
         record_interrupted(store_root, row.id)
         why = "coldsnapd stopped while this job was running; recovered when it started again"
     else:
@@ -81,11 +91,37 @@ def _finish(jobs: JobStore, row: JobRow, receipt: Receipt) -> None:
                   error_code=error.code if error else None)
 
 
-async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow) -> list[UnitRollback]:
-    """What the gc of the job's operation did to each of its units, host by host."""
+async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow,
+                     store: LocalStore) -> list[UnitRollback]:
+    """What the gc of the job's operation did to each of its units, host by host, then what
+    its repair did."""
     results: list[HostResult] = list(await asyncio.gather(*(
         gc_host(hosts, host, judge, row.id, dry_run=False) for host in row.hosts
         if host in hosts.entries)))
+    repaired: dict[tuple[str, str], list[UnitRepaired]] = {}
+    for entry in pending(store.root, row.id):
+        for r in await repair(hosts, store, entry):
+            repaired.setdefault((r.host, r.unit), []).append(r)
+    return [_with_repair(u, repaired.get((u.host, u.unit), []))
+            for u in _removed(results, row)]
+
+
+def _with_repair(undone: UnitRollback, repaired: list[UnitRepaired]) -> UnitRollback:
+    """The unit's outcome once its repair ran, as a rollback in the operation's own process
+    says it: its containers' outcome with what the repair said (`removed (previous X serving
+    again)`), `back as it was` where only the repair acted, `failed` when it could not."""
+    if not repaired:
+        return undone
+    detail = "; ".join([*([undone.detail] if undone.detail else []),
+                        *(r.text for r in repaired)])
+    if not all(r.ok for r in repaired):
+        return UnitRollback(undone.host, undone.unit, "failed", detail)
+    outcome = "back as it was" if undone.outcome == "nothing to undo" else undone.outcome
+    return UnitRollback(undone.host, undone.unit, outcome, detail)
+
+
+def _removed(results: list[HostResult], row: JobRow) -> list[UnitRollback]:
+    """Per unit, what the gc of the job's operation did to its containers."""
     by_host = {r.host: r for r in results}
     out: list[UnitRollback] = []
     for host, unit in row.units:

@@ -364,3 +364,29 @@ def test_sigterm_during_sleep_returns_the_units_to_serving_and_a_cancelled_wake_
     # A later wake finishes the job.
     assert lifecycle("wake", "wake-2").finish()[0] == 0
     assert _ask(ops, "host-2") == (200, EXPECTED)
+
+    # kill -9 mid-sleep, mid-wake: nothing rolled them back; gc brings every unit back to
+    # its state before (serving; checkpointed), and says so per unit.
+    def killed(operation: str, suffix: str, at: str) -> list[dict[str, Any]]:
+        request = ops.request(MOVED, suffix=f"{wl['intent_id']}-{suffix}",
+                              operation=operation, artifact=artifact, workload=wl)
+        run = start(ops, operation, "--request-json", str(request))
+        run.wait_for(at, "host-3")
+        run.signal(signal.SIGKILL)
+        run.proc.communicate(timeout=60)
+        dead = yaml.safe_load(request.read_text())["id"]
+        repairs: list[dict[str, Any]] = gc(ops, "--operation", dead)["repairs"]
+        assert [(r["host"], r["unit"], r["ok"]) for r in repairs] == [
+            ("host-2", "unit-0", True), ("host-3", "unit-1", True)], repairs
+        return repairs
+
+    repairs = killed("sleep", "sleep-k9", "sleep.gpu-checkpoint")
+    assert all(r["text"].endswith(" running again") for r in repairs), repairs
+    assert _ask(ops, "host-2") == (200, EXPECTED)
+    assert lifecycle("sleep", "sleep-3").finish()[0] == 0
+    repairs = killed("wake", "wake-k9", "wake.placement")
+    assert all(r["text"].endswith(" checkpointed again") for r in repairs), repairs
+    code, message = _ask(ops, "host-2")
+    assert code == 503 and "sleeping" in message
+    assert lifecycle("wake", "wake-3").finish()[0] == 0
+    assert _ask(ops, "host-2") == (200, EXPECTED)

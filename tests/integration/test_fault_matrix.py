@@ -215,6 +215,9 @@ def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fa
 
 def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_files(
         ops: Ops, artifact: str, clean: None) -> None:
+    # The killed restore replaces an earlier instance, which it stopped before it died.
+    restore_moved(ops, artifact, "kill9-earlier").ok()
+    earlier = {h: [c.id for c in ops.unit_containers(h)] for h in ("host-2", "host-3")}
     killed = start(ops, "restore", "--request",
                     str(ops.request(MOVED, suffix="kill9", artifact=artifact)))
     killed.wait_for("restore.criu-restore", "host-3")
@@ -241,6 +244,12 @@ def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_fi
     assert not old_part.exists() and not old_tmp.exists() and young_part.exists()
     young_part.unlink()
     assert_nothing_left(ops, dead)
+    # The earlier instances, the same containers, serve again, and gc said so.
+    assert [(r["host"], r["unit"], r["ok"]) for r in report["repairs"]] == [
+        ("host-2", "unit-0", True), ("host-3", "unit-1", True)], report["repairs"]
+    assert all(r["text"].endswith(" serving again") for r in report["repairs"])
+    assert {h: [c.id for c in ops.unit_containers(h)] for h in earlier} == earlier
+    assert _complete(ops, "host-2", 8000) == EXPECTED
     retry_succeeds(ops, artifact, "kill9-retry")
 
 

@@ -158,6 +158,13 @@ def test_disjoint_captures_run_together_and_the_same_units_wait(
 
 def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
         ops: Ops, service: Served, capture_id: str) -> None:
+    """The restore replaces an earlier instance of the same artifact, which it stopped before
+    the crash: the recovery removes the new units and revives the earlier ones."""
+    ops.remove_units()
+    first = ops.coldsnapd("restore", "--request", str(ops.request(
+        "tp2-two-hosts-restore-moved", suffix="k9-earlier", artifact=capture_id))).ok()
+    assert first.receipt is not None
+    earlier = {h: [c.id for c in ops.unit_containers(h)] for h in ("host-2", "host-3")}
     request = ops.request("tp2-two-hosts-restore-moved", suffix="k9", artifact=capture_id)
     op = yaml.safe_load(request.read_text())["id"]
     run = start(ops, "restore", "--request", str(request))
@@ -177,9 +184,14 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
     assert (job["state"], job["error_code"], job["exit_status"]) == ("failed", "interrupted", 1)
     receipt = job["receipt"]
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "interrupted"
-    assert "unit-0 on host-2 removed" in receipt["error"]["message"]
-    assert "unit-1 on host-3 removed" in receipt["error"]["message"]
+    message = receipt["error"]["message"]
+    for unit, host in (("unit-0", "host-2"), ("unit-1", "host-3")):
+        assert f"{unit} on {host} removed (previous coldsnap-" in message, message
+    assert message.count("serving again") == 2, message
     assert labelled(ops, op) == {}
+    # The earlier instances, the same containers, serve the validation prompt again.
+    assert {h: [c.id for c in ops.unit_containers(h)] for h in earlier} == earlier
+    assert _complete(ops, "host-2", 8000) == EXPECTED
     # The ledger says so too: gc agrees, and the id stays used.
     record = json.loads((ops.store / "operations" / f"{op}.json").read_text())
     assert record["state"] == "failed" and record["receipt"] == receipt
@@ -190,6 +202,7 @@ def test_kill_9_mid_restore_then_the_restart_rolls_it_back(
     stored = resolve_reference(store, capture_id)
     for obj in stored.artifact.objects:
         store.verify(obj.sha256)
+    ops.remove_units()
 
 
 def test_sigterm_drain_lets_a_running_job_finish(ops: Ops, service: Served) -> None:

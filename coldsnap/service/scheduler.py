@@ -68,7 +68,11 @@ SUBMISSION_THREADS = 4
 
 Reply = tuple[int, dict[str, Any]]
 
-log = get_logger(component="scheduler")
+
+def _journal() -> Any:
+    # Made when used: a logger bound at import would keep the logging configuration of
+    # before `serve` configured it (the service's journal is its stderr).
+    return get_logger(component="scheduler")
 
 
 class _Refusal(Exception):
@@ -164,7 +168,7 @@ class Scheduler:
                 job = self._admit(sub, prepared, held, uid, output)
             except (sqlite3.Error, OSError) as exc:
                 release(prepared, held)
-                log.error("jobs.add-failed", job=key.operation_id, error=str(exc))
+                _journal().error("jobs.add-failed", job=key.operation_id, error=str(exc))
                 return 503, {"error": f"coldsnapd could not record {sub.operation} "
                                       f"{key.operation_id} in its job store ({exc}); nothing "
                                       "ran and the id is free to submit again",
@@ -294,7 +298,7 @@ class Scheduler:
         try:
             write(*args)
         except (sqlite3.Error, OSError) as exc:
-            log.error("jobs.write-failed", job=job_id, write=what, error=str(exc))
+            _journal().error("jobs.write-failed", job=job_id, write=what, error=str(exc))
             return False
         return True
 

@@ -10,6 +10,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from coldsnap.formats.request import parse_request
 from coldsnap.runner.claim import claim
 from coldsnap.runner.kinds import OPERATIONS
@@ -59,8 +61,10 @@ def test_a_job_the_store_cannot_add_is_refused_and_its_id_is_free(tmp_path: Path
         return await scheduler.submit(body, 0)
 
     _read_only(jobs, True)
-    status, reply = asyncio.run(submit())
+    with capture_logs() as journal:
+        status, reply = asyncio.run(submit())
     assert status == 503, reply
+    assert [(e["event"], e["job"]) for e in journal] == [("jobs.add-failed", "restore-1")]
     assert "could not record restore restore-1 in its job store" in reply["error"]
     assert "the id is free" in reply["error"] and reply["exit_status"] == 1
     assert scheduler.active == {}
@@ -86,8 +90,12 @@ def test_a_job_ends_when_the_store_cannot_write_its_end(tmp_path: Path) -> None:
         assert status == 201 and reply["state"] == "queued", reply
         output = scheduler.outputs["restore-1"]
         _read_only(jobs, True)
-        assert "being cancelled" in scheduler.cancel("restore-1", 0, signal.SIGTERM)[1][
-            "message"]
+        with capture_logs() as journal:
+            assert "being cancelled" in scheduler.cancel("restore-1", 0, signal.SIGTERM)[1][
+                "message"]
+        assert [(e["event"], e["write"]) for e in journal] == [
+            ("jobs.write-failed", "finished")]
+        assert "readonly database" in journal[0]["error"]
         # Its followers got its end, and it left the active set, whatever the store said.
         assert output.ended and scheduler.active == {}
         ends = [i async for i in output.follow() if i["kind"] == "end"]

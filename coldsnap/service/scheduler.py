@@ -114,7 +114,8 @@ class Scheduler:
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
         self._threads = ThreadPoolExecutor(SUBMISSION_THREADS, thread_name_prefix="submission")
         self._admitting = asyncio.Lock()
-        # Ends of jobs the job store could not write yet, by job id (written again later).
+        # Starts and ends of jobs that the job store could not write yet, by job id, in
+        # order (written again later; a job's end replaces its unwritten start).
         self.unrecorded: dict[str, Callable[[], None]] = {}
 
     @property
@@ -247,7 +248,15 @@ class Scheduler:
             waits = "crash recovery" if self.recovering else \
                 self._blockers(job.prepared.touches, before=job.id)
             if waits is None:
-                self._write("started", job.id, self.jobs.started, job.id, time.time_ns())
+                started_ns = time.time_ns()
+
+                def started(job_id: str = job.id, ns: int = started_ns) -> None:
+                    self.jobs.started(job_id, ns)
+
+                # Written again later when refused: after a crash, recovery rolls back the
+                # jobs whose row says running.
+                if not self._write("started", job.id, started):
+                    self.unrecorded[job.id] = started
                 job.waiting_for = None
                 job.start()
             elif waits != job.waiting_for:
@@ -267,6 +276,7 @@ class Scheduler:
             self.jobs.finished(job.id, state, exit_status=ended.exit_status,
                                error_code=error.code if error else None)
 
+        self.unrecorded.pop(job.id, None)
         if not self._write("finished", job.id, finished):
             self.unrecorded[job.id] = finished
         if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
@@ -303,10 +313,12 @@ class Scheduler:
         return True
 
     def _write_unrecorded(self) -> None:
-        """Write again the ends that the job store refused before."""
-        for job_id, finished in list(self.unrecorded.items()):
-            if self._write("finished, again", job_id, finished):
-                del self.unrecorded[job_id]
+        """Write again what the job store refused before; stop at the first refusal (each
+        may wait for the store's busy timeout)."""
+        for job_id, write in list(self.unrecorded.items()):
+            if not self._write("again", job_id, write):
+                return
+            del self.unrecorded[job_id]
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
         job = self.active.get(job_id)

@@ -112,3 +112,29 @@ def test_a_job_ends_when_the_store_cannot_write_its_end(tmp_path: Path) -> None:
         assert scheduler.unrecorded == {}
 
     asyncio.run(run())
+
+
+def test_a_job_starts_when_the_store_cannot_write_its_start(tmp_path: Path) -> None:
+    scheduler, jobs, _ = _scheduler(tmp_path)
+
+    async def run() -> None:
+        status, _ = await scheduler.submit(
+            json.dumps({"operation": "restore", "request": _restore()}).encode(), 0)
+        assert status == 201
+        job = scheduler.active["restore-1"]
+        _read_only(jobs, True)
+        scheduler.recovering = False
+        scheduler.pump()
+        assert job.running and list(scheduler.unrecorded) == ["restore-1"]
+        # Cancelled before its operation began (nothing here may reach a host); its end,
+        # refused too, takes the place of its start among what is written later.
+        job.cancel(signal.SIGTERM, "test")
+        assert job.task is not None
+        await job.task
+        assert scheduler.active == {} and job.output.ended
+        _read_only(jobs, False)
+        scheduler._write_unrecorded()
+        row = jobs.get("restore-1")
+        assert row is not None and row.state == "cancelled" and scheduler.unrecorded == {}
+
+    asyncio.run(run())

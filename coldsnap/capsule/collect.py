@@ -122,6 +122,13 @@ async def collect_worker_objects(
                        "policy.weights.native.files_by_worker)")
         found = await checked_payload(s, handle.unit, w.id, w.payload_path, spec.mounts)
         real, sha, size = found.real, found.sha256, found.bytes
+        if w.payload_expected is not None and w.payload_expected[1:] != (size, sha):
+            field, want_size, want_sha = w.payload_expected
+            # The artifact must hold the bytes the request vouched for, not whatever lies
+            # at the path now (a shard re-downloaded or truncated since it was staged).
+            raise fail(s, handle.unit, step,
+                       f"worker {w.id}: staged payload {w.payload_path} is {size} bytes, "
+                       f"{sha}; {field} says {want_size} bytes, {want_sha}")
         container_path = container_path_for(spec.mounts, w.payload_path)
         plan = ReplayPlan.model_validate({
             "unit_id": spec.unit_id,

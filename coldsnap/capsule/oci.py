@@ -3,10 +3,12 @@ image, as an image of its own (manifest, config, layers), never the CRIU images.
 
 Capture commits the dumped container. With a registry (the inventory's `registry`), the
 capture host pushes it and the artifact names it by digest (`REGISTRY/coldsnap/capsule/UNIT@
-sha256:...`); every restore host pulls it by digest, its base layers already there. Without
-one, the capture host exports the layers above the base (`docker save`, then the base's layers
-left out on the host) as the unit's `oci-capsule` object, and a restore host loads that after
-making sure it has the base image: Docker reads no layer it already holds.
+sha256:...`); every restore host pulls it by digest, its base layers already there. A request's
+`policy.capsule.repository` takes the place of `REGISTRY/coldsnap/capsule`, with or without an
+inventory registry: the capsule goes to `REPOSITORY/UNIT`. Without either, the capture host
+exports the layers above the base (`docker save`, then the base's layers left out on the host)
+as the unit's `oci-capsule` object, and a restore host loads that after making sure it has the
+base image: Docker reads no layer it already holds.
 """
 
 from __future__ import annotations
@@ -103,6 +105,15 @@ async def ensure_image(s: CapsuleSession, unit: str, image: str, image_digest: s
 def capsule_repository(unit_id: str, registry: str | None = None) -> str:
     repo = f"coldsnap/capsule/{docker_name(unit_id)}"
     return f"{registry}/{repo}" if registry else repo
+
+
+def push_repository(unit_id: str, *, registry: str | None,
+                    repository: str | None) -> str | None:
+    """Where a unit's capsule is pushed: under the request's `policy.capsule.repository`
+    when it names one, else under the inventory's registry; None: not pushed."""
+    if repository:
+        return f"{repository}/{docker_name(unit_id)}"
+    return capsule_repository(unit_id, registry) if registry else None
 
 
 @dataclass(frozen=True)
@@ -226,13 +237,15 @@ def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
 
 
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
-                 *, registry: str | None = None) -> CommittedCapsule:
+                 *, registry: str | None = None,
+                 repository: str | None = None) -> CommittedCapsule:
     """The dumped unit as a capsule, all or nothing:
     - its CRIU images packed into objects on this host, under
       <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
     - `docker commit` of its container: the rootfs diff over the base image only;
-    - with a `registry`, that image pushed there (the manifest names it by digest); without
-      one, its layers above the base exported to .../capsule.tar (the `oci-capsule` object).
+    - with a `registry` or a `repository` (`push_repository`), that image pushed there (the
+      manifest names it by digest); without either, its layers above the base exported to
+      .../capsule.tar (the `oci-capsule` object).
     """
     step = "commit"
     spec = handle.spec
@@ -265,9 +278,9 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
             raise ValueError(f"the committed capsule {image_id} is not layered on its base "
                              f"{spec.image}")
         marks.append(time.monotonic())
-        if registry:
-            pushed = await push(s, spec.unit_id, image_id, capsule_repository(spec.unit_id,
-                                                                               registry), tag)
+        target = push_repository(spec.unit_id, registry=registry, repository=repository)
+        if target is not None:
+            pushed = await push(s, spec.unit_id, image_id, target, tag)
         else:
             exported = await export_layers(s, spec.unit_id, f"{repo}:{tag}", len(base),
                                            f"{out_dir}/capsule.tar")

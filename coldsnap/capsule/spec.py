@@ -202,6 +202,9 @@ class WorkerSpec:
     # Host path of the worker's weight payload, located from the request (mounts and
     # policy.weights.native), never from a path the engine reports. None: not known.
     payload_path: str | None = None
+    # What the request says that payload is, for a staged one: (the field that says it,
+    # bytes, "sha256:<hex>"); collect compares it with what it hashes on the host.
+    payload_expected: tuple[str, int, str] | None = None
 
 
 @dataclass(frozen=True)

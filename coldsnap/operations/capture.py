@@ -151,7 +151,8 @@ async def _capture_units(
 
     async def do_commit(r: UnitRun) -> None:
         r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
-                                 registry=hosts.inventory.registry)
+                                 registry=hosts.inventory.registry,
+                                 repository=request.policy.capsule.repository)
 
     await phase(ctx, "commit", runs, do_commit)
 

@@ -119,7 +119,8 @@ def unit_spec(
         WorkerSpec(id=w.id, global_rank=w.global_rank, world_size=w.world_size,
                    process_slot=w.process_slot, device_slots=w.device_slots,
                    payload_path=host_payload_path(w.id, index, unit.command, mounts, weights,
-                                                  model_dir))
+                                                  model_dir),
+                   payload_expected=staged_payload(w.id, weights))
         for w in topology.workers if w.unit == unit.id)
     return UnitSpec(
         unit_id=unit.id,
@@ -164,6 +165,17 @@ def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
         raise PlacementError(f"policy.process.kv_discard: false, but {engine}'s sleep always "
                              "drops the KV cache")
     return False
+
+
+def staged_payload(worker: str, weights: WeightsPolicy | None) -> tuple[str, int, str] | None:
+    """The worker's `policy.weights.native.staged` entry (the one `host_payload_path` takes),
+    as (its field, bytes, sha256): what the capture must find at that path."""
+    if weights is None or weights.native is None:
+        return None
+    for i, entry in enumerate(weights.native.staged or []):
+        if entry.worker == worker:
+            return f"policy.weights.native.staged[{i}]", entry.bytes, entry.sha256
+    return None
 
 
 def host_payload_path(worker: str, unit_index: int, command: Sequence[str],

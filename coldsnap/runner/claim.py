@@ -16,7 +16,7 @@ from typing import Protocol
 
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.runner.ledger import Entry, Ledger
-from coldsnap.runner.owners import claim_workload
+from coldsnap.runner.owners import claim_workload, release_owner
 from coldsnap.runner.prepared import AlreadyDone, Prepared, ReceiptKey, Refused
 from coldsnap.store import StoreError
 
@@ -106,3 +106,15 @@ def claim(prepared: Prepared, outputs: Outputs | None = None) -> Claim:
             raise Refused(str(exc)) from None
         raise
     return held
+
+
+def release(prepared: Prepared, held: Claim) -> None:
+    """Give back the id `claim` took for an operation that will not run after all (the
+    service could not record its job): nothing of it stays claimed, neither its ledger
+    record nor the owner record its claim made. A prepare-only run claimed nothing."""
+    if held.prepare_only:
+        return
+    key = prepared.key
+    if held.ledger.release(key.operation_id, key.request_sha256) \
+            and prepared.starts_workload is not None:
+        release_owner(prepared.store_root, prepared.starts_workload[0], key.operation_id)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from coldsnap.formats.fields import Digest, Id, StrictModel, is_id
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
-from coldsnap.hosts.durable import atomic_write_bytes
+from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir
 from coldsnap.operations.context import OperationContext, OperationFailed, Touched
 from coldsnap.store import StoreError
 
@@ -185,6 +185,20 @@ class Ledger:
             entry = self.load(operation_id)
             if entry is not None:
                 self.write(entry.model_copy(update=fields))
+
+    def release(self, operation_id: str, request_sha256: str) -> bool:
+        """Give back an id that `reserve` claimed in this process for a run that will never
+        start (the service could not record its job): its record is removed, so the id is
+        fresh again. Only that claim's own record goes (still `running`, this pid, the same
+        request); True when it went."""
+        with self.claiming():
+            entry = self.load(operation_id)
+            if (entry is None or entry.state != "running" or entry.pid != os.getpid()
+                    or entry.request_sha256 != request_sha256):
+                return False
+            self.path(operation_id).unlink()
+            fsync_dir(self.dir)
+        return True
 
 
 class OperationRun:

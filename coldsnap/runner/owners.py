@@ -25,7 +25,7 @@ from pathlib import Path
 
 from coldsnap.formats.receipt import rfc3339_ns
 from coldsnap.formats.request import Request
-from coldsnap.hosts.durable import atomic_write_bytes
+from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir
 from coldsnap.runner.prepared import Refused
 
 OWNERS_DIR = "owners"
@@ -84,6 +84,16 @@ def record_owner(store_root: Path, workload: str, uid: int, operation_id: str) -
     found = owner_of(store_root, workload)
     assert found is not None
     return found
+
+
+def release_owner(store_root: Path, workload: str, operation_id: str) -> None:
+    """Forget the owner record that `operation_id` made, for an operation whose claim was
+    given back before it ran: it started nothing, so it owns nothing."""
+    owner = owner_of(store_root, workload)
+    if owner is not None and owner.operation_id == operation_id:
+        path = _path(store_root, workload)
+        path.unlink(missing_ok=True)
+        fsync_dir(path.parent)
 
 
 def claim_workload(store_root: Path, workload: str, uid: int, operation: str,

@@ -10,6 +10,13 @@ A submission is decoded and prepared (its artifact file read, references resolve
 objects hashed) in a small pool of threads of its own, never on the loop: a slow or hostile
 input delays only its own answer. Its admission (the checks above, the claim of its id, its
 place in the queue) then runs one submission at a time, in the order they were prepared.
+
+The job store is the service's memory of its jobs, not their truth: each operation's outcome
+and receipt are its ledger record's (coldsnap.runner.ledger). A write to the store that fails
+("database is locked", a full disk) is said in the journal and never holds a job: a job still
+starts, and still ends (its followers get its end, it leaves the active set); the row's end is
+written again at the next job's admission or end. A job whose row cannot be added is not
+accepted, and its id is given back.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +34,8 @@ from typing import Any
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.formats.redaction import redact, secret_values
 from coldsnap.formats.service_policy import ServicePolicy
-from coldsnap.runner.claim import Claim, claim
+from coldsnap.logs import get_logger
+from coldsnap.runner.claim import Claim, claim, release
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
 from coldsnap.runner.service_api import JobState
@@ -58,6 +67,12 @@ ARTIFACT_GRACE_S = 10.0
 SUBMISSION_THREADS = 4
 
 Reply = tuple[int, dict[str, Any]]
+
+
+def _journal() -> Any:
+    # Made when used: a logger bound at import would keep the logging configuration of
+    # before `serve` configured it (the service's journal is its stderr).
+    return get_logger(component="scheduler")
 
 
 class _Refusal(Exception):
@@ -99,6 +114,9 @@ class Scheduler:
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
         self._threads = ThreadPoolExecutor(SUBMISSION_THREADS, thread_name_prefix="submission")
         self._admitting = asyncio.Lock()
+        # Starts and ends of jobs that the job store could not write yet, by job id, in
+        # order (written again later; a job's end replaces its unwritten start).
+        self.unrecorded: dict[str, Callable[[], None]] = {}
 
     @property
     def running(self) -> list[Job]:
@@ -147,7 +165,15 @@ class Scheduler:
                 return 400, {"error": str(exc), "exit_status": EXIT_BAD_INPUT}
             except AlreadyDone as done:
                 return 200, {"already": done.receipt.to_json(), "exit_status": EXIT_OK}
-            job = self._admit(sub, prepared, held, uid, output)
+            try:
+                job = self._admit(sub, prepared, held, uid, output)
+            except (sqlite3.Error, OSError) as exc:
+                release(prepared, held)
+                _journal().error("jobs.add-failed", job=key.operation_id, error=str(exc))
+                return 503, {"error": f"coldsnapd could not record {sub.operation} "
+                                      f"{key.operation_id} in its job store ({exc}); nothing "
+                                      "ran and the id is free to submit again",
+                             "exit_status": EXIT_FAILED}
             if sub.request is not None and sub.request.output:
                 self.wants_artifact.add(job.id)
         return 201, {"job": job.id, "state": "running" if job.running else "queued",
@@ -185,6 +211,7 @@ class Scheduler:
         job = Job(prepared, held, uid, output, self._ended,
                   verbose=bool(sub.options.get("verbose")))
         t = prepared.touches
+        self._write_unrecorded()
         # Stored redacted: the job store is what job views show. The sha256 is the full
         # request's, computed when it was parsed.
         self.jobs.add(id=job.id, operation=sub.operation,
@@ -221,12 +248,20 @@ class Scheduler:
             waits = "crash recovery" if self.recovering else \
                 self._blockers(job.prepared.touches, before=job.id)
             if waits is None:
-                self.jobs.started(job.id, time.time_ns())
+                started_ns = time.time_ns()
+
+                def started(job_id: str = job.id, ns: int = started_ns) -> None:
+                    self.jobs.started(job_id, ns)
+
+                # Written again later when refused: after a crash, recovery rolls back the
+                # jobs whose row says running.
+                if not self._write("started", job.id, started):
+                    self.unrecorded[job.id] = started
                 job.waiting_for = None
                 job.start()
             elif waits != job.waiting_for:
                 job.waiting_for = waits
-                self.jobs.waiting(job.id, waits)
+                self._write("waiting", job.id, self.jobs.waiting, job.id, waits)
                 job.say(f"{job.prepared.operation} {job.id} waits for {waits}")
         self.on_change()
 
@@ -235,8 +270,15 @@ class Scheduler:
         error = receipt.error
         state: JobState = ("succeeded" if error is None else
                            "cancelled" if error.code == "cancelled" else "failed")
-        self.jobs.finished(job.id, state, exit_status=ended.exit_status,
-                           error_code=error.code if error else None)
+        self._write_unrecorded()
+
+        def finished() -> None:
+            self.jobs.finished(job.id, state, exit_status=ended.exit_status,
+                               error_code=error.code if error else None)
+
+        self.unrecorded.pop(job.id, None)
+        if not self._write("finished", job.id, finished):
+            self.unrecorded[job.id] = finished
         if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)
@@ -260,6 +302,23 @@ class Scheduler:
             self.artifacts.pop(old, None)
             self.artifact_fetched(old)
         self.pump()
+
+    def _write(self, what: str, job_id: str, write: Callable[..., None], *args: Any) -> bool:
+        """One write to the job store; False, said in the journal, when it failed."""
+        try:
+            write(*args)
+        except (sqlite3.Error, OSError) as exc:
+            _journal().error("jobs.write-failed", job=job_id, write=what, error=str(exc))
+            return False
+        return True
+
+    def _write_unrecorded(self) -> None:
+        """Write again what the job store refused before; stop at the first refusal (each
+        may wait for the store's busy timeout)."""
+        for job_id, write in list(self.unrecorded.items()):
+            if not self._write("again", job_id, write):
+                return
+            del self.unrecorded[job_id]
 
     def cancel(self, job_id: str, uid: int, sig: signal.Signals) -> Reply:
         job = self.active.get(job_id)

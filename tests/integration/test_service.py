@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,38 @@ def test_local_runs_in_process_even_with_a_service(ops: Ops, service: Served,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _job(service, run.receipt["operation_id"])["state"] == "succeeded"
+
+
+def test_a_job_ends_while_its_job_store_is_locked(ops: Ops, service: Served,
+                                                  capture_id: str) -> None:
+    """Another writer holds the job store's write lock while a job runs ("database is
+    locked", as a stuck writer or a full disk leaves it): the job still ends, with its true
+    receipt, and the CLI returns; the journal says which write failed."""
+    import sqlite3
+
+    request = ops.request("tp2-two-hosts-restore-moved", suffix="locked", artifact=capture_id)
+    job_id = yaml.safe_load(request.read_text())["id"]
+    dockerd = int((ops.inventory.parent / "host-3" / "docker" / "docker.pid").read_text())
+    # host-3's dockerd held still: the restore cannot end before the lock is taken.
+    os.kill(dockerd, signal.SIGSTOP)
+    db = sqlite3.connect(service.state_dir / "jobs.sqlite3", isolation_level=None)
+    try:
+        run = start(ops, "restore", "--request", str(request))
+        while service.call("GET", f"/v1/jobs/{job_id}")[0] != 200 \
+                or _job(service, job_id)["state"] != "running":
+            assert run.proc.poll() is None, run.proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        db.execute("BEGIN IMMEDIATE")
+        os.kill(dockerd, signal.SIGCONT)
+        status, err, receipt = run.finish(timeout=300)
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
+        db.close()
+    ops.remove_units()
+    assert status == 0, err[-3000:]
+    assert receipt["state"] == "succeeded" and receipt["operation_id"] == job_id
+    journal = service.log.read_text()
+    assert "jobs.write-failed" in journal and "database is locked" in journal, journal[-3000:]
+    # The end the store refused is written at the next admission; until then the job's
+    # row is what the store last took.
+    assert _job(service, job_id)["state"] == "running"

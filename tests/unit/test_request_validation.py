@@ -441,12 +441,6 @@ def test_partial_policy_merges_field_by_field() -> None:
     assert req.policy.cache.paths == ["/var/cache/coldsnap/runtime"]
 
 
-def test_seed_false_clears_default_cache_paths() -> None:
-    raw = minimal_request()
-    raw["policy"] = {"cache": {"seed": False}}
-    assert parse_request(raw).policy.cache.paths == []
-
-
 def test_native_empty_object_is_valid() -> None:
     raw = minimal_request()
     raw["policy"] = {"weights": {"mode": "native", "native": {}}}

@@ -1,5 +1,7 @@
 """Policy rules that relate fields to each other or to the launch: CUDA graphs, weights
-recovery, the compiler-cache paths and the mounts they must not overlap."""
+recovery, the compiler-cache paths and the mounts they must not overlap; and the values of
+the format that this coldsnapd does not act on, refused rather than validated and ignored
+(`unsupported_issues`; docs/formats.md lists what each field does here)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,59 @@ import posixpath
 
 from coldsnap.formats.errors import Issues, join
 from coldsnap.formats.request.models import Request
-from coldsnap.formats.request.policy import CACHE_ROOTS
+from coldsnap.formats.request.policy import CACHE_ROOTS, DEFAULT_GRAPH_POLICY
 
 
 def policy_issues(issues: Issues, req: Request) -> None:
     _process_issues(issues, req)
     _weights_issues(issues, req)
     _cache_issues(issues, req)
+    unsupported_issues(issues, req)
+
+
+def _unsupported(issues: Issues, path: str, value: object, why: str) -> None:
+    issues.add(path, f"{value!r} is not supported by this coldsnapd: {why}")
+
+
+def unsupported_issues(issues: Issues, req: Request) -> None:
+    """Values the format allows that coldsnapd would validate and then ignore: each is
+    refused, naming its field, with what coldsnapd does instead. The defaults are what it
+    does, so a request that leaves these fields out is never refused here."""
+    process, weights, cache = req.policy.process, req.policy.weights, req.policy.cache
+    graphs = DEFAULT_GRAPH_POLICY.get(req.snapshot_driver.id, "") if process.async_graphs \
+        else ""
+    if process.graph_policy and process.graph_policy != graphs:
+        _unsupported(issues, "policy.process.graph_policy", process.graph_policy,
+                     "CUDA graphs are kept as the snapshot driver "
+                     f"{req.snapshot_driver.id} keeps them ('{graphs}', the default)")
+    if process.shape_calibration == "enabled":
+        _unsupported(issues, "policy.process.shape_calibration", "enabled",
+                     "it runs no shape calibration ('auto' and 'disabled' say so)")
+    if process.artifact_scope != "portable":
+        _unsupported(issues, "policy.process.artifact_scope", process.artifact_scope,
+                     "its artifacts are portable: any host that passes admission restores "
+                     "them ('portable', the default)")
+    native = weights.native
+    if native is not None and native.materialize not in (None, "required"):
+        _unsupported(issues, "policy.weights.native.materialize", native.materialize,
+                     "a restore stages every payload on its host before any unit starts "
+                     "('required', or leave it out)")
+    if weights.recovery.source is not None:
+        _unsupported(issues, "policy.weights.recovery.source", weights.recovery.source,
+                     "recovery replays each worker from the payload object its artifact "
+                     "holds (leave it out)")
+    if weights.recovery.loader_backend not in (None, "auto"):
+        _unsupported(issues, "policy.weights.recovery.loader_backend",
+                     weights.recovery.loader_backend,
+                     "a replayed engine loads its weights with its own loader ('auto', or "
+                     "leave it out)")
+    if not cache.seed:
+        _unsupported(issues, "policy.cache.seed", False,
+                     "the snapshot always carries what the engine wrote in its container, "
+                     "compiler caches included (true, the default)")
+    if cache.staged:
+        _unsupported(issues, "policy.cache.staged", "[...]",
+                     "it seeds no cache from a host directory (leave it empty)")
 
 
 def _inside(path: str, root: str) -> bool:

@@ -34,7 +34,7 @@ def parse_size(value: Any) -> int:
     if m is None:
         raise invalid("must be a size in bytes, e.g. 200GiB or 500000000")
     base = 1024 if m.group(3) else 1000
-    size = int(m.group(1)) * base ** _POWER[m.group(2)]
+    size: int = int(m.group(1)) * base ** _POWER[m.group(2)]
     if size < 1:
         raise invalid("must be at least 1 byte")
     return size

@@ -136,7 +136,7 @@ def test_store_budget_config(tmp_path: Path) -> None:
     budget = store_budget(tmp_path)
     assert budget is not None and budget.size == 10 << 30 and budget.low_percent == 60
     (tmp_path / "config.yaml").write_text("cache_budget: {size: 10GiB, low: 60}\n")
-    with pytest.raises(StoreError, match="cache_budget.low"):
+    with pytest.raises(StoreError, match=r"cache_budget\.low"):
         store_budget(tmp_path)
 
 

@@ -147,3 +147,19 @@ def test_restores_are_recorded_per_host(tmp_path: Path) -> None:
     assert restored_at(store, "cap-1") == {"h0": 1, "h1": 2}
     with pytest.raises(StoreError):
         record_restored(store, "../x", ["h0"])
+
+
+def test_running_records_protect_the_captures_they_name(tmp_path: Path) -> None:
+    from coldsnap.runner.budgets import needed_by_operations
+    from coldsnap.runner.ledger import Ledger
+
+    ledger = Ledger(tmp_path)
+    digest = "sha256:" + "a" * 64
+    assert ledger.reserve("r-1", "restore", digest, ("cap-1",)) is None  # queued or running
+    assert ledger.reserve("r-2", "restore", digest, ("cap-2",)) is None
+    record = ledger.load("r-2")
+    assert record is not None
+    ledger.write(record.model_copy(update={"state": "succeeded"}))
+    protected, capturing = needed_by_operations(tmp_path)
+    assert protected == {"cap-1": "restore r-1 is queued or running and needs it"}
+    assert capturing == []  # no capture holds its run lock

@@ -9,9 +9,8 @@ budget (coldsnap.runner.budgets).
   (`criu-images/<hex>`) that no artifact names, and the per-operation directories
   (`dumps/<id>`, `capsules/<id>`) that are empty and whose operation does not run. Partial
   files and directories (`.coldsnap-part`, `.<set>.<id>.partial`) are the orphan judge's.
-- **Registry**: the capsules pushed for this store's artifacts are listed as kept; others in
-  the registry may belong to another control node's store, so none is deleted (see
-  docs/ARCHITECTURE.md, gc).
+- **Registry**: capsules this store's captures pushed that no artifact keeps, deleted by
+  digest (coldsnap.runner.registry_gc); any other is kept, said why.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from coldsnap.operations.budgets import (
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.budgets import describe_eviction, describe_host, needed_by_operations
 from coldsnap.runner.ledger import run_status
+from coldsnap.runner.registry_gc import RegistryError, sweep_registry
 from coldsnap.runner.report import human_bytes
 from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.usage import evict_store, store_budget, store_usage
@@ -135,17 +135,29 @@ async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
     return place
 
 
-def registry_place(registry: str | None, stored: list[StoredArtifact]) -> Place | None:
+def registry_place(registry: str | None, store: LocalStore, stored: list[StoredArtifact],
+                   unreadable: str | None, *, dry_run: bool) -> Place | None:
     if registry is None:
         return None
     place = Place(f"registry {registry}")
-    for s in stored:
-        for image in s.artifact.capsule.images:
-            if image.reference.startswith(registry + "/"):
-                place.kept.append(Judged(image.reference, 0,
-                                         f"the capsule of {image.unit} in {s.capture_id}"))
-    place.kept.append(Judged("every other manifest", 0,
-                             "not deleted: another control node's artifacts may name it"))
+
+    def removed(what: str, size: int, why: str) -> None:
+        place.removed.append(Judged(what, size, why))
+
+    def kept(what: str, size: int, why: str) -> None:
+        place.kept.append(Judged(what, size, why))
+
+    try:
+        # An unreadable index entry may name any capsule: then only listed, never deleted.
+        note = sweep_registry(registry, store.root, stored, removed, kept,
+                              dry_run=dry_run or unreadable is not None)
+        if unreadable is not None:
+            place.kept += [Judged(j.what, j.bytes, unreadable) for j in place.removed]
+            place.removed = []
+        if note is not None:
+            place.budget.append(f"{place.place}: {note}")
+    except (RegistryError, OSError, ValueError) as exc:
+        place.error = f"{type(exc).__name__}: {exc}"
     return place
 
 
@@ -169,7 +181,7 @@ async def sweep_unreferenced(hosts: HostSet, store: LocalStore, registry: str | 
         if budget is not None and hold is None:
             places[0].budget = describe_eviction(
                 "control node store", evict_store(store, budget, protected, dry_run=dry_run))
-    reg = registry_place(registry, stored)
+    reg = registry_place(registry, store, stored, unreadable, dry_run=dry_run)
     return places + ([reg] if reg is not None else [])
 
 

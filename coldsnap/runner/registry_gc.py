@@ -14,6 +14,7 @@ garbage collection.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -65,6 +66,22 @@ def _base(registry: str) -> str:
     raise RegistryError("the registry does not answer on /v2/")
 
 
+def _paged(base: str, path: str, key: str, *, missing_ok: bool = False) -> list[str]:
+    """Every page of a listing: each names the next in its Link header."""
+    found: list[str] = []
+    next_path: str | None = path
+    while next_path:
+        status, headers, body = _call(base, next_path)
+        if status == 404 and missing_ok:
+            return found
+        if status != 200:
+            raise RegistryError(f"{next_path.partition('?')[0]} answered {status}")
+        found += [str(x) for x in json.loads(body).get(key) or []]
+        link = re.match(r'\s*<([^>]+)>\s*;\s*rel="next"', headers.get("Link") or "")
+        next_path = link.group(1) if link and link.group(1).startswith("/v2/") else None
+    return found
+
+
 def _our_captures(store_root: Path) -> dict[str, str]:
     """tag -> capture id, of every capture this store's ledger records."""
     ledger = Ledger(store_root)
@@ -93,15 +110,11 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
             for s in stored for i in s.artifact.capsule.images}
     indexed = {s.capture_id for s in stored}
     ours = _our_captures(store_root)
-    status, _, body = _call(base, "/v2/_catalog?n=10000")
-    if status != 200:
-        raise RegistryError(f"listing its repositories answered {status}")
     note = None
-    for repo in sorted(json.loads(body).get("repositories") or []):
+    for repo in sorted(_paged(base, "/v2/_catalog?n=1000", "repositories")):
         if not repo.startswith(REPO_PREFIX):
             continue
-        status, _, body = _call(base, f"/v2/{repo}/tags/list")
-        tags = (json.loads(body).get("tags") or []) if status == 200 else []
+        tags = _paged(base, f"/v2/{repo}/tags/list?n=1000", "tags", missing_ok=True)
         by_digest: dict[str, list[str]] = {}
         for tag in tags:
             status, headers, _ = _call(base, f"/v2/{repo}/manifests/{tag}", "HEAD")

@@ -1,6 +1,7 @@
 """A host cache held to its budget on the dev cluster: five captures restored in turn into a
 host whose `cache_budget` holds two; the oldest are evicted, the newest restores again with
-nothing sent, and a restore of an evicted artifact keeps what it needs while it runs.
+nothing sent, and a restore of an evicted artifact keeps what it needs while it runs; then
+`gc --unreferenced` after an artifact left the store.
 
 The hosts get fresh data_dirs (below their dev ones) for this test, so that what the budget
 counts is only what these operations put there."""
@@ -11,14 +12,23 @@ import json
 import secrets
 import shutil
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pytest
+import yaml
+
 from coldsnap.formats.capsule import parse_capsule_manifest
+from tests.integration.conftest import REPO
 from tests.integration.ops_fixtures import Ops, dev_requests, edited_inventory, ops
 
 __all__ = ["dev_requests", "ops"]  # fixtures used by name
 
 HOST = "host-0"
+MANIFEST = ("application/vnd.docker.distribution.manifest.v2+json, "
+            "application/vnd.oci.image.manifest.v1+json")
 
 
 def _du(path: Path) -> int:
@@ -104,3 +114,30 @@ def _run(ops: Ops, dirs: dict[str, Path]) -> None:
     ops.remove_units()
     assert held() == {sets[captures[0]], sets[captures[4]]}, oldest.stderr[-3000:]
     assert f"evicted {captures[3]}" in oldest.stderr
+
+    # An artifact dropped from the store: gc --unreferenced removes what only it named, on
+    # the control node, the host and in the registry, and keeps the newest's.
+    artifact = json.loads((ops.store / "artifacts" / f"{captures[0]}.json").read_text())
+    (ops.store / "artifacts" / f"{captures[0]}.json").unlink()
+    gc = subprocess.run([sys.executable, "-m", "coldsnap", "gc", "--unreferenced", "--json",
+                         "--inventory", str(budget), "--store", str(ops.store)],
+                        capture_output=True, text=True, cwd=REPO)
+    assert gc.returncode == 0, gc.stderr[-3000:]
+    places = {p["place"]: p for p in json.loads(gc.stdout)["unreferenced"]}
+    removed = {p: {j["what"] for j in places[p]["removed"]} for p in places}
+    assert held() == {sets[captures[4]]}
+    assert f"criu-images/{sets[captures[0]]}" in removed[HOST]
+    newest = json.loads((ops.store / "artifacts" / f"{captures[4]}.json").read_text())
+    unique = {o["sha256"] for o in artifact["objects"]} - {o["sha256"] for o in newest["objects"]}
+    assert unique and unique <= removed["control node store"]
+    assert not any((ops.store / "objects" / "sha256" / d[7:]).exists() for d in unique)
+    registry = yaml.safe_load(ops.inventory.read_text())["registry"]
+    for image in artifact["capsule"]["images"]:
+        repo, _, digest = image["reference"].partition("@")
+        assert any(w.startswith(f"{repo}@{digest}") for w in removed[f"registry {registry}"])
+        request = urllib.request.Request(
+            f"http://{registry}/v2/{repo.removeprefix(registry + '/')}/manifests/{digest}",
+            method="HEAD", headers={"Accept": MANIFEST})
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            urllib.request.urlopen(request, timeout=10)
+        assert gone.value.code == 404

@@ -5,6 +5,8 @@ Layout under the store root:
   artifacts/<capture_id>.json   format-9 artifacts, canonical JSON (the index)
   operations/<id>.json, .lock   the ledger: one record per operation id (coldsnap.runner.ledger)
   tmp/                          partial writes; never read as objects
+  restored/<capture_id>.json    when each artifact was last restored, per host (usage.py)
+  config.yaml                   optional: the store's `cache_budget` (usage.py, eviction.py)
 
 `resolve_reference(store, ref)` (`refs.py`) turns an artifact reference (file path, capture
 id, digest prefix) into the indexed artifact.

@@ -107,7 +107,6 @@ async def evict_host(hosts: HostSet, name: str, store: LocalStore,
         usage = await host_usage(host, entry.data_dir)
         held: list[Held] = [held_in(store, s, host_items(store, s.artifact) & usage.items.keys(),
                                     host=name) for s in stored]
-        held = [h for h in held if h.items]
         result = plan(entry.cache_budget, usage.total, usage.items, held, protected)
         if not dry_run and result.items:
             await remove_items(host, entry.data_dir, result.items)

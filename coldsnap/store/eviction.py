@@ -75,12 +75,15 @@ def plan_eviction(budget: CacheBudget, usage: int, sizes: Mapping[str, int],
     """Which artifacts to evict and which items that removes. `usage`: the cache's bytes now
     (all of them, not only the items'); `sizes`: the bytes of each item present."""
     plan = Eviction(budget, usage)
+    # The newest of each workload over every artifact: one whose newest is not in this cache
+    # keeps none of its older ones here by that rule.
+    newest = set(newest_per_workload(held).values())
+    held = [h for h in held if h.items & sizes.keys()]  # what is in this cache
     if not plan.triggered:
         for h in held:
             plan.kept[h.capture_id] = (f"usage {usage} bytes is within the high watermark "
                                        f"({budget.high_bytes})")
         return plan
-    newest = set(newest_per_workload(held).values())
     candidates: list[Held] = []
     for h in held:
         if h.capture_id in protected:

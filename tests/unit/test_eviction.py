@@ -80,6 +80,15 @@ def test_the_newest_is_by_capture_time_not_by_last_use() -> None:
     assert plan.evicted == ["first"]
 
 
+def test_a_workloads_newest_elsewhere_leaves_its_older_ones_here_evictable() -> None:
+    # "later" is in another cache (none of its items here): it is still the newest.
+    plan = plan_eviction(BUDGET, 1000, {"a": 400, "b": 400},
+                         [held("first", 1, {"a"}), held("second", 2, {"b"}),
+                          held("later", 3, {"elsewhere"})], {})
+    assert plan.evicted == ["first", "second"]
+    assert "later" not in plan.kept
+
+
 def test_budget_sizes_and_watermarks() -> None:
     assert CacheBudget.model_validate({"size": "2GiB"}).size == 2 << 30
     assert CacheBudget.model_validate({"size": "3G"}).size == 3_000_000_000

@@ -36,7 +36,7 @@ from coldsnap.runner.budgets import describe_eviction, describe_host, needed_by_
 from coldsnap.runner.ledger import run_status
 from coldsnap.runner.registry_gc import RegistryError, sweep_registry
 from coldsnap.runner.report import human_bytes
-from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.store.usage import evict_store, store_budget, store_usage
 
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -177,10 +177,14 @@ async def sweep_unreferenced(hosts: HostSet, store: LocalStore, registry: str | 
                                                         protected, dry_run=dry_run)
         for r in evicted:
             by_host[r.host].budget = describe_host(r)
-        budget = store_budget(store.root)
-        if budget is not None and hold is None:
-            places[0].budget = describe_eviction(
-                "control node store", evict_store(store, budget, protected, dry_run=dry_run))
+        try:
+            budget = store_budget(store.root)
+            if budget is not None and hold is None:
+                places[0].budget = describe_eviction(
+                    "control node store", evict_store(store, budget, protected,
+                                                      dry_run=dry_run))
+        except (StoreError, OSError) as exc:
+            places[0].error = f"cache budget: {exc}"
     reg = registry_place(registry, store, stored, unreadable, dry_run=dry_run)
     return places + ([reg] if reg is not None else [])
 

@@ -53,9 +53,11 @@ def needed_by_operations(store_root: Path) -> tuple[dict[str, str], list[str]]:
 def describe_eviction(where: str, plan: Eviction) -> list[str]:
     if not plan.triggered:
         return []
+    # An evicted artifact whose items others still hold frees nothing: not worth a name.
+    freeing = [c for c in plan.evicted if plan.removed[c]]
     lines = [f"{where}: usage {human_bytes(plan.usage)} is past the high watermark "
              f"({plan.budget.high_percent}% of {human_bytes(plan.budget.size)}): evicted "
-             f"{', '.join(plan.evicted) or 'nothing'}, freed {human_bytes(plan.freed)}"]
+             f"{', '.join(freeing) or 'nothing'}, freed {human_bytes(plan.freed)}"]
     if plan.short:
         lines.append(f"{where}: still above the low watermark: kept " + "; ".join(
             f"{c} ({why})" for c, why in sorted(plan.kept.items())))

@@ -4,7 +4,7 @@ control node's store alike (coldsnap.operations.budgets and coldsnap.store.usage
 A cache holds items (files or directories, each with its size); each artifact references some
 of them (a host: its staged objects, its published CRIU image sets; the store: its objects).
 Nothing happens while usage is at most the budget's high watermark. Past it, artifacts are
-evicted least recently used first (last restored there, else captured) until usage is at most
+evicted least recently used first (last restored there; see usage.held_in) until usage is at most
 the low watermark; evicting one removes the items no other artifact still held references, so
 an object two artifacts share goes with the second. Never evicted:
 - an artifact a queued or running operation needs (`protected`, each with why: the caller

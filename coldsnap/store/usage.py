@@ -115,13 +115,17 @@ def workload_of(store: LocalStore, stored: StoredArtifact) -> str:
 
 def held_in(store: LocalStore, stored: StoredArtifact, items: frozenset[str],
             host: str | None = None) -> Held:
-    """The artifact's footprint `items` in one cache: on `host` (its last restore there), or
-    the store (None: its last restore anywhere)."""
+    """The artifact's footprint `items` in one cache: on `host`, last used at its last restore
+    there (never restored there: used never, so it goes first; what it shares with artifacts
+    restored there stays with them, and what a failed restore left goes), or the store (None:
+    its last restore anywhere, else its capture)."""
     captured = captured_at(stored)
     restored = restored_at(store, stored.capture_id)
-    last = restored.get(host) if host is not None else max(restored.values(), default=None)
-    return Held(stored.capture_id, workload_of(store, stored), captured,
-                max(captured, last or 0), items)
+    if host is not None:
+        last = restored.get(host, 0)
+    else:
+        last = max(captured, *restored.values()) if restored else captured
+    return Held(stored.capture_id, workload_of(store, stored), captured, last, items)
 
 
 def store_usage(store: LocalStore) -> dict[str, int]:

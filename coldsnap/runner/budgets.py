@@ -24,7 +24,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import LEDGER_DIR, Ledger, LedgerUnreadable, run_status
 from coldsnap.runner.prepared import Prepared
 from coldsnap.runner.report import Report, human_bytes
-from coldsnap.store import LocalStore
+from coldsnap.store import LocalStore, StoreError
 from coldsnap.store.eviction import Eviction
 from coldsnap.store.usage import evict_store, record_restored, store_budget
 
@@ -91,11 +91,15 @@ async def after_operation(prepared: Prepared, hosts: HostSet, report: Report) ->
         elif budget is not None:
             for line in describe_eviction("store", evict_store(store, budget, protected)):
                 report.say(line)
-        if prepared.operation == "restore":
-            for capture in prepared.touches.captures:
-                record_restored(store, capture, prepared.touches.hosts)
     except Exception as exc:  # the operation succeeded: the budget waits for the next one
         report.say(f"cache budget not applied: {type(exc).__name__}: {exc}")
+    if prepared.operation == "restore":
+        try:
+            for capture in prepared.touches.captures:
+                record_restored(store, capture, prepared.touches.hosts)
+        except (OSError, StoreError) as exc:
+            report.say(f"cannot record the restore of {', '.join(prepared.touches.captures)} "
+                       f"for cache eviction: {exc}")
 
 
 __all__ = ["after_operation", "budgets_apply", "describe_eviction", "describe_host",

@@ -26,6 +26,7 @@ from coldsnap.runner.ledger import LEDGER_DIR, Ledger, LedgerUnreadable, run_sta
 from coldsnap.store import StoredArtifact
 
 REPO_PREFIX = "coldsnap/capsule/"
+OTHER = "a tag no capture of this store made: another control node's"
 _ACCEPT = ", ".join((
     "application/vnd.oci.image.manifest.v1+json",
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -97,6 +98,20 @@ def _our_captures(store_root: Path) -> dict[str, str]:
     return tags
 
 
+def tag_owners(store_root: Path, indexed: set[str]) -> dict[str, str | None]:
+    """For the tag of each capture this store recorded: why what it names stays (its artifact
+    is kept, or it runs), or None: this store's and referenced by nothing."""
+    owners: dict[str, str | None] = {}
+    for tag, capture in _our_captures(store_root).items():
+        if capture in indexed:
+            owners[tag] = f"capture {capture} of this store, whose artifact is kept"
+        elif run_status(store_root, capture).running:
+            owners[tag] = f"capture {capture} of this store runs"
+        else:
+            owners[tag] = None
+    return owners
+
+
 def capture_tag(capture_id: str) -> str:
     return capsule_reference("unit", capture_id)[1]
 
@@ -108,8 +123,7 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
     keep = {(i.reference.partition("@")[0].removeprefix(registry + "/"), i.digest):
             f"the capsule of {i.unit} in {s.capture_id}"
             for s in stored for i in s.artifact.capsule.images}
-    indexed = {s.capture_id for s in stored}
-    ours = _our_captures(store_root)
+    owners = tag_owners(store_root, {s.capture_id for s in stored})
     note = None
     for repo in sorted(_paged(base, "/v2/_catalog?n=1000", "repositories")):
         if not repo.startswith(REPO_PREFIX):
@@ -123,14 +137,12 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
                 by_digest.setdefault(digest, []).append(tag)
         for digest, named in sorted(by_digest.items()):
             what = f"{registry}/{repo}@{digest} ({', '.join(named)})"
-            owners = [ours.get(t) for t in named]
+            why = next((r for r in (owners.get(t, OTHER) for t in named) if r is not None),
+                       None)
             if (repo, digest) in keep:
                 kept(what, 0, keep[(repo, digest)])
-            elif None in owners:
-                kept(what, 0, "a tag no capture of this store made: another control node's")
-            elif any(o in indexed or run_status(store_root, o).running
-                     for o in owners if o is not None):
-                kept(what, 0, "its capture runs, or its artifact is kept")
+            elif why is not None:
+                kept(what, 0, why)
             elif note is not None:
                 kept(what, 0, f"ours and unreferenced, but {note}")
             elif dry_run:
@@ -147,4 +159,4 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
     return note
 
 
-__all__ = ["RegistryError", "capture_tag", "sweep_registry"]
+__all__ = ["RegistryError", "capture_tag", "sweep_registry", "tag_owners"]

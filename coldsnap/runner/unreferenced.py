@@ -6,7 +6,8 @@ budget (coldsnap.runner.budgets).
   objects are named by no artifact until it indexes its own), nor when an index entry is
   unreadable (what it names is unknown).
 - **Hosts**: staged objects (`objects/sha256/<hex>`) and published image sets
-  (`criu-images/<hex>`) that no artifact names, and the per-operation directories
+  (`criu-images/<hex>`) that no artifact names, capsule images in the host's Docker
+  (coldsnap.operations.capsule_images), and the per-operation directories
   (`dumps/<id>`, `capsules/<id>`) that are empty and whose operation does not run. Partial
   files and directories (`.coldsnap-part`, `.<set>.<id>.partial`) are the orphan judge's.
 - **Registry**: capsules this store's captures pushed that no artifact keeps, deleted by
@@ -31,10 +32,11 @@ from coldsnap.operations.budgets import (
     host_usage,
     remove_items,
 )
+from coldsnap.operations.capsule_images import sweep_capsule_images
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.budgets import describe_eviction, describe_host, needed_by_operations
 from coldsnap.runner.ledger import run_status
-from coldsnap.runner.registry_gc import RegistryError, sweep_registry
+from coldsnap.runner.registry_gc import RegistryError, sweep_registry, tag_owners
 from coldsnap.runner.report import human_bytes
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.store.usage import evict_store, store_budget, store_usage
@@ -130,6 +132,16 @@ async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
             empty.append(path)
         if empty and not dry_run:
             await host.run(["rmdir", "--", *empty], timeout=120, check=False)
+        if entry.docker_socket is not None and hold is not None:
+            place.kept.append(Judged("capsule images", 0, hold))
+        elif entry.docker_socket is not None:
+            referenced = {i.digest for s in stored for i in s.artifact.capsule.images}
+            owners = tag_owners(store.root, {s.capture_id for s in stored})
+            async with hosts.sessions([name]) as sessions:
+                await sweep_capsule_images(
+                    sessions[name], referenced, owners, dry_run=dry_run,
+                    removed=lambda w, n, why: place.removed.append(Judged(w, n, why)),
+                    kept=lambda w, n, why: place.kept.append(Judged(w, n, why)))
     except Exception as exc:  # said for this host; the others are still swept
         place.error = f"{type(exc).__name__}: {exc}"
     return place

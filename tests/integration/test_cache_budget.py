@@ -131,6 +131,15 @@ def _run(ops: Ops, dirs: dict[str, Path]) -> None:
     unique = {o["sha256"] for o in artifact["objects"]} - {o["sha256"] for o in newest["objects"]}
     assert unique and unique <= removed["control node store"]
     assert not any((ops.store / "objects" / "sha256" / d[7:]).exists() for d in unique)
+    # Its capsule, pulled on host-0 by its restores, left that host's Docker too.
+    pulled = artifact["capsule"]["images"][0]["digest"]
+    client = ops.docker(HOST)
+    try:
+        names = [n for i in client.images.list() for n in i.attrs.get("RepoDigests") or []]
+    finally:
+        client.close()
+    assert not [n for n in names if n.endswith("@" + pulled)]
+    assert any(w.startswith("image ") and pulled in w for w in removed[HOST]), removed[HOST]
     registry = yaml.safe_load(ops.inventory.read_text())["registry"]
     for image in artifact["capsule"]["images"]:
         repo, _, digest = image["reference"].partition("@")

@@ -39,7 +39,7 @@ def _setup(tmp_path: Path) -> tuple[LocalStore, HostSet, Path, str]:
     (data / "dumps" / "op-full" / "c").mkdir()
     (store.objects_dir / UNREF).write_bytes(b"s" * 7)
     inventory = parse_inventory({"hosts": [{"name": "local", "address": "127.0.0.1",
-                                            "data_dir": str(data)}]})
+                                            "data_dir": str(data), "docker_socket": None}]})
     return store, HostSet(inventory, {"local": LocalHost("local")}), data, referenced
 
 

@@ -97,15 +97,14 @@ _EMPTY = ('d=$1; shift; for s in "$@"; do [ -d "$d/$s" ] || continue; '
 
 
 async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
-                     stored: list[StoredArtifact], hold: str | None, *, dry_run: bool) -> Place:
+                     stored: list[StoredArtifact], named: set[str], hold: str | None,
+                     *, dry_run: bool) -> Place:
+    """`named`: every item an artifact holds on a host (host_items)."""
     place = Place(name)
     entry = hosts.entries[name]
     try:
         host = hosts.host(name)
         usage = await host_usage(host, entry.data_dir)
-        named: set[str] = set()
-        for s in stored:
-            named |= host_items(store, s.artifact)
         cached = {item: n for item, n in usage.items.items()
                   if posixpath.dirname(item) in (OBJECTS, IMAGE_SETS)
                   and _HEX.fullmatch(posixpath.basename(item))}
@@ -125,7 +124,10 @@ async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
         empty: list[str] = []
         for path in out.stdout.decode(errors="replace").splitlines():
             operation_id = posixpath.basename(path)
-            if not is_id(operation_id) or run_status(store.root, operation_id).running:
+            if not is_id(operation_id):
+                place.kept.append(Judged(path, 0, "not named after an operation"))
+                continue
+            if run_status(store.root, operation_id).running:
                 place.kept.append(Judged(path, 0, "its operation is running"))
                 continue
             place.removed.append(Judged(path, 0, "an empty per-operation directory"))
@@ -180,7 +182,10 @@ async def sweep_unreferenced(hosts: HostSet, store: LocalStore, registry: str | 
     hold = unreadable or (f"capture {capturing[0]} is running: its objects are named by no "
                           "artifact yet" if capturing else None)
     places = [sweep_store(store, stored, hold, dry_run=dry_run)]
-    places += await asyncio.gather(*(sweep_host(hosts, h, store, stored, unreadable,
+    named: set[str] = set()
+    for s in stored:
+        named |= host_items(store, s.artifact)
+    places += await asyncio.gather(*(sweep_host(hosts, h, store, stored, named, unreadable,
                                                 dry_run=dry_run) for h in hosts.entries))
     if unreadable is None:
         # Then the budgets, over what is left.

@@ -1,5 +1,6 @@
 """`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind,
 and temporary files older than a day (the store's tmp, partial files in each host's data_dir).
+`coldsnapd gc --unreferenced`: what no artifact references (coldsnap.runner.unreferenced).
 
 Every inventory host is asked, concurrently, for what carries an operation's id; the orphan
 judge (coldsnap.runner.orphans) decides from this control node's ledger what goes. This module
@@ -22,6 +23,7 @@ from coldsnap.commands.common import add_store_argument, open_store
 from coldsnap.commands.operation import DEFAULT_INVENTORY, InventoryError, load_hosts_inventory
 from coldsnap.exits import EXIT_FAILED, EXIT_OK, report_failure
 from coldsnap.formats.fields import is_id
+from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.sweep import TEMP_MAX_AGE_S
@@ -29,6 +31,8 @@ from coldsnap.runner.ledger import prune_locks
 from coldsnap.runner.orphans import HostResult, Judge, gc_host
 from coldsnap.runner.owners import gc_refusal
 from coldsnap.runner.repair import pending, planned, repair
+from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
+from coldsnap.store import LocalStore
 
 
 @dataclass
@@ -107,6 +111,8 @@ def _handler(args: argparse.Namespace) -> int:
     refusal = gc_refusal(store.root, os.getuid(), args.operation)
     if refusal is not None:
         return report_failure(refusal)
+    if args.unreferenced:
+        return _unreferenced(inventory, store, args)
     judge = Judge(store.root)
 
     dead = pending(store.root, args.operation)
@@ -148,6 +154,25 @@ def _handler(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _unreferenced(inventory: Inventory, store: LocalStore, args: argparse.Namespace) -> int:
+    async def main() -> list[Place]:
+        async with HostPool(inventory) as pool:
+            return await sweep_unreferenced(HostSet(inventory, pool), store, inventory.registry,
+                                            dry_run=args.dry_run)
+
+    places = asyncio.run(main())
+    if args.json:
+        doc = {"dry_run": args.dry_run, "unreferenced": [asdict(p) for p in places]}
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    else:
+        for line in describe(places, dry_run=args.dry_run):
+            print(line)
+    failed = [p.place for p in places if p.error or any(j.error for j in p.removed)]
+    if failed:
+        return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
+    return EXIT_OK
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "gc", help="remove containers that a dead or failed operation left on the hosts",
@@ -172,6 +197,10 @@ def register(subparsers: Any) -> None:
                        help="only the containers of this operation (its id as in the receipt)")
     which.add_argument("--all-orphans", action="store_true",
                        help="the orphaned containers of every operation")
+    which.add_argument("--unreferenced", action="store_true",
+                       help="what no artifact of the store references: store objects, each "
+                            "host's staged objects, image sets and empty per-operation "
+                            "directories; then every cache held to its budget")
     parser.add_argument(
         "--inventory", type=Path, default=None, metavar="FILE",
         help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")

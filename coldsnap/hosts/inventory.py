@@ -10,6 +10,7 @@
         host_key_policy: strict           # strict (default) | accept-new
         proxy_jump: bastion               # optional; another inventory host or [user@]host[:port]
         data_dir: /var/lib/coldsnap       # staged objects and unit state on that host
+        cache_budget: {size: 200GiB, high_percent: 85, low_percent: 80}   # optional
         docker_socket: /var/run/docker.sock   # or null when the host runs no Docker
         simulated: false                  # true only for dev/test hosts without real GPUs
         driver_version: "610.43.02"       # simulated hosts only
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from coldsnap.formats.budget import CacheBudget
 from coldsnap.formats.documents import (
     DocumentUnreadable,
     decode_document,
@@ -95,6 +97,8 @@ class HostEntry(BaseModel):
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     proxy_jump: str | None = None
     data_dir: str
+    # What data_dir may fill before a restore or capture evicts (coldsnap.store.eviction).
+    cache_budget: CacheBudget | None = None
     docker_socket: str | None = "/var/run/docker.sock"
     simulated: bool = False
     driver_version: str | None = None

@@ -11,6 +11,7 @@ before anything ran), whichever process ran the capture.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.base import ProgressCallback
 from coldsnap.hosts.retry import is_transient
+from coldsnap.operations.budgets import remove_empty_operation_dirs
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
@@ -124,6 +126,13 @@ async def capture(
         except BaseException:
             await _rollback(ctx, hosts, runs, request.id, keep_serving)
             raise
+        finally:
+            # Emptied by the units' removal (a kept unit's dump directory stays, and so
+            # does its parent): nothing of this capture is left to find there.
+            await asyncio.shield(asyncio.gather(*(
+                remove_empty_operation_dirs(hosts.host(n), hosts.entries[n].data_dir,
+                                            ctx.operation_id) for n in topology.hosts),
+                return_exceptions=True))
 
 
 async def _capture_units(

@@ -91,7 +91,8 @@ def claim(prepared: Prepared, outputs: Outputs | None = None) -> Claim:
     if prepared.prepare_only:
         return held
     try:
-        record = ledger.reserve(key.operation_id, key.operation, key.request_sha256)
+        record = ledger.reserve(key.operation_id, key.operation, key.request_sha256,
+                                prepared.touches.captures)
         if record is not None:
             _on_record(record, key)  # another run claimed the id just now
         if prepared.starts_workload is not None:

@@ -19,6 +19,7 @@ from coldsnap.hosts.base import HostError, ProgressCallback
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
+from coldsnap.runner.budgets import after_operation, budgets_apply
 from coldsnap.runner.claim import Claim
 from coldsnap.runner.deadline import default_deadline, within_deadline
 from coldsnap.runner.ledger import OperationRun
@@ -34,8 +35,13 @@ async def execute(prepared: Prepared, ctx: OperationContext, report: Report) -> 
 
     async def body() -> ReceiptResult:
         async with HostPool(prepared.inventory) as pool:
+            hosts = HostSet(prepared.inventory, pool)
             with ctx.span(prepared.operation):
-                return await prepared.body(HostSet(prepared.inventory, pool), ctx, report)
+                result = await prepared.body(hosts, ctx, report)
+                if budgets_apply(prepared):
+                    with ctx.span(f"{prepared.operation}.cache-budget"):
+                        await after_operation(prepared, hosts, report)
+            return result
 
     # What an earlier run that was killed mid-fetch left in the store's tmp (files of live
     # processes, this one's included, stay).
@@ -83,7 +89,7 @@ def run_context(prepared: Prepared, claim: Claim, *,
 def operation_run(prepared: Prepared, ctx: OperationContext) -> OperationRun:
     """The ledger's hold on this run while it executes."""
     return OperationRun(prepared.store_root, ctx, request_sha256=prepared.key.request_sha256,
-                        prepare_only=prepared.prepare_only)
+                        prepare_only=prepared.prepare_only, captures=prepared.touches.captures)
 
 
 def conclude(prepared: Prepared, claim: Claim, ctx: OperationContext,

@@ -61,6 +61,9 @@ class Entry(StrictModel):
     control_node: str
     completed_at: str | None = None
     kept_units: list[str] = []
+    # The capture ids it needs (a restore's artifact, a capture's own): cache eviction never
+    # removes them while the record says `running` (coldsnap.runner.budgets).
+    captures: list[str] = []
     receipt: Receipt | None = None
     # The last prepare-only run of an id that a full run holds: it never replaces that run's
     # outcome, and its receipt is kept beside it.
@@ -148,7 +151,8 @@ class Ledger:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             yield
 
-    def reserve(self, operation_id: str, operation: str, request_sha256: str) -> Entry | None:
+    def reserve(self, operation_id: str, operation: str, request_sha256: str,
+                captures: tuple[str, ...] = ()) -> Entry | None:
         """Claim `operation_id` for this process: None when claimed, else the record that
         already holds it."""
         with self.claiming():
@@ -158,7 +162,7 @@ class Ledger:
             self.write(Entry(operation_id=operation_id, operation=operation,
                              request_sha256=request_sha256, state="running",
                              started_at=_now(), pid=os.getpid(),
-                             control_node=socket.gethostname()))
+                             control_node=socket.gethostname(), captures=list(captures)))
         return None
 
     def complete(self, receipt: Receipt, *, prepare_only: bool = False) -> None:
@@ -177,7 +181,9 @@ class Ledger:
                              prepare_only=prepare_only, started_at=receipt.started_at,
                              pid=os.getpid(), control_node=socket.gethostname(),
                              completed_at=receipt.completed_at, kept_units=kept,
-                             touched=touched, repaired=repaired, receipt=receipt))
+                             touched=touched, repaired=repaired,
+                             captures=existing.captures if existing is not None else [],
+                             receipt=receipt))
 
     def update(self, operation_id: str, **fields: Any) -> None:
         """Set `fields` of an existing record (none: nothing is written)."""
@@ -207,8 +213,10 @@ class OperationRun:
     serving. A second run of the same id while the first runs is refused."""
 
     def __init__(self, store_root: Path, ctx: OperationContext, *,
-                 request_sha256: str, prepare_only: bool = False) -> None:
+                 request_sha256: str, prepare_only: bool = False,
+                 captures: tuple[str, ...] = ()) -> None:
         self.ctx = ctx
+        self.captures = captures
         self.ledger = Ledger(store_root)
         self.lock_path = self.ledger.lock_path(ctx.operation_id)
         self.request_sha256 = request_sha256
@@ -259,7 +267,7 @@ class OperationRun:
                               operation=self.ctx.operation, request_sha256=self.request_sha256,
                               state="running", prepare_only=self.prepare_only,
                               started_at=rfc3339_ns(self.ctx.started_ns), pid=os.getpid(),
-                              control_node=socket.gethostname())
+                              control_node=socket.gethostname(), captures=list(self.captures))
             elif self.prepare_only and not entry.prepare_only:
                 return  # a full run's record: a repeated prepare-only run leaves it alone
             self.ledger.write(entry.model_copy(update={

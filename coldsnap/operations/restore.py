@@ -64,6 +64,7 @@ from coldsnap.operations.context import (
     RollbackOutcome,
     Undone,
 )
+from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import (
     check_ports_free,
@@ -190,8 +191,11 @@ async def restore(
     # The ports the hosts listen on are read beside the facts too: a read, and one round
     # trip fewer between admission and the first container.
     listening = {} if prepare_only else {"all": listening_by_host(hosts, topology.hosts)}
-    async with ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
-                                     sets[n]) for n in per_host}) as surveys, \
+    # Held on the hosts: units, GPUs, ports, and the cache until staging ends (host_locks).
+    async with exclusive(hosts, ctx, launch, topology, starts_units=not prepare_only,
+                         cache=True) as locks, \
+            ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
+                                  sets[n]) for n in per_host}) as surveys, \
             ahead(listening) as early:
         with ctx.span("restore.facts"):
             facts = await hosts.facts(topology.hosts)
@@ -202,6 +206,8 @@ async def restore(
                                  roots=roots)
         except PlacementError as exc:
             raise OperationFailed("placement", str(exc)) from None
+        if not prepare_only:
+            await locks.devices(placed)
 
         refusals = _admission(artifact, launch, policy, facts)
         replay_units = set(refusals)
@@ -220,6 +226,7 @@ async def restore(
                     await check_ports_free(hosts, unit_ports(launch, topology),
                                            exempt=[u for u, found in previous.items() if found],
                                            listening=early["all"])
+                    await check_gpus_free(sessions, placed, previous)
             heads = set(service_heads(topology).values())
             runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
                                previous=previous.get(p.unit_id, [])) for p in placed]
@@ -253,6 +260,7 @@ async def restore(
             # while the objects travel. One loaded from its staged layers waits for them.
             pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
             outcome.staging, _ = await both(staged(), admit(pulled))
+            await locks.release_cache()
             await admit([r for r in runs if r not in pulled])
             outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
             for r in runs:

@@ -56,6 +56,7 @@ from coldsnap.operations.context import (
     Undone,
 )
 from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
+from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.space import refuse_short, store_need
@@ -114,10 +115,13 @@ async def capture(
                              roots=roots)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
-    with ctx.span("capture.ports"):
-        await check_ports_free(hosts, unit_ports(launch, topology))
-
-    async with hosts.sessions(topology.hosts) as sessions:
+    # Held on the hosts (host_locks): its units, GPUs and ports, whoever else runs there.
+    async with exclusive(hosts, ctx, launch, topology, starts_units=True, cache=False) as locks, \
+            hosts.sessions(topology.hosts) as sessions:
+        await locks.devices(placed)
+        with ctx.span("capture.ports"):
+            await check_ports_free(hosts, unit_ports(launch, topology))
+            await check_gpus_free(sessions, placed, {})
         runs = [UnitRun(p, sessions[p.host]) for p in placed]
         try:
             return await _capture_units(request, runs, facts, hosts, store, ctx, keep_serving)

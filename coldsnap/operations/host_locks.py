@@ -68,7 +68,8 @@ class HostLock:
             raise OperationFailed("busy", f"host {self.host}: its lock holder ended")
         return line.decode(errors="replace").strip()
 
-    async def lock(self, names: Iterable[str], wait_s: float = LOCK_WAIT_S) -> None:
+    async def lock(self, names: Iterable[str], wait_s: float | None = None) -> None:
+        wait_s = LOCK_WAIT_S if wait_s is None else wait_s
         names = [n for n in sorted(set(names)) if n not in self.held]
         if not names:
             return
@@ -136,7 +137,8 @@ async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topol
     names = {h: [*k.lock_names(), *([CACHE_LOCK] if cache else [])] for h, k in keys.items()}
     async with contextlib.AsyncExitStack() as stack:
         by_host: dict[str, HostLock] = {}
-        for name in sorted(names):
+
+        async def start(name: str) -> None:
             data_dir = hosts.entries[name].data_dir
             try:
                 out, cmd = await stack.enter_async_context(hosts.host(name).hold(
@@ -147,6 +149,14 @@ async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topol
             by_host[name] = HostLock(name, out, cmd, ctx)
             if (await by_host[name]._line()) != "ready":
                 raise OperationFailed("busy", f"host {name}: its lock holder did not start")
+
+        # The holders start on all hosts at once (what each started is on the stack, and
+        # ends with it); the locks are then taken in their one order.
+        started = await asyncio.gather(*(start(n) for n in sorted(names)),
+                                       return_exceptions=True)
+        for failure in started:
+            if isinstance(failure, BaseException):
+                raise failure
         locks = HostLocks(by_host)
         with ctx.span("exclusive.locks"):
             await locks.take(names)

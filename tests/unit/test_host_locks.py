@@ -8,11 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.formats.request import Launch, parse_request
 from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.local import LocalHost
+from coldsnap.operations import host_locks
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.exclusion import HostKeys
-from coldsnap.operations.host_locks import CACHE_LOCK, HostLock, locks_dir
+from coldsnap.operations.host_locks import CACHE_LOCK, HostLock, exclusive, locks_dir
+from coldsnap.operations.hostset import HostSet
+from coldsnap.topology import resolve
+from tests.unit.conftest import minimal_request
 
 
 def _argv(root: Path, holder: str) -> list[str]:
@@ -68,3 +74,54 @@ async def test_a_waiter_is_told_who_it_waits_for_and_gets_the_lock_once_released
         # and now the first one would wait for the second
         await _say(cmd, f"lock 0 {CACHE_LOCK}")
         assert await out.readline() == f"busy {CACHE_LOCK} restore r-2\n".encode()
+
+
+def _hosts(tmp_path: Path) -> HostSet:
+    gpus = [{"uuid": f"GPU-0000000{i}-0000-0000-0000-000000000000", "name": "GB10",
+             "compute_capability": "12.1", "memory_bytes": 1 << 30} for i in range(2)]
+    inventory = Inventory.model_validate({"hosts": [
+        {"name": f"host-{i}", "address": f"10.0.0.{i + 1}", "data_dir": str(tmp_path / f"h{i}"),
+         "simulated": True, "driver_version": "610.43.02", "simulated_gpus": gpus}
+        for i in range(2)]})
+    return HostSet(inventory, {f"host-{i}": LocalHost(f"host-{i}") for i in range(2)})
+
+
+def _launch(units: str, device: str, port: str) -> Launch:
+    raw = minimal_request("restore")
+    for unit in raw["launch"]["units"]:
+        unit["id"] = f"{units}-{unit['id']}"
+        unit["devices"] = [device]
+        unit["command"][unit["command"].index("--port") + 1] = port
+        unit["environment"]["MASTER_PORT"] = str(int(port) + 21500)
+    for worker in raw["launch"]["execution"]["workers"]:
+        worker["unit"] = f"{units}-{worker['unit']}"
+    return parse_request(raw).launch
+
+
+async def _enter(hosts: HostSet, op: str, launch: Launch, *, cache: bool = True) -> None:
+    async with exclusive(hosts, OperationContext("restore", operation_id=op), launch,
+                         resolve(launch), starts_units=True, cache=cache):
+        pass
+
+
+async def test_operations_on_other_units_exclude_each_other_by_gpu_port_and_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_locks, "LOCK_WAIT_S", 0.3)
+    hosts = _hosts(tmp_path)
+    first = _launch("a", "0", "8000")
+    async with exclusive(hosts, OperationContext("restore", operation_id="op-a"), first,
+                         resolve(first), starts_units=True, cache=True) as locks:
+        # GPU 0 named by its UUID, by units of another workload, on other ports.
+        with pytest.raises(OperationFailed, match=r"host host-0: GPU GPU-00000000-0000-0000-"
+                                                  r"0000-000000000000 is held by restore op-a"):
+            await _enter(hosts, "op-b", _launch("b", "GPU-00000000-0000-0000-0000-"
+                                                     "000000000000", "8001"), cache=False)
+        # The same ports (keys sorted: the rendezvous port comes first).
+        with pytest.raises(OperationFailed, match="host-0: port 29500 is held by restore op-a"):
+            await _enter(hosts, "op-c", _launch("c", "1", "8000"), cache=False)
+        # Other GPUs and ports: only the cache, which staging holds.
+        with pytest.raises(OperationFailed, match="host host-0: its cache is held by"):
+            await _enter(hosts, "op-d", _launch("d", "1", "8001"))
+        await locks.release_cache()
+        await _enter(hosts, "op-d", _launch("d", "1", "8001"))
+    await _enter(hosts, "op-b", _launch("b", "0", "8001"))

@@ -116,18 +116,19 @@ async def capture(
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
     # Held on the hosts (host_locks): its units, GPUs and ports, whoever else runs there.
-    async with exclusive(hosts, ctx, launch, topology, starts_units=True, cache=False) as locks, \
-            hosts.sessions(topology.hosts) as sessions:
+    async with exclusive(hosts, ctx, launch, topology, starts_units=True, cache=False) as locks:
         await locks.devices(placed)
         with ctx.span("capture.ports"):
             await check_ports_free(hosts, unit_ports(launch, topology))
+        async with hosts.sessions(topology.hosts) as sessions:
             await check_gpus_free(sessions, placed, {})
-        runs = [UnitRun(p, sessions[p.host]) for p in placed]
-        try:
-            return await _capture_units(request, runs, facts, hosts, store, ctx, keep_serving)
-        except BaseException:
-            await _rollback(ctx, hosts, runs, request.id, keep_serving)
-            raise
+            runs = [UnitRun(p, sessions[p.host]) for p in placed]
+            try:
+                return await _capture_units(request, runs, facts, hosts, store, ctx,
+                                            keep_serving)
+            except BaseException:
+                await _rollback(ctx, hosts, runs, request.id, keep_serving)
+                raise
 
 
 async def _capture_units(

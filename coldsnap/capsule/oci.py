@@ -31,7 +31,7 @@ from coldsnap.capsule.images import (
     pack_images,
 )
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
-from coldsnap.capsule.spec import docker_name
+from coldsnap.capsule.spec import docker_name, docker_tag
 from coldsnap.digests import is_digest
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
@@ -232,8 +232,10 @@ class CommittedCapsule:
 
 
 def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
-    """Repository and tag of a unit's committed capsule on its capture host."""
-    return capsule_repository(unit_id), docker_name(capture_id)
+    """Repository and tag of a unit's committed capsule on its capture host. The tag is
+    injective in (unit, capture): the repository is the unit's lowercased id, so the tag
+    carries the exact unit id too."""
+    return capsule_repository(unit_id), docker_tag(f"{capture_id}/{unit_id}")
 
 
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,

@@ -6,6 +6,7 @@ from `coldsnap.formats.request`); the rest is resolved for the host the unit run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 import re
@@ -143,6 +144,15 @@ def docker_name(text: str) -> str:
     """A string usable in container names, repositories and tags."""
     cleaned = _NAME_BAD.sub("-", text.lower()).strip("-.")
     return cleaned[:100] or "x"
+
+
+def docker_tag(text: str) -> str:
+    """An OCI tag that names `text` alone: its Docker-safe form (lowercased, cut) for the
+    reader, and a digest of the exact text, so that ids differing only in case or past the
+    cut (`Model-A`, `model-a`) never share a tag and one's rollback never deletes the
+    other's image."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{docker_name(text)[:100]}-{digest}"
 
 
 def container_name(unit_id: str, role: str, suffix: str, cluster_id: str | None = None) -> str:

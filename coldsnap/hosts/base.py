@@ -41,7 +41,15 @@ class ByteWriter(Protocol):
     def close(self) -> None: ...
 
 
+class LineReader(Protocol):
+    """The read half of a process's output, by line."""
+
+    async def readline(self) -> bytes: ...
+
+
 TcpStream = tuple[ByteReader, ByteWriter]
+# A process that runs while its caller holds it: its stdout by line, its stdin.
+HeldProcess = tuple[LineReader, ByteWriter]
 
 
 class HostError(Exception):
@@ -229,6 +237,13 @@ class Host(Protocol):
         """A TCP connection made FROM the host to `address:port` (for SSH: a direct-tcpip
         channel), so that a service on the host's own network, such as an engine's HTTP
         port, is reached exactly as a client on that host would reach it."""
+        ...
+
+    def hold(self, argv: Sequence[str]) -> AbstractAsyncContextManager[HeldProcess]:
+        """Run argv (never a shell string) for as long as the context is open, its stdin and
+        stdout open for a conversation. Its stdin ends when the context does, and when the
+        connection to the host is lost or this process dies: what it holds on the host (a
+        lock) goes with its holder."""
         ...
 
     async def close(self) -> None: ...

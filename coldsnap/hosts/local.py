@@ -18,6 +18,7 @@ from coldsnap.hosts.base import (
     CommandFailed,
     CommandResult,
     CommandTimeout,
+    HeldProcess,
     HostError,
     ProgressCallback,
     TailBuffer,
@@ -190,6 +191,22 @@ class LocalHost:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+    @asynccontextmanager
+    async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            yield proc.stdout, proc.stdin
+        finally:
+            proc.stdin.close()
+            try:
+                async with asyncio.timeout(5):
+                    await asyncio.shield(proc.wait())
+            except TimeoutError:
+                await self._kill(proc)
 
     async def close(self) -> None:
         return None

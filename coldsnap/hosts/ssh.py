@@ -30,6 +30,7 @@ from coldsnap.hosts.base import (
     CommandFailed,
     CommandResult,
     CommandTimeout,
+    HeldProcess,
     HostAuthFailed,
     HostError,
     HostKeyRejected,
@@ -275,6 +276,13 @@ class SSHHost:
                 yield stream
             finally:
                 stream.channel.close()
+
+    @asynccontextmanager
+    async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:
+        """`open_stream`: closing its channel ends the command's stdin, as does a lost
+        connection (sshd closes the session's pipes)."""
+        async with self.open_stream(argv) as stream:
+            yield stream.stdout, stream.stdin
 
     # ----------------------------------------------------------------- Host protocol
 

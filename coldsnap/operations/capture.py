@@ -58,6 +58,7 @@ from coldsnap.operations.context import (
     Undone,
 )
 from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
+from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.space import refuse_short, store_need
@@ -116,23 +117,27 @@ async def capture(
                              roots=roots)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
-    with ctx.span("capture.ports"):
-        await check_ports_free(hosts, unit_ports(launch, topology))
-
-    async with hosts.sessions(topology.hosts) as sessions:
-        runs = [UnitRun(p, sessions[p.host]) for p in placed]
-        try:
-            return await _capture_units(request, runs, facts, hosts, store, ctx, keep_serving)
-        except BaseException:
-            await _rollback(ctx, hosts, runs, request.id, keep_serving)
-            raise
-        finally:
-            # Emptied by the units' removal (a kept unit's dump directory stays, and so
-            # does its parent): nothing of this capture is left to find there.
-            await asyncio.shield(asyncio.gather(*(
-                remove_empty_operation_dirs(hosts.host(n), hosts.entries[n].data_dir,
-                                            ctx.operation_id) for n in topology.hosts),
-                return_exceptions=True))
+    # Held on the hosts (host_locks): its units, GPUs and ports, whoever else runs there.
+    async with exclusive(hosts, ctx, launch, topology, starts_units=True, cache=False) as locks:
+        await locks.devices(placed)
+        with ctx.span("capture.ports"):
+            await check_ports_free(hosts, unit_ports(launch, topology))
+        async with hosts.sessions(topology.hosts) as sessions:
+            await check_gpus_free(sessions, placed, {})
+            runs = [UnitRun(p, sessions[p.host]) for p in placed]
+            try:
+                return await _capture_units(request, runs, facts, hosts, store, ctx,
+                                            keep_serving)
+            except BaseException:
+                await _rollback(ctx, hosts, runs, request.id, keep_serving)
+                raise
+            finally:
+                # Emptied by the units' removal (a kept unit's dump directory stays, and so
+                # does its parent): nothing of this capture is left to find there.
+                await asyncio.shield(asyncio.gather(*(
+                    remove_empty_operation_dirs(hosts.host(n), hosts.entries[n].data_dir,
+                                                ctx.operation_id) for n in topology.hosts),
+                    return_exceptions=True))
 
 
 async def _capture_units(

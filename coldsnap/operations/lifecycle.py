@@ -56,6 +56,7 @@ from coldsnap.operations.context import (
     TouchedUnit,
     UnitRepaired,
 )
+from coldsnap.operations.host_locks import exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
 from coldsnap.operations.restore import restore_placement
@@ -278,7 +279,9 @@ async def _running_workload(
     t = replace(t, capsules={u.id: capsule_meta(store, stored.artifact, u.id)
                              for u in t.launch.units})
     captured = _captured(t)
-    async with hosts.sessions(t.topology.hosts) as sessions:
+    # Its units' locks on their hosts (host_locks): no capture or restore of them meanwhile.
+    async with exclusive(hosts, ctx, t.launch, t.topology, starts_units=False, cache=False), \
+            hosts.sessions(t.topology.hosts) as sessions:
         runs = _runs(t, hosts, sessions)
         await _find(ctx, t, hosts, runs)
         # Each unit's state before anything changes it, for a recovery should this die.

@@ -42,20 +42,16 @@ from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.oci import load_capsule
 from coldsnap.capsule.restore import start_restore_container
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import UnitSpec, spec_as_captured
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,
-    ROLE_REPLAY_PLAN,
-    ROLE_WEIGHTS,
     Artifact,
     ArtifactObject,
 )
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
-from coldsnap.formats.replay import parse_replay_plan
-from coldsnap.formats.request import Launch, Mount, Policy, Request, Validation
+from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.captured import capsule_meta, captured_request
@@ -65,6 +61,7 @@ from coldsnap.operations.context import (
     RollbackOutcome,
     Undone,
 )
+from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import (
     check_placement_network,
@@ -74,6 +71,7 @@ from coldsnap.operations.network import (
     unit_ports,
 )
 from coldsnap.operations.overlap import ahead, both
+from coldsnap.operations.payload_mounts import as_captured, payload_spec
 from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
     ReplacingRun,
@@ -90,14 +88,12 @@ from coldsnap.operations.staging import (
     HostStaging,
     discard_partial_objects,
     objects_by_host,
-    objects_dir,
     remote_object_path,
     stage_host,
     survey_host,
 )
 from coldsnap.operations.unit_runs import phase, rollback_units
 from coldsnap.operations.units import (
-    PlacedUnit,
     PlacementError,
     place_units,
     service_heads,
@@ -193,8 +189,11 @@ async def restore(
     # The ports the hosts listen on are read beside the facts too: a read, and one round
     # trip fewer between admission and the first container.
     listening = {} if prepare_only else {"all": listening_by_host(hosts, topology.hosts)}
-    async with ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
-                                     sets[n]) for n in per_host}) as surveys, \
+    # Held on the hosts: units, GPUs, ports, and the cache until staging ends (host_locks).
+    async with exclusive(hosts, ctx, launch, topology, starts_units=not prepare_only,
+                         cache=True) as locks, \
+            ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
+                                  sets[n]) for n in per_host}) as surveys, \
             ahead(listening) as early:
         with ctx.span("restore.facts"):
             facts = await hosts.facts(topology.hosts)
@@ -208,6 +207,8 @@ async def restore(
         with ctx.span("restore.placement-network"):
             await check_placement_network(hosts, launch, topology, facts,
                                           rendezvous=policy.compatibility.rendezvous)
+        if not prepare_only:
+            await locks.devices(placed)
 
         refusals = _admission(artifact, launch, policy, facts)
         replay_units = set(refusals)
@@ -226,6 +227,7 @@ async def restore(
                     await check_ports_free(hosts, unit_ports(launch, topology),
                                            exempt=[u for u, found in previous.items() if found],
                                            listening=early["all"])
+                    await check_gpus_free(sessions, placed, previous)
             heads = set(service_heads(topology).values())
             runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
                                previous=previous.get(p.unit_id, [])) for p in placed]
@@ -259,6 +261,7 @@ async def restore(
             # while the objects travel. One loaded from its staged layers waits for them.
             pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
             outcome.staging, _ = await both(staged(), admit(pulled))
+            await locks.release_cache()
             await admit([r for r in runs if r not in pulled])
             outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
             for r in runs:
@@ -364,48 +367,6 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
                 r.replay_reason = f"CRIU probe failed: {exc.detail}"
 
     await phase(ctx, "admit", runs, one)
-
-
-def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
-                  artifact: Artifact) -> tuple[Mount, ...]:
-    """The unit's mounts plus each worker's staged payload, read-only, where the engine read
-    its weights at capture (the replay plan says where): the engine's weights then come
-    from the bytes staged on this host, whatever its model directory holds."""
-    data_dir = hosts.entries[placed.host].data_dir
-    mounts = list(placed.spec.mounts)
-    for w in placed.spec.workers:
-        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
-        plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
-        target = plan.payload.container_path
-        payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
-        if target is not None and all(m.target != target for m in mounts):
-            mounts.append(Mount(source=remote_object_path(data_dir, payload.sha256),
-                                target=target, read_only=True))
-    return tuple(mounts)
-
-
-def as_captured(placed: PlacedUnit, meta: CapsuleManifest, hosts: HostSet, store: LocalStore,
-                artifact: Artifact) -> PlacedUnit:
-    """The unit as its capture left it: its engine is woken the way it was quiesced, and when
-    that released the weights (not in the CRIU images), it reloads them on wake from its
-    workers' staged payloads, mounted where it read them at capture."""
-    spec = spec_as_captured(placed.spec, meta)
-    if meta.weights_released:
-        spec = payload_spec(replace(placed, spec=spec), hosts, store, artifact)
-    return replace(placed, spec=spec)
-
-
-def payload_spec(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
-                 artifact: Artifact) -> UnitSpec:
-    """The unit's spec with its workers' staged payloads mounted (`with_payloads`). They are
-    coldsnap's own verified objects, not paths the request names: the policy's mount roots
-    (when there are any) admit the host's objects directory for them."""
-    spec = placed.spec
-    roots = spec.mount_roots
-    if roots is not None:
-        roots = (*roots, objects_dir(hosts.entries[placed.host].data_dir))
-    return replace(spec, mounts=with_payloads(placed, hosts, store, artifact),
-                   mount_roots=roots)
 
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,

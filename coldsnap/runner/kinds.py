@@ -58,7 +58,8 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
                     engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
                     inventory=inventory, store_root=store.root, body=body,
-                    touches=Touches.of(request.launch, request.id), deadline=options.deadline,
+                    touches=Touches.of(request.launch, request.id, inventory,
+                                       starts_units=True), deadline=options.deadline,
                     starts_workload=(workload, options.caller_uid) if keeps_serving else None)
 
 
@@ -120,7 +121,8 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
                     snapshot_driver=artifact.snapshot_driver.id, inventory=inventory,
                     store_root=store.root, body=body,
                     touches=Touches.of(request.launch if request else artifact.launch,
-                                       artifact.capture_id),
+                                       artifact.capture_id, inventory,
+                                       starts_units=not prepare_only),
                     prepare_only=prepare_only, id_generated=request is None,
                     deadline=options.deadline,
                     bytes_to_move=sum(o.bytes for o in artifact.objects),

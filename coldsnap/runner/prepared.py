@@ -14,6 +14,7 @@ from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
 from coldsnap.formats.request import Launch, Request
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.operations.context import OperationContext
+from coldsnap.operations.exclusion import keys_by_host
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.report import Report
 from coldsnap.topology import resolve
@@ -76,25 +77,38 @@ class ReceiptKey:
 
 @dataclass(frozen=True)
 class Touches:
-    """What an operation acts on: two operations that share a (host, unit) or a capture id
-    must not run at once."""
+    """What an operation acts on: two operations that share a (host, unit), a (host, GPU), a
+    (host, listen port) or a capture id must not run at once (`coldsnap.operations.exclusion`
+    says which GPUs and ports a launch's units take)."""
 
     units: tuple[tuple[str, str], ...] = ()
     captures: tuple[str, ...] = ()
+    devices: tuple[tuple[str, str], ...] = ()
+    ports: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def of(cls, launch: Launch, capture_id: str) -> Touches:
-        return cls(tuple((u.host, u.id) for u in resolve(launch).units), (capture_id,))
+    def of(cls, launch: Launch, capture_id: str, inventory: Inventory | None = None, *,
+           starts_units: bool = False) -> Touches:
+        """`starts_units`: the operation starts the units (capture, restore), so it takes
+        their GPUs and ports too; `inventory` says a simulated host's GPU UUIDs."""
+        entries = {h.name: h for h in inventory.hosts} if inventory is not None else {}
+        keys = keys_by_host(launch, resolve(launch), entries, starts_units=starts_units)
+        return cls(tuple((u.host, u.id) for u in launch.units), (capture_id,),
+                   tuple((h, d) for h, k in keys.items() for d in k.devices),
+                   tuple((h, p) for h, k in keys.items() for p in k.ports))
 
     @property
     def hosts(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(host for host, _ in self.units))
 
     def shared_with(self, other: Touches) -> list[str]:
-        """What both touch, said as `host/unit` and `capture ID`."""
+        """What both touch, said as `host/unit`, `host GPU`, `host port N` and `capture ID`."""
         units = sorted(set(self.units) & set(other.units))
+        devices = sorted(set(self.devices) & set(other.devices))
+        ports = sorted(set(self.ports) & set(other.ports))
         captures = sorted(set(self.captures) & set(other.captures))
-        return [f"{h}/{u}" for h, u in units] + [f"capture {c}" for c in captures]
+        return ([f"{h}/{u}" for h, u in units] + [f"{h} GPU {d}" for h, d in devices]
+                + [f"{h} port {p}" for h, p in ports] + [f"capture {c}" for c in captures])
 
 
 Body = Callable[[HostSet, OperationContext, Report], Awaitable[ReceiptResult]]

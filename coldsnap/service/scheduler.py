@@ -1,6 +1,7 @@
 """The service's jobs in flight: admission, conflicts, the queue, cancellation and the drain.
 
-Two jobs conflict when they share a (host, unit) or a capture id (`Touches.shared_with`). A job
+Two jobs conflict when they share a (host, unit), a GPU or a listen port of one host (for the
+jobs that start units), or a capture id (`Touches.shared_with`). A job
 waits until no running job and no job queued before it conflicts with it (first come, first
 served: a later job never overtakes an earlier one on the same units); jobs on disjoint units
 run at once. With `wait: false` a job that would wait is refused instead, and nothing of it is

@@ -25,6 +25,7 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import checked_payload
+from coldsnap.capsule.oci import capsule_reference
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR
 from coldsnap.formats.artifact import CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
@@ -89,7 +90,8 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         seen = await s.exec(c, ["ls", "-A", CRIU_IMAGES_DIR])
         assert seen.ok and seen.stdout == "", "the container sees that same directory"
         with pytest.raises(docker.errors.ImageNotFound):
-            await s.call(s.client.images.get, f"coldsnap/capsule/{unit_id}:{capture_id}")
+            repo, tag = capsule_reference(unit_id, capture_id)
+            await s.call(s.client.images.get, f"{repo}:{tag}")
         ls = await h0.target.host.run(["ls", f"{h0.entry.data_dir}/capsules/{capture_id}"],
                                       check=False)
         assert ls.exit_status != 0

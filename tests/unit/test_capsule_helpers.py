@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from coldsnap.capsule import Mount, UnitSpec, Validation, WorkerSpec, device_map
 from coldsnap.capsule.criu_probe import criu_check_passed, criu_version
 from coldsnap.capsule.criu_restore import lazy_restore_pays
-from coldsnap.capsule.oci import split_reference
-from coldsnap.capsule.spec import CRIU_CAPABILITIES, container_path_for, docker_name, host_path_for
+from coldsnap.capsule.oci import capsule_reference, split_reference
+from coldsnap.capsule.spec import (
+    CRIU_CAPABILITIES,
+    container_path_for,
+    docker_name,
+    docker_tag,
+    host_path_for,
+)
 from coldsnap.formats.capsule import CriuExtent, CriuImageFile, CriuImageObject, CriuImageSet
 
 DIGEST = "sha256:" + "ab" * 32
@@ -70,6 +77,21 @@ def test_docker_name_is_safe_for_names_repositories_and_tags() -> None:
     assert docker_name("Unit_0/Rank:1") == "unit_0-rank-1"
     assert docker_name("...") == "x"
     assert len(docker_name("a" * 300)) == 100
+
+
+def test_capsule_tags_are_one_to_one_with_the_capture_and_unit() -> None:
+    # A failed capture `model-a` discards its capsule by tag: it must never be the tag of an
+    # earlier `Model-A`, nor of an id that differs only past the cut, nor of another unit.
+    long_a, long_b = "c" * 120 + "a", "c" * 120 + "b"
+    refs = {capsule_reference(unit, cap) for cap in ("Model-A", "model-a", "model_a",
+                                                     long_a, long_b)
+            for unit in ("unit-0", "Unit-0")}
+    assert len(refs) == 10
+    for repo, tag in refs:
+        assert re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,127}", tag), tag
+        assert repo.startswith("coldsnap/capsule/")
+    assert capsule_reference("unit-0", "Model-A") == capsule_reference("unit-0", "Model-A")
+    assert docker_tag("Model-A").startswith("model-a-")
 
 
 def test_criu_version_is_read_from_the_probe_output() -> None:

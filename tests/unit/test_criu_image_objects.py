@@ -289,3 +289,36 @@ def test_an_image_set_whose_extents_do_not_add_up_is_refused() -> None:
     ]:
         with pytest.raises(ValueError, match=why):
             CriuImageSet.model_validate(broken)
+
+
+async def test_a_set_published_meanwhile_with_the_same_bytes_counts_as_published(
+        tmp_path: Path) -> None:
+    # Two restores on one host assemble the same set at once; the second to publish finds the
+    # first one's directory (rename onto a non-empty directory: ENOTEMPTY) and uses it.
+    files, image_set, paths = await packed(tmp_path)
+    host, data_dir = LocalHost(), str(tmp_path / "data")
+    parts = [await begin_assembly(host, data_dir, image_set, op) for op in ("op-1", "op-2")]
+    for part in parts:
+        for obj, path in zip(image_set.objects, paths, strict=True):
+            await place_object(host, part, str(path), image_set, obj.sha256)
+    first = await finish_assembly(host, parts[0], data_dir, image_set)
+    second = await finish_assembly(host, parts[1], data_dir, image_set)
+    assert first == second == image_set_dir(data_dir, image_set)
+    assert not any(Path(p).exists() for p in parts)
+    for name, data in files.items():
+        assert (Path(first) / name).read_bytes() == data
+    assert await image_set_ready(host, data_dir, image_set)
+
+
+async def test_a_set_published_meanwhile_with_other_bytes_is_not_taken_for_it(
+        tmp_path: Path) -> None:
+    _, image_set, paths = await packed(tmp_path)
+    host, data_dir = LocalHost(), str(tmp_path / "data")
+    final = Path(image_set_dir(data_dir, image_set))
+    final.mkdir(parents=True)
+    (final / "pages-1.img").write_bytes(b"not the images")
+    part = await begin_assembly(host, data_dir, image_set, "op-1")
+    for obj, path in zip(image_set.objects, paths, strict=True):
+        await place_object(host, part, str(path), image_set, obj.sha256)
+    with pytest.raises(ImageSetError, match="published meanwhile with other bytes"):
+        await finish_assembly(host, part, data_dir, image_set)

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.formats.request import Launch, parse_request
 from coldsnap.formats.service_policy import ServicePolicy
+from coldsnap.hosts.inventory import Inventory
 from coldsnap.runner.prepared import RunOptions, Touches
 from coldsnap.runner.service_api import SUBMISSION_OPTIONS
 from coldsnap.service import submission
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.notify import Notifier
 from coldsnap.service.submission import SubmissionInvalid, parse_submission
+from tests.unit.conftest import minimal_request
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +69,46 @@ def test_conflicts_are_shared_units_or_captures() -> None:
     assert a.shared_with(same_capture) == ["capture cap-a"]
     assert a.shared_with(other_unit_same_host) == []
     assert a.hosts == ("host-0", "host-1")
+
+
+def _launch(cluster: str, devices: list[str], port: str) -> Launch:
+    raw = minimal_request("restore")
+    raw["id"] = cluster
+    for unit in raw["launch"]["units"]:
+        unit["id"] = f"{cluster}-{unit['id']}"
+        unit["devices"] = devices
+        unit["command"][unit["command"].index("--port") + 1] = port
+        unit["environment"]["MASTER_PORT"] = str(int(port) + 21500)
+    for worker in raw["launch"]["execution"]["workers"]:
+        worker["unit"] = f"{cluster}-{worker['unit']}"
+    return parse_request(raw).launch
+
+
+def test_jobs_with_other_units_on_the_same_gpus_or_ports_conflict() -> None:
+    gpus = [{"uuid": f"GPU-0000000{i}-0000-0000-0000-000000000000", "name": "GB10",
+             "compute_capability": "12.1", "memory_bytes": 1 << 30} for i in range(2)]
+    inventory = Inventory.model_validate({"hosts": [
+        {"name": f"host-{i}", "address": f"10.0.0.{i + 1}", "data_dir": "/var/lib/coldsnap",
+         "simulated": True, "driver_version": "610.43.02", "simulated_gpus": gpus}
+        for i in range(2)]})
+    a = Touches.of(_launch("a", ["0"], "8000"), "cap-a", inventory, starts_units=True)
+    # Device 0 by index and by its UUID are one GPU; another port; other unit ids.
+    same_gpu = Touches.of(_launch("b", [gpus[0]["uuid"]], "8001"), "cap-b", inventory,
+                          starts_units=True)
+    same_port = Touches.of(_launch("c", ["1"], "8000"), "cap-c", inventory, starts_units=True)
+    apart = Touches.of(_launch("d", ["1"], "8001"), "cap-d", inventory, starts_units=True)
+    uuid0 = gpus[0]["uuid"]
+    assert a.shared_with(same_gpu) == [f"host-0 GPU {uuid0}", f"host-1 GPU {uuid0}"]
+    assert a.shared_with(same_port) == ["host-0 port 8000", "host-0 port 29500",
+                                        "host-1 port 8000"]
+    assert a.shared_with(apart) == []
+    # Rank 0's unit also listens on the rendezvous port (MASTER_PORT).
+    assert ("host-0", 29500) in a.ports and ("host-1", 29500) not in a.ports
+    # An operation that starts no unit (sleep, wake, status, a prepare-only restore) takes
+    # no GPU and no port: it conflicts on its own units only.
+    quiet = Touches.of(_launch("a", ["0"], "8000"), "cap-a", inventory)
+    assert quiet.devices == () and quiet.ports == ()
+    assert quiet.shared_with(same_gpu) == []
 
 
 @pytest.mark.parametrize(("doc", "line"), [

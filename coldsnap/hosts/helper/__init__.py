@@ -11,6 +11,7 @@ the parts in order, without their imports of each other (`PROGRAM`).
   beneath.py     `open_beneath`: a file beneath a root, no symlink followed (openat2)
   files.py       put, stat, stats, recv, commit, get, reap: the far side of file transfers
   image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
+  locks.py       hold: exclusive locks on the host (flock under <data_dir>/locks)
   main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
 
 Modes:
@@ -33,6 +34,8 @@ Modes:
                             runs here, killing what still runs after half the time
   pack, place, finish, layers   see image_sets.py
   holdings                  stdin {"paths": [...], "sets": [[ROOT, PLAN], ...]}: see main.py
+  hold ROOT HOLDER          locks under ROOT, taken and released by commands on stdin and
+                            held until stdin ends: see locks.py
 
 Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 6 refused
 (a symlink, a `..`, not a regular file, outside every root, over a size cap), 75 busy.
@@ -44,7 +47,7 @@ import ast
 from importlib import resources
 
 # In the order the program needs them: each part uses only names of the parts before it.
-PARTS = ("stamps", "common", "beneath", "files", "image_sets", "main")
+PARTS = ("stamps", "common", "beneath", "files", "image_sets", "locks", "main")
 
 
 def _part(name: str) -> str:

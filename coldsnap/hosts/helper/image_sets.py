@@ -28,6 +28,7 @@ A part of the helper program (see `coldsnap.hosts.helper`): Python 3.8, standard
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -234,9 +235,17 @@ def finish(part: str, final: str) -> None:
             os.close(fd)
     write_set_stamp(part, doc["plan"])
     sync_dir(part)
-    if os.path.isdir(final):  # another restore assembled the same set meanwhile
+    try:
+        os.rename(part, final)
+    except OSError as exc:
+        # Another restore published the same set first (rename(2) onto a non-empty
+        # directory: ENOTEMPTY, or EEXIST): its copy serves when it holds the same bytes.
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(final):
+            raise
+        code, why = check_set(final, doc["plan"])
+        if code != 0:
+            die(EXIT_MISMATCH, f"{final} was published meanwhile with other bytes: {why}")
         return
-    os.rename(part, final)
     sync_dir(os.path.dirname(final))
 
 

@@ -24,6 +24,7 @@ from coldsnap.hosts.helper.files import (
     send,
 )
 from coldsnap.hosts.helper.image_sets import check_set, finish, layers, pack, place
+from coldsnap.hosts.helper.locks import hold
 
 # The image set modes and how many arguments each takes.
 IMAGE_MODES = {"pack": 4, "place": 3, "finish": 2, "layers": 3}
@@ -77,6 +78,8 @@ def main(argv: list[str]) -> int:
         payload(args, out, mv)
     elif mode == "holdings":
         holdings()
+    elif mode == "hold" and len(args) == 2:
+        hold(args[0], args[1])
     else:
         die(EXIT_USAGE, "unknown mode " + mode)
     return EXIT_OK

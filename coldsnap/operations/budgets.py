@@ -22,6 +22,7 @@ from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.hosts.base import Host
 from coldsnap.operations.captured import capsule_meta
 from coldsnap.operations.context import OperationFailed
+from coldsnap.operations.host_locks import cache_held, control_node_text
 from coldsnap.operations.hostset import HostSet
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.store.eviction import Eviction, Held
@@ -33,6 +34,9 @@ IMAGE_SETS = "criu-images"
 # The per-operation directories (named by operation id), removed once empty.
 OPERATION_DIRS = ("dumps", "capsules")
 _LIST_TIMEOUT_S = 120.0
+# How long a budget's eviction waits for a host's cache lock before it leaves that host for
+# the next operation or gc.
+_EVICT_LOCK_WAIT_S = 10.0
 
 # Usage of data_dir, then one line per entry of the cached kinds: "SIZE<TAB>PATH" (du -sb).
 # The paths come as positional parameters, never as shell text.
@@ -104,12 +108,17 @@ async def evict_host(hosts: HostSet, name: str, store: LocalStore,
         return HostEviction(name)
     try:
         host = hosts.host(name)
-        usage = await host_usage(host, entry.data_dir)
-        held: list[Held] = [held_in(store, s, host_items(store, s.artifact) & usage.items.keys(),
-                                    host=name) for s in stored]
-        result = plan(entry.cache_budget, usage.total, usage.items, held, protected)
-        if not dry_run and result.items:
-            await remove_items(host, entry.data_dir, result.items)
+        # Planned and removed under the host's cache lock, so that no restore surveys or
+        # stages there meanwhile; one that holds it now is not waited for long: the budget
+        # is applied again after the next operation there, or by gc.
+        async with cache_held(host, name, entry.data_dir, control_node_text("cache budget"),
+                              wait_s=_EVICT_LOCK_WAIT_S):
+            usage = await host_usage(host, entry.data_dir)
+            held: list[Held] = [held_in(store, s, host_items(store, s.artifact)
+                                        & usage.items.keys(), host=name) for s in stored]
+            result = plan(entry.cache_budget, usage.total, usage.items, held, protected)
+            if not dry_run and result.items:
+                await remove_items(host, entry.data_dir, result.items)
         return HostEviction(name, result)
     except Exception as exc:  # one host's failure is reported, the others still evict
         return HostEviction(name, error=f"{type(exc).__name__}: {exc}")

@@ -23,6 +23,8 @@ import posixpath
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
+import structlog
+
 from coldsnap.capsule.containers import (
     LABEL_OPERATION,
     LABEL_UNIT,
@@ -32,8 +34,9 @@ from coldsnap.capsule.containers import (
 )
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.request import Launch
-from coldsnap.hosts.base import ByteWriter, HostError, LineReader
+from coldsnap.hosts.base import ByteWriter, Host, HostError, LineReader
 from coldsnap.hosts.helper import helper_argv
+from coldsnap.logs import get_logger
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.exclusion import HostKeys, gpu_keys, keys_by_host
 from coldsnap.operations.hostset import HostSet
@@ -49,6 +52,11 @@ def locks_dir(data_dir: str) -> str:
     return posixpath.join(data_dir, "locks")
 
 
+def control_node_text(what: str) -> str:
+    """A lock holder that is no operation (a budget's eviction, a gc), as a waiter is told."""
+    return f"{what} (control node {socket.gethostname()}, pid {os.getpid()})"
+
+
 def holder_text(ctx: OperationContext) -> str:
     """Who holds a lock, as a waiter is told: the operation and where it runs (no secret)."""
     return f"{ctx.operation} {ctx.operation_id} (control node {socket.gethostname()}, " \
@@ -58,8 +66,9 @@ def holder_text(ctx: OperationContext) -> str:
 class HostLock:
     """One host's holder: a conversation with the helper's `hold` mode."""
 
-    def __init__(self, host: str, out: LineReader, cmd: ByteWriter, ctx: OperationContext):
-        self.host, self.out, self.cmd, self.ctx = host, out, cmd, ctx
+    def __init__(self, host: str, out: LineReader, cmd: ByteWriter,
+                 log: structlog.typing.FilteringBoundLogger):
+        self.host, self.out, self.cmd, self.log = host, out, cmd, log
         self.held: set[str] = set()
 
     async def _line(self) -> str:
@@ -79,7 +88,7 @@ class HostLock:
             word, _, rest = (await self._line()).partition(" ")
             name, _, who = rest.partition(" ")
             if word == "wait":
-                self.ctx.log.warning("lock.wait", host=self.host, lock=name, holder=who)
+                self.log.warning("lock.wait", host=self.host, lock=name, holder=who)
                 continue
             if word == "busy":
                 raise OperationFailed("busy", f"host {self.host}: {_said(name)} is held by "
@@ -146,7 +155,7 @@ async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topol
             except HostError as exc:
                 raise OperationFailed("host-unreachable", f"host {name}: cannot hold its "
                                                           f"locks: {exc.message}") from None
-            by_host[name] = HostLock(name, out, cmd, ctx)
+            by_host[name] = HostLock(name, out, cmd, ctx.log)
             if (await by_host[name]._line()) != "ready":
                 raise OperationFailed("busy", f"host {name}: its lock holder did not start")
 
@@ -161,6 +170,26 @@ async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topol
         with ctx.span("exclusive.locks"):
             await locks.take(names)
         yield locks
+
+
+@contextlib.asynccontextmanager
+async def cache_held(host: Host, name: str, data_dir: str, holder: str,
+                     wait_s: float = LOCK_WAIT_S) -> AsyncIterator[None]:
+    """Hold one host's cache lock for the block: what deletes from its `data_dir` (budget
+    eviction, `gc --unreferenced`) waits for a restore's survey and staging there, and a
+    restore's survey waits for it, so neither drops what the other just counted as held."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            out, cmd = await stack.enter_async_context(
+                host.hold(helper_argv("hold", locks_dir(data_dir), holder)))
+        except HostError as exc:
+            raise OperationFailed("host-unreachable", f"host {name}: cannot hold its cache "
+                                                      f"lock: {exc.message}") from None
+        lock = HostLock(name, out, cmd, get_logger())
+        if (await lock._line()) != "ready":
+            raise OperationFailed("busy", f"host {name}: its lock holder did not start")
+        await lock.lock([CACHE_LOCK], wait_s)
+        yield
 
 
 async def check_gpus_free(sessions: Mapping[str, CapsuleSession], placed: Sequence[PlacedUnit],
@@ -191,4 +220,5 @@ async def check_gpus_free(sessions: Mapping[str, CapsuleSession], placed: Sequen
         raise OperationFailed("gpu-in-use", "; ".join(problems))
 
 
-__all__ = ["CACHE_LOCK", "HostLocks", "check_gpus_free", "exclusive", "locks_dir"]
+__all__ = ["CACHE_LOCK", "HostLocks", "cache_held", "check_gpus_free", "control_node_text",
+           "exclusive", "locks_dir"]

@@ -33,6 +33,7 @@ from coldsnap.operations.budgets import (
     remove_items,
 )
 from coldsnap.operations.capsule_images import sweep_capsule_images
+from coldsnap.operations.host_locks import cache_held, control_node_text
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.budgets import describe_eviction, describe_host, needed_by_operations
 from coldsnap.runner.ledger import run_status
@@ -104,21 +105,25 @@ async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
     entry = hosts.entries[name]
     try:
         host = hosts.host(name)
-        usage = await host_usage(host, entry.data_dir)
-        cached = {item: n for item, n in usage.items.items()
-                  if posixpath.dirname(item) in (OBJECTS, IMAGE_SETS)
-                  and _HEX.fullmatch(posixpath.basename(item))}
-        held = [i for i in cached if i in named]
-        place.kept.append(Judged(f"{len(held)} staged object(s) and image set(s)",
-                                 sum(cached[i] for i in held), "referenced by an artifact"))
-        gone = sorted(i for i in cached if i not in named)
-        for item in gone:
-            if hold is not None:
-                place.kept.append(Judged(item, cached[item], hold))
-            else:
-                place.removed.append(Judged(item, cached[item], "no artifact references it"))
-        if hold is None and gone and not dry_run:
-            await remove_items(host, entry.data_dir, gone)
+        # Surveyed and removed under the host's cache lock: a restore surveying or staging
+        # there is waited for, and waits, so neither drops what the other counted as held.
+        async with cache_held(host, name, entry.data_dir,
+                              control_node_text("gc --unreferenced")):
+            usage = await host_usage(host, entry.data_dir)
+            cached = {item: n for item, n in usage.items.items()
+                      if posixpath.dirname(item) in (OBJECTS, IMAGE_SETS)
+                      and _HEX.fullmatch(posixpath.basename(item))}
+            held = [i for i in cached if i in named]
+            place.kept.append(Judged(f"{len(held)} staged object(s) and image set(s)",
+                                     sum(cached[i] for i in held), "referenced by an artifact"))
+            gone = sorted(i for i in cached if i not in named)
+            for item in gone:
+                if hold is not None:
+                    place.kept.append(Judged(item, cached[item], hold))
+                else:
+                    place.removed.append(Judged(item, cached[item], "no artifact references it"))
+            if hold is None and gone and not dry_run:
+                await remove_items(host, entry.data_dir, gone)
         out = await host.run(["sh", "-c", _EMPTY, "sh", entry.data_dir, *OPERATION_DIRS],
                              timeout=120)
         empty: list[str] = []

@@ -15,7 +15,13 @@ from coldsnap.hosts.local import LocalHost
 from coldsnap.operations import host_locks
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.exclusion import HostKeys
-from coldsnap.operations.host_locks import CACHE_LOCK, HostLock, exclusive, locks_dir
+from coldsnap.operations.host_locks import (
+    CACHE_LOCK,
+    HostLock,
+    cache_held,
+    exclusive,
+    locks_dir,
+)
 from coldsnap.operations.hostset import HostSet
 from coldsnap.topology import resolve
 from tests.unit.conftest import minimal_request
@@ -37,14 +43,14 @@ async def test_a_held_key_is_refused_naming_its_holder_until_the_holder_ends(
     assert names == ["gpu.GPU-a", "port.8000", "unit.unit-0"]
     async with host.hold(_argv(tmp_path, "restore r-1 (control node a, pid 1)")) as (out, cmd):
         assert await out.readline() == b"ready\n"
-        first = HostLock("host-0", out, cmd, OperationContext("restore", operation_id="r-1"))
+        first = HostLock("host-0", out, cmd, OperationContext("restore", operation_id="r-1").log)
         await first.lock(names)
         # Another unit on the same GPU: a second holder (another control node, a --local run)
         # is told who holds it, and gets nothing of what it asked.
         async with host.hold(_argv(tmp_path, "restore r-2")) as (out2, cmd2):
             assert await out2.readline() == b"ready\n"
             second = HostLock("host-0", out2, cmd2,
-                              OperationContext("restore", operation_id="r-2"))
+                              OperationContext("restore", operation_id="r-2").log)
             with pytest.raises(OperationFailed, match=r"host host-0: GPU GPU-a is held by "
                                                       r"restore r-1 \(control node a, pid 1\)"):
                 await second.lock(["gpu.GPU-a", "unit.unit-9"], wait_s=0.3)
@@ -53,7 +59,7 @@ async def test_a_held_key_is_refused_naming_its_holder_until_the_holder_ends(
     # The first holder ended (its stdin closed, as when its SSH channel or process dies).
     async with host.hold(_argv(tmp_path, "restore r-3")) as (out3, cmd3):
         assert await out3.readline() == b"ready\n"
-        third = HostLock("host-0", out3, cmd3, OperationContext("restore", operation_id="r-3"))
+        third = HostLock("host-0", out3, cmd3, OperationContext("restore", operation_id="r-3").log)
         await third.lock(names, wait_s=0)
         assert third.held == set(names)
 
@@ -74,6 +80,28 @@ async def test_a_waiter_is_told_who_it_waits_for_and_gets_the_lock_once_released
         # and now the first one would wait for the second
         await _say(cmd, f"lock 0 {CACHE_LOCK}")
         assert await out.readline() == f"busy {CACHE_LOCK} restore r-2\n".encode()
+
+
+async def test_what_deletes_from_a_hosts_cache_waits_for_a_restores_survey_and_staging(
+        tmp_path: Path) -> None:
+    """Budget eviction and gc --unreferenced delete under the host's cache lock: while a
+    restore holds it (survey to end of staging) they are refused after their wait, naming
+    the restore, and take it once the restore let it go."""
+    host = LocalHost()
+    async with host.hold(_argv(tmp_path, "restore r-1 (control node a, pid 1)")) as (out, cmd):
+        assert await out.readline() == b"ready\n"
+        await _say(cmd, f"lock 0 {CACHE_LOCK}")
+        assert await out.readline() == b"ok\n"
+        with pytest.raises(OperationFailed, match=r"host host-0: its cache is held by restore "
+                                                  r"r-1 \(control node a, pid 1\)"):
+            async with cache_held(host, "host-0", str(tmp_path), "cache budget", wait_s=0.2):
+                raise AssertionError("the cache lock was taken while a restore held it")
+        await _say(cmd, f"unlock {CACHE_LOCK}")
+        assert await out.readline() == b"ok\n"
+        async with cache_held(host, "host-0", str(tmp_path), "gc --unreferenced", wait_s=0):
+            # and now a restore's survey would wait for it
+            await _say(cmd, f"lock 0 {CACHE_LOCK}")
+            assert await out.readline() == f"busy {CACHE_LOCK} gc --unreferenced\n".encode()
 
 
 def _hosts(tmp_path: Path) -> HostSet:

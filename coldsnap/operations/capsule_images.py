@@ -12,7 +12,7 @@ rollback included), and that image is kept, said why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import docker.errors
@@ -20,7 +20,6 @@ import docker.errors
 from coldsnap.capsule.session import CapsuleSession
 
 REPOSITORY = "coldsnap/capsule/"
-OTHER = "a tag no capture of this store made: another control node's"
 
 Judge = Callable[[str, int, str], None]  # what, bytes, why
 
@@ -30,19 +29,20 @@ def _capsule_names(image: Any) -> list[str]:
     return [n for n in names if f"/{REPOSITORY}" in f"/{n.partition('@')[0]}"]
 
 
-def _tag(name: str) -> str | None:
+def _tagged(name: str) -> tuple[str, str] | None:
+    """(repository, tag) of a tagged name; None for a digest reference."""
     if "@" in name:
         return None
     repo, _, tag = name.rpartition(":")
-    return tag if repo and "/" not in tag else None
+    return (repo, tag) if repo and "/" not in tag else None
 
 
 async def sweep_capsule_images(s: CapsuleSession, referenced: set[str],
-                               tag_owner: Mapping[str, str | None], *, dry_run: bool,
+                               tag_owner: Callable[[str, str], str | None], *, dry_run: bool,
                                removed: Judge, kept: Judge) -> None:
-    """`referenced`: every artifact's capsule digests; `tag_owner`: for a capture's tag, None
-    when that capture is this store's and unreferenced (its image may go), else why it stays.
-    A tag absent from it is another control node's."""
+    """`referenced`: every artifact's capsule digests; `tag_owner(repository, tag)`: None when
+    the tag is of a capture of this store that is unreferenced (its image may go), else why it
+    stays (another control node's tag included)."""
     for image in await s.call(s.client.images.list):
         names = _capsule_names(image)
         if not names:
@@ -53,7 +53,7 @@ async def sweep_capsule_images(s: CapsuleSession, referenced: set[str],
         if digests & referenced:
             kept(what, size, "an artifact's capsule")
             continue
-        reasons = [tag_owner.get(t, OTHER) for t in map(_tag, names) if t is not None]
+        reasons = [tag_owner(*t) for t in map(_tagged, names) if t is not None]
         why = next((r for r in reasons if r is not None), None)
         if why is not None:
             kept(what, size, why)

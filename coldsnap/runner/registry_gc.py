@@ -83,10 +83,10 @@ def _paged(base: str, path: str, key: str, *, missing_ok: bool = False) -> list[
     return found
 
 
-def _our_captures(store_root: Path) -> dict[str, str]:
-    """tag -> capture id, of every capture this store's ledger records."""
+def _our_captures(store_root: Path) -> list[str]:
+    """The id of every capture this store's ledger records."""
     ledger = Ledger(store_root)
-    tags: dict[str, str] = {}
+    captures: list[str] = []
     directory = store_root / LEDGER_DIR
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
@@ -94,26 +94,44 @@ def _our_captures(store_root: Path) -> dict[str, str]:
         except (LedgerUnreadable, ValueError):
             continue
         if entry is not None and entry.operation == "capture":
-            tags[capture_tag(entry.operation_id)] = entry.operation_id
-    return tags
+            captures.append(entry.operation_id)
+    return captures
 
 
-def tag_owners(store_root: Path, indexed: set[str]) -> dict[str, str | None]:
-    """For the tag of each capture this store recorded: why what it names stays (its artifact
-    is kept, or it runs), or None: this store's and referenced by nothing."""
-    owners: dict[str, str | None] = {}
-    for tag, capture in _our_captures(store_root).items():
-        if capture in indexed:
-            owners[tag] = f"capture {capture} of this store, whose artifact is kept"
-        elif run_status(store_root, capture).running:
-            owners[tag] = f"capture {capture} of this store runs"
-        else:
-            owners[tag] = None
-    return owners
+class TagOwners:
+    """Whose a capsule tag is. A capture tags a unit's capsule with a digest of the exact
+    capture and unit ids (`capsule_reference`), so a tag is attributed by deriving it again
+    for each capture this store recorded and the unit its repository names."""
+
+    def __init__(self, store_root: Path, indexed: set[str]) -> None:
+        self.store_root, self.indexed = store_root, indexed
+        self.captures = _our_captures(store_root)
+        self.by_unit: dict[str, dict[str, str]] = {}
+
+    def _reason(self, capture: str) -> str | None:
+        if capture in self.indexed:
+            return f"capture {capture} of this store, whose artifact is kept"
+        if run_status(self.store_root, capture).running:
+            return f"capture {capture} of this store runs"
+        return None
+
+    def why(self, repository: str, tag: str) -> str | None:
+        """Why the image `repository:tag` stays, or None: it is this store's and referenced
+        by nothing. A unit id that Docker's naming changed (case) is not derived again: its
+        tags count as another control node's, and stay."""
+        unit = repository.rstrip("/").rpartition("/")[2]
+        tags = self.by_unit.get(unit)
+        if tags is None:
+            tags = self.by_unit[unit] = {capsule_reference(unit, c)[1]: c
+                                         for c in self.captures}
+        capture = tags.get(tag)
+        return OTHER if capture is None else self._reason(capture)
 
 
-def capture_tag(capture_id: str) -> str:
-    return capsule_reference("unit", capture_id)[1]
+def tag_owners(store_root: Path, indexed: set[str]) -> TagOwners:
+    """For a tag of a capture this store recorded: why what it names stays (its artifact is
+    kept, or it runs), or None: this store's and referenced by nothing."""
+    return TagOwners(store_root, indexed)
 
 
 def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact],
@@ -137,7 +155,7 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
                 by_digest.setdefault(digest, []).append(tag)
         for digest, named in sorted(by_digest.items()):
             what = f"{registry}/{repo}@{digest} ({', '.join(named)})"
-            why = next((r for r in (owners.get(t, OTHER) for t in named) if r is not None),
+            why = next((r for r in (owners.why(repo, t) for t in named) if r is not None),
                        None)
             if (repo, digest) in keep:
                 kept(what, 0, keep[(repo, digest)])
@@ -159,4 +177,4 @@ def sweep_registry(registry: str, store_root: Path, stored: list[StoredArtifact]
     return note
 
 
-__all__ = ["RegistryError", "capture_tag", "sweep_registry", "tag_owners"]
+__all__ = ["RegistryError", "TagOwners", "sweep_registry", "tag_owners"]

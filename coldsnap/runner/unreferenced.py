@@ -146,7 +146,7 @@ async def sweep_host(hosts: HostSet, name: str, store: LocalStore,
             owners = tag_owners(store.root, {s.capture_id for s in stored})
             async with hosts.sessions([name]) as sessions:
                 await sweep_capsule_images(
-                    sessions[name], referenced, owners, dry_run=dry_run,
+                    sessions[name], referenced, owners.why, dry_run=dry_run,
                     removed=lambda w, n, why: place.removed.append(Judged(w, n, why)),
                     kept=lambda w, n, why: place.kept.append(Judged(w, n, why)))
     except Exception as exc:  # said for this host; the others are still swept

@@ -8,10 +8,12 @@ import asyncio
 import fcntl
 from pathlib import Path
 
+from coldsnap.capsule.oci import capsule_reference
 from coldsnap.hosts.inventory import parse_inventory
 from coldsnap.hosts.local import LocalHost
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import Ledger
+from coldsnap.runner.registry_gc import OTHER, tag_owners
 from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
 from coldsnap.store import LocalStore
 from tests.unit.artifact_factory import make_artifact
@@ -79,3 +81,26 @@ def test_an_unreadable_index_entry_keeps_everything(tmp_path: Path) -> None:
     assert store_place.removed == [] and store.has("sha256:" + UNREF)
     assert (data / "objects" / "sha256" / UNREF).exists()
     assert any("unreadable" in j.why for j in host.kept)
+
+
+def test_a_capsule_tag_is_attributed_to_the_capture_and_unit_it_was_derived_from(
+        tmp_path: Path) -> None:
+    """Capsule tags carry a digest of the exact capture and unit ids, so gc derives them again
+    per unit repository: this store's unreferenced capture's tag may go (None), a kept or
+    running capture's stays, and a tag no capture of this store made is another node's."""
+    store = LocalStore(tmp_path / "store").ensure()
+    ledger = Ledger(store.root)
+    for capture in ("cap-dead", "cap-kept", "cap-run"):
+        assert ledger.reserve(capture, "capture", "sha256:" + "0" * 64) is None
+    repo, tag_dead = capsule_reference("unit-0", "cap-dead")
+    owners = tag_owners(store.root, {"cap-kept"})
+    with ledger.lock_path("cap-run").open("ab") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # cap-run is running
+        assert owners.why(repo, capsule_reference("unit-0", "cap-run")[1]) == \
+            "capture cap-run of this store runs"
+    assert owners.why(f"198.18.0.1:5000/{repo}", tag_dead) is None
+    assert owners.why(repo, capsule_reference("unit-0", "cap-kept")[1]) == \
+        "capture cap-kept of this store, whose artifact is kept"
+    # the same capture's tag for another unit, in this unit's repository: not ours to judge
+    assert owners.why(repo, capsule_reference("unit-1", "cap-dead")[1]) == OTHER
+    assert owners.why(repo, capsule_reference("unit-0", "another-nodes-capture")[1]) == OTHER

@@ -27,7 +27,7 @@ from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.sweep import TEMP_MAX_AGE_S
-from coldsnap.runner.ledger import prune_locks
+from coldsnap.runner.ledger import dead_runs, prune_locks, record_interrupted
 from coldsnap.runner.orphans import HostResult, Judge, gc_host
 from coldsnap.runner.owners import gc_refusal
 from coldsnap.runner.repair import pending, planned, repair
@@ -43,6 +43,9 @@ class LocalSweep:
 
     store_tmp: list[str]
     run_locks: list[str]
+    # Operations whose process died mid-run, now recorded `interrupted` (gc dealt with what
+    # they left).
+    interrupted: list[str]
 
 
 @dataclass
@@ -65,6 +68,9 @@ def _print_text(results: list[HostResult], local: LocalSweep, repairs: list[Repa
         print(f"control node: {verb} temporary file {path}")
     for operation_id in local.run_locks:
         print(f"control node: {verb} the run lock of {operation_id}")
+    for operation_id in local.interrupted:
+        print(f"control node: {'would record' if dry_run else 'recorded'} {operation_id} "
+              "interrupted (its process died before it ended)")
     for r in results:
         if r.error:
             print(f"{r.host}: ERROR {r.error}")
@@ -137,7 +143,10 @@ def _handler(args: argparse.Namespace) -> int:
         [str(p) for p in store.sweep_tmp(older_than_s=TEMP_MAX_AGE_S, dry_run=args.dry_run)],
         # Only once every host was judged, as the records are read under the locks.
         [] if any(r.error for r in results)
-        else prune_locks(store.root, dry_run=args.dry_run))
+        else prune_locks(store.root, dry_run=args.dry_run),
+        # Only once every host was swept and repaired: the record is what the next gc goes by.
+        [] if any(r.error for r in results) else _interrupted(store, args.operation,
+                                                              args.dry_run))
     if args.json:
         doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
                                "hosts": [asdict(r) for r in results], **asdict(local),
@@ -152,6 +161,11 @@ def _handler(args: argparse.Namespace) -> int:
     if failed:
         return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
     return EXIT_OK
+
+
+def _interrupted(store: LocalStore, operation: str | None, dry_run: bool) -> list[str]:
+    dead = dead_runs(store.root, operation)
+    return dead if dry_run else [d for d in dead if record_interrupted(store.root, d)]
 
 
 def _unreferenced(inventory: Inventory, store: LocalStore, args: argparse.Namespace) -> int:

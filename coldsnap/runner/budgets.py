@@ -21,7 +21,13 @@ from pathlib import Path
 
 from coldsnap.operations.budgets import HostEviction, evict_hosts
 from coldsnap.operations.hostset import HostSet
-from coldsnap.runner.ledger import LEDGER_DIR, Ledger, LedgerUnreadable, run_status
+from coldsnap.runner.ledger import (
+    ACTIVE_STATES,
+    LEDGER_DIR,
+    Ledger,
+    LedgerUnreadable,
+    run_status,
+)
 from coldsnap.runner.prepared import Prepared
 from coldsnap.runner.report import Report, human_bytes
 from coldsnap.store import LocalStore, StoreError
@@ -40,7 +46,7 @@ def needed_by_operations(store_root: Path) -> tuple[dict[str, str], list[str]]:
     for path in sorted(directory.glob("*.json")):
         with contextlib.suppress(LedgerUnreadable, ValueError, OSError):
             entry = ledger.load(path.stem)
-            if entry is None or entry.state != "running":
+            if entry is None or entry.state not in ACTIVE_STATES:
                 continue
             for capture in entry.captures:
                 protected.setdefault(capture, f"{entry.operation} {entry.operation_id} is "

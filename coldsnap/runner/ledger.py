@@ -1,23 +1,27 @@
 """The ledger: one record per operation id, `<store>/operations/<id>.json`, read by the claim,
 the run, `coldsnapd gc`, the service's recovery and its job store.
 
-- **Claim.** An id is used once. Before an operation starts, its record is written with state
-  `running` (under the directory's claim lock, so of two concurrent claims of one id exactly
-  one proceeds). A record of a prepare-only restore holds no id: a full run may claim it.
-- **Run.** `<id>.lock` is held with `flock` for as long as the operation's process executes
-  it. The kernel drops the lock when that process dies, whatever kills it (kill -9 included),
-  so "locked" means "running" without trusting a PID that may have been reused.
-- **Outcome.** When the run ends, the record says `succeeded` or `failed`, with the units a
-  failed run's rollback returned to serving (`kept_units`: their containers stay on purpose),
-  published before the lock is dropped; then the receipt, which answers a retry of a request
-  that already succeeded without running anything.
-
-A record still `running` whose lock is free belongs to a process that died mid-operation (or a
-claim whose run never started): its id stays used, and its containers are orphans.
+One state set, for the record and for the service's job (`OperationState`):
+- **queued.** An id is used once. Before an operation runs, its claim writes its record
+  (under the directory's claim lock, so of two concurrent claims of one id exactly one
+  proceeds): the service claims a job's id when it queues it. A record of a prepare-only
+  restore holds no id: a full run may claim it.
+- **running.** `<id>.lock` is held with `flock` for as long as the operation's process
+  executes it. The kernel drops the lock when that process dies, whatever kills it (kill -9
+  included), so "locked" means "running" without trusting a PID that may have been reused.
+- **succeeded, failed, cancelled.** When the run ends, the record says how (cancelled: by a
+  signal, a deadline or a job cancel), with the units a failed run's rollback returned to
+  serving (`kept_units`: their containers stay on purpose), published before the lock is
+  dropped; then the receipt, which answers a retry of a request that already succeeded
+  without running anything.
+- **interrupted.** A record still `running` whose lock is free belongs to a process that died
+  mid-operation: its id stays used and its containers are orphans. Whoever finds it and deals
+  with it (gc, the service's recovery) records it `interrupted`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -41,7 +45,33 @@ from coldsnap.store import StoreError
 LEDGER_DIR: Final = "operations"
 ENTRY_KIND: Final = "coldsnapd-operation-record"
 
-RunState = Literal["running", "succeeded", "failed"]
+OperationState = Literal["queued", "running", "succeeded", "failed", "cancelled", "interrupted"]
+OPERATION_STATES: Final[tuple[OperationState, ...]] = (
+    "queued", "running", "succeeded", "failed", "cancelled", "interrupted")
+# Not ended: a record in one of these holds what its operation needs (nothing evicts it).
+ACTIVE_STATES: Final[tuple[OperationState, ...]] = ("queued", "running")
+RunState = OperationState
+
+
+def state_of(receipt: Receipt) -> OperationState:
+    """How an operation ended, from its receipt's error (none: it succeeded)."""
+    error = receipt.error
+    if error is None:
+        return "succeeded"
+    if error.code in ("cancelled", "interrupted"):
+        return "cancelled" if error.code == "cancelled" else "interrupted"
+    return "failed"
+
+
+def ended_state(exc: BaseException | None) -> OperationState:
+    """How a run ended, from what left its block: a cancellation (a signal, the deadline, a
+    job cancel: OperationFailed `cancelled`, or the task cancelled) or another failure."""
+    if exc is None:
+        return "succeeded"
+    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt) or (
+            isinstance(exc, OperationFailed) and exc.code == "cancelled"):
+        return "cancelled"
+    return "failed"
 
 
 class LedgerUnreadable(StoreError):
@@ -81,6 +111,9 @@ class Entry(StrictModel):
         return self.receipt
 
     def describe(self) -> str:
+        if self.state == "queued":
+            return (f"{self.operation} {self.operation_id} has been queued since "
+                    f"{self.started_at}")
         if self.state == "running":
             return (f"{self.operation} {self.operation_id} has been running since "
                     f"{self.started_at} (pid {self.pid}), or its process ended without "
@@ -160,7 +193,7 @@ class Ledger:
             if existing is not None and not existing.prepare_only:
                 return existing
             self.write(Entry(operation_id=operation_id, operation=operation,
-                             request_sha256=request_sha256, state="running",
+                             request_sha256=request_sha256, state="queued",
                              started_at=_now(), pid=os.getpid(),
                              control_node=socket.gethostname(), captures=list(captures)))
         return None
@@ -177,7 +210,7 @@ class Ledger:
             touched = existing.touched if existing is not None else None
             repaired = existing.repaired if existing is not None else None
             self.write(Entry(operation_id=receipt.operation_id, operation=receipt.operation,
-                             request_sha256=receipt.request_sha256, state=receipt.state,
+                             request_sha256=receipt.request_sha256, state=state_of(receipt),
                              prepare_only=prepare_only, started_at=receipt.started_at,
                              pid=os.getpid(), control_node=socket.gethostname(),
                              completed_at=receipt.completed_at, kept_units=kept,
@@ -199,7 +232,7 @@ class Ledger:
         request); True when it went."""
         with self.claiming():
             entry = self.load(operation_id)
-            if (entry is None or entry.state != "running" or entry.pid != os.getpid()
+            if (entry is None or entry.state != "queued" or entry.pid != os.getpid()
                     or entry.request_sha256 != request_sha256):
                 return False
             self.path(operation_id).unlink()
@@ -247,12 +280,9 @@ class OperationRun:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if exc is None:
-                self._publish("succeeded", ())
-            else:
-                kept = tuple(u.unit for u in self.ctx.rollback or ()
-                             if u.outcome == "returned to serving")
-                self._publish("failed", kept)
+            kept = tuple(u.unit for u in self.ctx.rollback or ()
+                         if exc is not None and u.outcome == "returned to serving")
+            self._publish(ended_state(exc), kept)
         finally:
             # Published before the lock is dropped: whoever sees the lock free also sees
             # the final state.
@@ -276,15 +306,38 @@ class OperationRun:
                 "kept_units": list(kept)}))
 
 
-def record_interrupted(store_root: Path, operation_id: str) -> None:
+def record_interrupted(store_root: Path, operation_id: str, *, queued: bool = False) -> bool:
     """The record of a run whose process died mid-operation (its lock is free, its record
-    still `running`) now says `failed`, nothing kept: whoever recovered it rolled it back."""
-    status = run_status(store_root, operation_id)
-    entry = status.record
-    if status.running or entry is None or entry.state != "running":
-        return
-    Ledger(store_root).write(entry.model_copy(update={"state": "failed",
-                                                      "completed_at": _now()}))
+    still `running`; with `queued`, also one still `queued`, which only the service that
+    queued it may say is dead) now says `interrupted`, nothing kept: whoever found it dealt
+    with what it left. True when it was so recorded."""
+    with Ledger(store_root).claiming():
+        status = run_status(store_root, operation_id)
+        entry = status.record
+        if (status.running or entry is None
+                or entry.state not in (("queued", "running") if queued else ("running",))):
+            return False
+        Ledger(store_root).write(entry.model_copy(update={"state": "interrupted",
+                                                          "completed_at": _now()}))
+    return True
+
+
+def dead_runs(store_root: Path, operation_id: str | None = None) -> list[str]:
+    """The ids (`operation_id`'s alone when given) whose record still says `running` while
+    nothing holds their lock: their process died mid-operation."""
+    ledger = Ledger(store_root)
+    if operation_id is not None:
+        ids = [operation_id]
+    else:
+        ids = sorted(p.stem for p in ledger.dir.glob("*.json") if is_id(p.stem)) \
+            if ledger.dir.is_dir() else []
+    dead = []
+    for one in ids:
+        status = run_status(store_root, one)
+        if not status.running and status.record is not None and \
+                status.record.state == "running":
+            dead.append(one)
+    return dead
 
 
 @dataclass(frozen=True)
@@ -338,7 +391,8 @@ def prune_locks(store_root: Path, *, older_than_s: float = LOCK_MAX_AGE_S,
             status = run_status(store_root, operation_id)
         except (OSError, ValueError):
             continue
-        if status.running or status.record is None or status.record.state == "running":
+        if (status.running or status.record is None
+                or status.record.state in ACTIVE_STATES):
             continue
         pruned.append(operation_id)
         if not dry_run:

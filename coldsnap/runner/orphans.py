@@ -119,11 +119,11 @@ def orphan_reason(status: RunStatus, unit: str | None) -> tuple[bool, str]:
     if record.state == "succeeded":
         return False, f"{record.operation} {status.operation_id} succeeded: its units are its " \
                       "result"
-    if record.state == "failed":
+    if record.state in ("failed", "cancelled"):
         if unit is not None and unit in record.kept_units:
             return False, f"the rollback of {status.operation_id} returned {unit} to serving"
-        return True, f"{record.operation} {status.operation_id} failed and this container " \
-                     "outlived its rollback"
+        return True, f"{record.operation} {status.operation_id} {record.state} and this " \
+                     "container outlived its rollback"
     return True, f"{record.operation} {status.operation_id} (pid {record.pid} on " \
                  f"{record.control_node}) ended without finishing"
 

@@ -50,11 +50,11 @@ from coldsnap.topology import resolve
 
 def needs_repair(status: RunStatus) -> bool:
     """Whether the operation died having touched units nobody brought back: not running, its
-    record still `running` (a run that ended recorded how, after its own rollback), units
-    recorded, no repair recorded yet."""
+    record still `running` or `interrupted` (a run that ended recorded how, after its own
+    rollback), units recorded, no repair recorded yet."""
     record = status.record
     return (not status.running and status.problem is None and record is not None
-            and record.state == "running" and record.touched is not None
+            and record.state in ("running", "interrupted") and record.touched is not None
             and bool(record.touched.units) and record.repaired is None)
 
 

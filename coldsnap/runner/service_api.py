@@ -7,13 +7,16 @@ service listens, the states a job goes through, and the options a job submission
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
+
+from coldsnap.runner.ledger import ACTIVE_STATES, OPERATION_STATES, OperationState
 
 DEFAULT_SOCKET: Final = "/run/coldsnap/coldsnapd.sock"
 
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-JOB_STATES: tuple[JobState, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
-ACTIVE: tuple[JobState, ...] = ("queued", "running")
+# A job's state is its operation's, in the ledger's one state set (coldsnap.runner.ledger).
+JobState = OperationState
+JOB_STATES: tuple[JobState, ...] = OPERATION_STATES
+ACTIVE: tuple[JobState, ...] = ACTIVE_STATES
 
 # The RunOptions fields a submission may set (coldsnap.runner.prepared); the service checks
 # each value's type and range, the CLI sends those its command has.

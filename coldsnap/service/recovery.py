@@ -31,7 +31,7 @@ from coldsnap.operations.context import (
     UnitRollback,
 )
 from coldsnap.operations.hostset import HostSet
-from coldsnap.runner.ledger import Ledger, record_interrupted
+from coldsnap.runner.ledger import Ledger, record_interrupted, state_of
 from coldsnap.runner.orphans import Container, HostResult, Judge, gc_host
 from coldsnap.runner.repair import pending, repair
 from coldsnap.runner.service_api import ACTIVE
@@ -86,7 +86,7 @@ async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Pat
 
 def _finish(jobs: JobStore, row: JobRow, receipt: Receipt) -> None:
     error = receipt.error
-    jobs.finished(row.id, "succeeded" if error is None else "failed",
+    jobs.finished(row.id, state_of(receipt),
                   exit_status=0 if error is None else 1,
                   error_code=error.code if error else None)
 

@@ -38,6 +38,7 @@ from coldsnap.formats.service_policy import ServicePolicy
 from coldsnap.logs import get_logger
 from coldsnap.runner.claim import Claim, claim, release
 from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.ledger import state_of
 from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
 from coldsnap.runner.service_api import JobState
 from coldsnap.service.job import Ended, Job
@@ -269,8 +270,7 @@ class Scheduler:
     def _ended(self, job: Job, ended: Ended) -> None:
         receipt = ended.receipt
         error = receipt.error
-        state: JobState = ("succeeded" if error is None else
-                           "cancelled" if error.code == "cancelled" else "failed")
+        state: JobState = state_of(receipt)
         self._write_unrecorded()
 
         def finished() -> None:

@@ -67,7 +67,9 @@ def receipt_of(request: Request, state: str = "succeeded") -> Receipt:
 def record(tmp_path: Path, request: Request, state: str = "succeeded") -> Receipt | None:
     records = Ledger(tmp_path / "store")
     assert records.reserve(request.id, request.operation, request.request_sha256) is None
-    if state == "running":
+    if state in ("queued", "running"):  # a claim is queued; its run, once started, running
+        if state == "running":
+            records.update(request.id, state="running")
         return None
     receipt = receipt_of(request, state)
     records.complete(receipt)
@@ -226,6 +228,7 @@ def test_a_retry_of_a_succeeded_request_prints_its_receipt_and_runs_nothing(
 @pytest.mark.parametrize(("state", "changes", "needle"), [
     ("succeeded", {"validation": {"prompt": "other"}}, "for another request"),
     ("failed", {}, "capture req-1 failed at"),
+    ("queued", {}, "has been queued since"),
     ("running", {}, "has been running since"),
 ])
 def test_a_used_id_is_refused(tmp_path: Path, stdin: Any, state: str, changes: dict[str, Any],

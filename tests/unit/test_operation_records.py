@@ -28,7 +28,7 @@ def test_of_many_concurrent_claims_exactly_one_wins(tmp_path: Path) -> None:
         won = pool.map(_claim, [(str(tmp_path), i) for i in range(32)])
     assert won.count(True) == 1
     held = Ledger(tmp_path).load("op-1")
-    assert held is not None and held.state == "running"
+    assert held is not None and held.state == "queued"
     # No temporary file is left next to the record.
     assert [p.name for p in (tmp_path / "operations").iterdir()
             if p.name != ".claim.lock"] == ["op-1.json"]

@@ -4,6 +4,7 @@ rollback: the lock says "running", the record says how it ended, and `orphan_rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,7 +21,17 @@ from coldsnap.operations.context import (
     OperationFailed,
     UnitRollback,
 )
-from coldsnap.runner.ledger import Entry, OperationRun, RunStatus, run_status
+from coldsnap.runner.ledger import (
+    Entry,
+    Ledger,
+    OperationRun,
+    RunStatus,
+    dead_runs,
+    ended_state,
+    record_interrupted,
+    run_status,
+    state_of,
+)
 from coldsnap.runner.orphans import orphan_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,3 +156,54 @@ def test_a_cancellation_before_any_unit_started_says_so() -> None:
     plain = OperationFailed("staging", "host-2: disk full")
     assert plain.exit_status == 1
     assert ctx.failure_message(plain) == "host-2: disk full"
+
+
+def test_one_state_set_from_claim_to_end(tmp_path: Path) -> None:
+    """A claim is `queued`, a held run `running`; a cancelled run (a signal, the deadline, a
+    job cancel) ends `cancelled` and keeps what its rollback returned to serving, as a failed
+    one does."""
+    ledger = Ledger(tmp_path)
+    assert ledger.reserve("restore-c", "restore", SHA) is None
+    record = ledger.load("restore-c")
+    assert record is not None and record.state == "queued" and "queued since" in \
+        record.describe()
+    ctx = OperationContext("restore", operation_id="restore-c")
+    with pytest.raises(OperationCancelled), OperationRun(tmp_path, ctx, request_sha256=SHA):
+        assert run_status(tmp_path, "restore-c").record.state == "running"  # type: ignore[union-attr]
+        ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving")]
+        raise OperationCancelled(signal.SIGTERM)
+    status = run_status(tmp_path, "restore-c")
+    assert status.record is not None and status.record.state == "cancelled"
+    assert orphan_reason(status, "unit-0") == (
+        False, "the rollback of restore-c returned unit-0 to serving")
+    assert orphan_reason(status, "unit-1")[0] is True
+    assert ended_state(asyncio.CancelledError()) == "cancelled"
+    assert ended_state(OperationFailed("deadline", "past its deadline")) == "failed"
+    assert ended_state(None) == "succeeded"
+
+
+def test_a_run_whose_process_died_is_recorded_interrupted_once_found(tmp_path: Path) -> None:
+    """`running` with its lock free: its process died. gc (dead_runs, record_interrupted)
+    records it `interrupted`; a `queued` claim is left alone unless the service that queued
+    it says so; a receipt's error code gives the state the service's recovery records."""
+    ledger = Ledger(tmp_path)
+    ledger.reserve("restore-q", "restore", SHA)
+    ledger.reserve("restore-d", "restore", SHA)
+    ledger.update("restore-d", state="running")  # as a run writes it, then kill -9
+    assert dead_runs(tmp_path) == ["restore-d"]
+    assert dead_runs(tmp_path, "restore-q") == []
+    assert record_interrupted(tmp_path, "restore-d")
+    assert not record_interrupted(tmp_path, "restore-q")
+    assert ledger.load("restore-d").state == "interrupted"  # type: ignore[union-attr]
+    assert dead_runs(tmp_path) == []
+    assert record_interrupted(tmp_path, "restore-q", queued=True)
+    assert ledger.load("restore-q").state == "interrupted"  # type: ignore[union-attr]
+    status = run_status(tmp_path, "restore-d")
+    assert orphan_reason(status, "unit-0")[0] is True
+    ctx = OperationContext("restore", operation_id="restore-x")
+    for error, state in ((None, "succeeded"), (OperationFailed("interrupted", "x"), "interrupted"),
+                         (OperationCancelled(signal.SIGINT), "cancelled"),
+                         (OperationFailed("start-failed", "x"), "failed")):
+        receipt = ctx.finish(request_sha256=SHA, engine="vllm",
+                             snapshot_driver="n610", error=error)
+        assert state_of(receipt) == state

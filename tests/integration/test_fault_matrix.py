@@ -8,6 +8,7 @@ Capture faults are in test_fault_matrix_capture.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -248,6 +249,10 @@ def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_fi
     assert [(r["host"], r["unit"], r["ok"]) for r in report["repairs"]] == [
         ("host-2", "unit-0", True), ("host-3", "unit-1", True)], report["repairs"]
     assert all(r["text"].endswith(" serving again") for r in report["repairs"])
+    # and the ledger says how the operation ended: its process died mid-run
+    assert report["interrupted"] == [dead]
+    assert json.loads((ops.store / "operations" / f"{dead}.json").read_text())["state"] == \
+        "interrupted"
     assert {h: [c.id for c in ops.unit_containers(h)] for h in earlier} == earlier
     assert _complete(ops, "host-2", 8000) == EXPECTED
     retry_succeeds(ops, artifact, "kill9-retry")

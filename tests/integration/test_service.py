@@ -153,7 +153,10 @@ def test_disjoint_captures_run_together_and_the_same_units_wait(
     # Disjoint hosts: at once. The same units: one after the other, said on stderr.
     assert a["started_at"] < b["completed_at"] and b["started_at"] < a["completed_at"]
     assert c["started_at"] > a["completed_at"]
-    assert f"waits for job {a['operation_id']} (host-0/unit-0, host-1/unit-1)" in same_err
+    # said with everything both hold: the units, then their GPUs and listen ports
+    waits = f"waits for job {a['operation_id']} (host-0/unit-0, host-1/unit-1, host-0 GPU "
+    assert waits in same_err and "host-1 GPU " in same_err and "host-0 port " in same_err, \
+        same_err[-3000:]
     assert not labelled(ops, a["operation_id"]) and not labelled(ops, c["operation_id"])
 
 

@@ -22,6 +22,7 @@ import os
 import posixpath
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -137,6 +138,22 @@ class HostLocks:
             await lock.unlock([CACHE_LOCK])
 
 
+async def _start_holder(stack: contextlib.AsyncExitStack, host: Host, name: str,
+                        data_dir: str, holder: str, log: Any, what: str) -> HostLock:
+    """Start a host's lock holder (the helper's `hold` mode) on `stack`, which ends it, and
+    wait until it is ready."""
+    try:
+        out, cmd = await stack.enter_async_context(
+            host.hold(helper_argv("hold", locks_dir(data_dir), holder)))
+    except HostError as exc:
+        raise OperationFailed("host-unreachable", f"host {name}: cannot hold {what}: "
+                                                  f"{exc.message}") from None
+    lock = HostLock(name, out, cmd, log)
+    if (await lock._line()) != "ready":
+        raise OperationFailed("busy", f"host {name}: its lock holder did not start")
+    return lock
+
+
 @contextlib.asynccontextmanager
 async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topology: Topology,
                     *, starts_units: bool, cache: bool) -> AsyncIterator[HostLocks]:
@@ -148,16 +165,9 @@ async def exclusive(hosts: HostSet, ctx: OperationContext, launch: Launch, topol
         by_host: dict[str, HostLock] = {}
 
         async def start(name: str) -> None:
-            data_dir = hosts.entries[name].data_dir
-            try:
-                out, cmd = await stack.enter_async_context(hosts.host(name).hold(
-                    helper_argv("hold", locks_dir(data_dir), holder_text(ctx))))
-            except HostError as exc:
-                raise OperationFailed("host-unreachable", f"host {name}: cannot hold its "
-                                                          f"locks: {exc.message}") from None
-            by_host[name] = HostLock(name, out, cmd, ctx.log)
-            if (await by_host[name]._line()) != "ready":
-                raise OperationFailed("busy", f"host {name}: its lock holder did not start")
+            by_host[name] = await _start_holder(
+                stack, hosts.host(name), name, hosts.entries[name].data_dir, holder_text(ctx),
+                ctx.log, "its locks")
 
         # The holders start on all hosts at once (what each started is on the stack, and
         # ends with it); the locks are then taken in their one order.
@@ -179,15 +189,8 @@ async def cache_held(host: Host, name: str, data_dir: str, holder: str,
     eviction, `gc --unreferenced`) waits for a restore's survey and staging there, and a
     restore's survey waits for it, so neither drops what the other just counted as held."""
     async with contextlib.AsyncExitStack() as stack:
-        try:
-            out, cmd = await stack.enter_async_context(
-                host.hold(helper_argv("hold", locks_dir(data_dir), holder)))
-        except HostError as exc:
-            raise OperationFailed("host-unreachable", f"host {name}: cannot hold its cache "
-                                                      f"lock: {exc.message}") from None
-        lock = HostLock(name, out, cmd, get_logger())
-        if (await lock._line()) != "ready":
-            raise OperationFailed("busy", f"host {name}: its lock holder did not start")
+        lock = await _start_holder(stack, host, name, data_dir, holder, get_logger(),
+                                   "its cache lock")
         await lock.lock([CACHE_LOCK], wait_s)
         yield
 

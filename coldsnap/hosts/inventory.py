@@ -20,8 +20,17 @@
 
     registry: 198.18.0.1:5000             # optional, top level: an OCI registry every host's
                                           # Docker can push to and pull from (HOST[:PORT])
+    artifact_repository: 198.18.0.254:5000/coldsnap/artifacts
+                                          # optional: captures publish here, each host pushing
+                                          # its own objects (REGISTRY/REPOSITORY, no tag)
+    registries:                           # optional: how coldsnapd and the hosts reach each
+      "198.18.0.254:5000": {insecure: true}     # registry (plain HTTP when insecure; else HTTPS
+      "registry.example:443":                   # with the system CAs or `ca_file`)
+        credentials: registry-auth.json   # docker-style config.json (`auths`), never logged
+        ca_file: registry-ca.pem
 
-Relative `identity_file` / `known_hosts` paths are taken relative to the inventory file.
+Relative `identity_file` / `known_hosts` paths, and a registry's `credentials` / `ca_file`, are
+taken relative to the inventory file.
 """
 
 from __future__ import annotations
@@ -151,26 +160,88 @@ _DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _REGISTRY = re.compile(rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::(\d{{1,5}}))?")
 
 
+def check_registry(v: str) -> str:
+    match = _REGISTRY.fullmatch(v)
+    if match is None or len(v) > 255:
+        raise ValueError("must be HOST or HOST:PORT (a DNS name, an IPv4 address or a "
+                         "bracketed IPv6 address; no scheme, path or spaces), e.g. "
+                         "198.18.0.1:5000")
+    if match.group(1) is not None and not 1 <= int(match.group(1)) <= 65535:
+        raise ValueError("port must be 1-65535")
+    return v
+
+
+# A repository path as the distribution spec allows it: lowercase components joined by `/`.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
+
+
+def check_repository_path(v: str) -> str:
+    if _REPOSITORY.fullmatch(v) is None or len(v) > 255:
+        raise ValueError(f"repository {v!r} must be lowercase path components "
+                         "([a-z0-9] with . _ - inside) joined by /")
+    return v
+
+
+class RegistrySettings(BaseModel):
+    """How to reach one registry: its transport and where its credentials are."""
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # Plain HTTP; without it HTTPS, verified against the system CAs or `ca_file`.
+    insecure: bool = False
+    ca_file: Path | None = None
+    # A docker-style config.json; its `auths` entry for this registry (`auth`, or
+    # `username` and `password`) authenticates, as basic or bearer-token auth asks.
+    credentials: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_or_not(self) -> RegistrySettings:
+        if self.insecure and self.ca_file is not None:
+            raise ValueError("ca_file: an insecure (plain HTTP) registry has no TLS to verify")
+        return self
+
+
 class Inventory(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     hosts: list[HostEntry] = Field(min_length=1)
     # Where capture pushes each unit's capsule and restore hosts pull it, both by digest.
     registry: str | None = None
+    # Where a capture publishes its artifact, each host pushing its own objects there.
+    artifact_repository: str | None = None
+    registries: dict[str, RegistrySettings] = Field(default_factory=dict)
 
     @field_validator("registry")
     @classmethod
     def _registry_shape(cls, v: str | None) -> str | None:
+        return v if v is None else check_registry(v)
+
+    @field_validator("artifact_repository")
+    @classmethod
+    def _artifact_repository_shape(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        match = _REGISTRY.fullmatch(v)
-        if match is None or len(v) > 255:
-            raise ValueError("must be HOST or HOST:PORT (a DNS name, an IPv4 address or a "
-                             "bracketed IPv6 address; no scheme, path or spaces), e.g. "
-                             "198.18.0.1:5000")
-        if match.group(1) is not None and not 1 <= int(match.group(1)) <= 65535:
-            raise ValueError("port must be 1-65535")
+        registry, slash, path = v.partition("/")
+        if not slash:
+            raise ValueError("must be REGISTRY/REPOSITORY, e.g. "
+                             "198.18.0.254:5000/coldsnap/artifacts")
+        check_registry(registry)
+        check_repository_path(path)
         return v
+
+    @field_validator("registries")
+    @classmethod
+    def _registry_keys(cls, v: dict[str, RegistrySettings]) -> dict[str, RegistrySettings]:
+        for key in v:
+            try:
+                check_registry(key)
+            except ValueError as exc:
+                raise ValueError(f"key {key!r} {exc}") from None
+        return v
+
+    def registry_settings(self, registry: str) -> RegistrySettings:
+        """How to reach `registry`: its entry, else HTTPS with the system CAs, anonymous."""
+        return self.registries.get(registry, RegistrySettings())
 
     @model_validator(mode="after")
     def _unique_and_resolvable(self) -> Inventory:
@@ -233,6 +304,17 @@ def parse_inventory(data: Any, *, source: Path | str = "<inventory>") -> Invento
     base = Path(source).parent if str(source) != "<inventory>" else Path.cwd()
     if not isinstance(data, dict):
         raise InventoryError(source, ["top level: must be a mapping with a `hosts` list"])
+    registries = data.get("registries")
+    if isinstance(registries, dict):
+        data = dict(data)
+        data["registries"] = {k: dict(v) if isinstance(v, dict) else v
+                              for k, v in registries.items()}
+        for v in data["registries"].values():
+            if isinstance(v, dict):
+                for key in ("credentials", "ca_file"):
+                    if isinstance(v.get(key), str):
+                        p = Path(v[key]).expanduser()
+                        v[key] = p if p.is_absolute() else (base / p)
     hosts = data.get("hosts")
     if isinstance(hosts, list):
         data = dict(data)

@@ -93,9 +93,9 @@ def _credentials(path: Path, registry: str) -> tuple[str, str] | None:
             raise RegistryAccessError(f"{where}: {path}: auths.{registry}.auth is not "
                                       "base64 of USER:PASSWORD")
         return user, password
-    user, password = entry.get("username"), entry.get("password")
-    if isinstance(user, str) and user and isinstance(password, str):
-        return user, password
+    name, secret = entry.get("username"), entry.get("password")
+    if isinstance(name, str) and name and isinstance(secret, str):
+        return name, secret
     raise RegistryAccessError(f"{where}: {path}: auths.{registry} has neither `auth` nor "
                               "`username` and `password`")
 

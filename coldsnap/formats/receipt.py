@@ -4,7 +4,9 @@ Public API:
 - `Receipt` (fields as FORMATS.md: `operation_id`, `operation`, `state`, `request_sha256`,
   `engine`, `snapshot_driver`, `replay_semantics`, `started_at`, `completed_at`,
   `duration_seconds`, `timing`, `result`, `error`), `ReceiptResult(artifact?, output?,
-  prepared?, operation_id_generated?)`, `ReceiptError(code, message)`.
+  prepared?, operation_id_generated?, units?, services?)`, `ReceiptError(code, message)`.
+- `ServiceAnswer`: one service's validation (coldsnapd's own field `result.services`).
+- `reply_excerpt(text) -> str`: what a receipt keeps of an engine's reply or error.
 - `rfc3339_ns(unix_ns) -> str`: UTC with nanoseconds, e.g. `2026-11-29T10:15:00.000000001Z`.
 - `replay_semantics_for(operation, prepare_only=False) -> str`: capture
   `conflict-on-existing-output`, restore `reconcile-replace`, prepare-only, sleep, wake and status
@@ -99,6 +101,34 @@ class UnitQuiesce(StrictModel):
                                    else "checkpointed"), note=note)
 
 
+# What a receipt keeps of one engine reply or error: enough to tell what came back, never a
+# whole completion.
+REPLY_EXCERPT_CHARS: Final = 200
+
+
+def reply_excerpt(text: str) -> str:
+    flat = " ".join(text.split())
+    if len(flat) <= REPLY_EXCERPT_CHARS:
+        return flat
+    return flat[:REPLY_EXCERPT_CHARS - 3] + "..."
+
+
+class ServiceAnswer(StrictModel):
+    """One service's validation prompt, sent to the unit that holds its first world rank
+    (coldsnapd's own field): where it went (`host`, `address` as `ip:port`), whether the
+    expected text came back (`answered`), after how long, and an excerpt of the reply, or of
+    the error when it did not answer."""
+
+    service: Id
+    units: list[Id]
+    unit: Id
+    host: NonEmpty
+    address: NonEmpty
+    answered: bool
+    seconds: Seconds
+    reply: str = Field(max_length=REPLY_EXCERPT_CHARS)
+
+
 class ReceiptResult(StrictModel):
     artifact: Id | None = None
     output: NonEmpty | None = None
@@ -108,6 +138,9 @@ class ReceiptResult(StrictModel):
     operation_id_generated: bool | None = None
     # A capture's units, each as its quiesce left it (coldsnapd's own field).
     units: list[UnitQuiesce] | None = None
+    # A restore's (or wake's) validation, per service, in request order (coldsnapd's own
+    # field); on a failed receipt too, once validation ran.
+    services: list[ServiceAnswer] | None = None
 
 
 class ReceiptError(StrictModel):

@@ -61,6 +61,7 @@ from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
 from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
+from coldsnap.operations.service_checks import unit_labels
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
@@ -106,6 +107,7 @@ async def capture(
                                                  f"store {store.root}; a capture needs a fresh id")
     launch = request.launch
     topology = resolve(request)
+    ctx.unit_services = unit_labels(topology)
     keep_serving = request.lifecycle is not None and request.lifecycle.activation_state == "running"
 
     with ctx.span("capture.facts"):

@@ -26,6 +26,7 @@ from coldsnap.formats.receipt import (
     Receipt,
     ReceiptError,
     ReceiptResult,
+    ServiceAnswer,
     replay_semantics_for,
     rfc3339_ns,
 )
@@ -168,6 +169,12 @@ class OperationContext:
         # instance, a unit put to sleep or woken): whoever runs the operation records them
         # durably (the ledger), so that a recovery after a kill -9 can bring them back.
         self.touching: Callable[[Touched], None] | None = None
+        # unit id -> the service(s) it serves, as a failed step of that unit names them
+        # first (operations.service_checks.unit_labels; set once the topology is known).
+        self.unit_services: dict[str, str] = {}
+        # Each service's validation once it ran (the receipt's `result.services`, also on a
+        # failed receipt); None when no validation ran.
+        self.services: list[ServiceAnswer] | None = None
 
     def record_touched(self, touched: Touched) -> None:
         if self.touching is not None and touched.units:
@@ -189,6 +196,11 @@ class OperationContext:
         if len(parts) == 1 and isinstance(error, OperationCancelled):
             parts.append("no unit had to be rolled back")
         return "; ".join(parts)
+
+    def _with_services(self, result: ReceiptResult | None) -> ReceiptResult | None:
+        if self.services is None:
+            return result
+        return (result or ReceiptResult()).model_copy(update={"services": self.services})
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:
@@ -230,7 +242,7 @@ class OperationContext:
             completed_at=rfc3339_ns(completed),
             duration_seconds=(completed - self.started_ns) / 1e9,
             timing=timing,
-            result=result,
+            result=self._with_services(result),
             error=(ReceiptError(code=error.code, message=self.failure_message(error))
                    if error else None),
         )

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from coldsnap.capsule.containers import UnitContainer
-from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving, validate
+from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import device_map, gpu_return_to_running
 from coldsnap.capsule.lifecycle import (
@@ -60,6 +60,7 @@ from coldsnap.operations.host_locks import exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
 from coldsnap.operations.restore import restore_placement
+from coldsnap.operations.service_checks import unit_labels, validate_services
 from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, service_heads, unit_spec
 from coldsnap.store import LocalStore, StoredArtifact
@@ -372,6 +373,7 @@ async def wake(stored: StoredArtifact, request: Request, hosts: HostSet, store: 
 async def _wake_units(ctx: OperationContext, t: Target, hosts: HostSet,
                       runs: Sequence[LifecycleRun],
                       captured: Mapping[str, tuple[str, ...]]) -> list[str]:
+    ctx.unit_services = unit_labels(t.topology)
     await phase(ctx, "gpu-restore", [r for r in runs if r.engine is None],
                 lambda r: _gpus_running(r, captured))
     # The placement an engine reads on wake maps the captured devices to the ones it has now.
@@ -382,10 +384,8 @@ async def _wake_units(ctx: OperationContext, t: Target, hosts: HostSet,
     await phase(ctx, "placement", asleep,
                 lambda r: deliver_placement(r.session, r.started, placements[r.placed.unit_id]))
     await phase(ctx, "release", asleep, lambda r: release(r.session, r.started))
-    heads = service_heads(t.topology)
-    await phase(ctx, "validate", [r for r in runs if r.placed.unit_id in set(heads.values())],
-                lambda r: validate(r.session, r.started))
-    return sorted(heads)
+    answers = await validate_services(ctx, runs, t.topology)
+    return [a.service for a in answers]
 
 
 RepairAction = Literal["none", "wake", "sleep", "checkpoint", "report"]

@@ -8,8 +8,9 @@ one loaded from its staged layers; a probe that passed on the same boot of the h
 again: coldsnap.operations.probe_cache) -> (prepare-only stops here) -> every unit's container
 started -> every unit restored by CRIU, each worker's GPUs restored with the UUID map and
 unlocked in the same exec, its placement written meanwhile -> barrier -> every unit released
--> the validation prompt per service. Any failure after the first container started removes
-every container this restore started.
+-> the validation prompt per service, all services at once (operations.service_checks).
+Any failure after the first container started, of any unit of any service, removes every
+container this restore started; the error names the service first.
 
 Replacing an earlier instance (reconcile-replace): a unit already serving on its destination
 host for the same workload (the request's `workload.cluster_id`; without one, the same
@@ -35,7 +36,7 @@ from coldsnap.capsule.containers import (
     start_unit,
 )
 from coldsnap.capsule.criu_restore import criu_restore, lazy_restore_pays
-from coldsnap.capsule.engine_steps import release, validate, wait_ready
+from coldsnap.capsule.engine_steps import release, wait_ready
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import GpuRecord, device_map, write_gpu_record
 from coldsnap.capsule.images import image_set_dir
@@ -82,6 +83,7 @@ from coldsnap.operations.replace import (
     stop_previous,
     touched_previous,
 )
+from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, unit_labels, validate_services
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostHoldings,
@@ -165,14 +167,17 @@ async def restore(
     prepare_only: bool = False,
     fallback: Fallback = "none",
     roots: HostRoots = (None, None),
+    validate_timeout_s: float = VALIDATE_TIMEOUT_S,
 ) -> RestoreOutcome:
     """`roots`: what the host's realpath of each mount source and log path must stay under
-    (None: unrestricted)."""
+    (None: unrestricted). `validate_timeout_s`: what each service gets to answer its
+    validation prompt."""
     artifact = stored.artifact
     launch, policy, validation = restore_placement(
         artifact, request, captured_request(store, artifact) if request is None else None)
     topology = resolve(launch)
     hosts.check_known(topology.hosts, "the restore placement")
+    ctx.unit_services = unit_labels(topology)
     warm = (request is not None and request.lifecycle is not None
             and request.lifecycle.activation_state == "warm")
     outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=warm)
@@ -279,8 +284,9 @@ async def restore(
                                       + ", ".join(outcome.replayed_units))
             ctx.record_touched(touched_previous(runs, artifact.capture_id, request))
             try:
-                outcome.validated = await _restore_units(ctx, hosts, store, artifact, launch,
-                                                         topology, runs, warm=warm)
+                outcome.validated = await _restore_units(
+                    ctx, hosts, store, artifact, launch, topology, runs, warm=warm,
+                    validate_timeout_s=validate_timeout_s)
             except BaseException:
                 await _rollback(ctx, hosts, store, runs)
                 raise
@@ -371,7 +377,8 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
 
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
                          artifact: Artifact, launch: Launch, topology: Topology,
-                         runs: list[RestoreRun], *, warm: bool = False) -> list[str]:
+                         runs: list[RestoreRun], *, warm: bool = False,
+                         validate_timeout_s: float = VALIDATE_TIMEOUT_S) -> list[str]:
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
 
@@ -425,11 +432,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     if native:
         await phase(ctx, "replay", native, start_native)
 
-    # One validation per service, on the unit that holds the service's first world rank.
-    targets = [r for r in runs if r.head]
-    await phase(ctx, "validate", targets, lambda r: validate(r.session, r.started))
+    # One validation per service, on the unit that holds the service's first world rank,
+    # all services at once (service_checks).
+    answers = await validate_services(ctx, runs, topology, timeout_s=validate_timeout_s)
     await remove_previous(ctx, runs)
-    return sorted(service_heads(topology))
+    return [a.service for a in answers]
 
 
 async def hold_warm(r: RestoreRun) -> None:

@@ -101,6 +101,10 @@ async def phase(
         detail = explain(err)
         if not isinstance(err, CapsuleError):
             detail = f"host {run.placed.host}, unit {run.placed.unit_id}, step {name}: {detail}"
+        # With several services, which one failed is what the user acts on.
+        service = ctx.unit_services.get(run.placed.unit_id)
+        if service:
+            detail = f"{service}: {detail}"
         raise OperationFailed(f"{name}-failed", detail + more)
     return [r for r in results if not isinstance(r, BaseException)]
 

@@ -13,6 +13,7 @@ from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
+from coldsnap.operations.service_checks import answers_line
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -113,8 +114,7 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
             report.say(f"restored {artifact.capture_id} warm: every unit asleep with its "
                        "GPU state checkpointed; `coldsnapd wake` makes it serve")
         elif not prepare_only:
-            report.say(f"restored {artifact.capture_id}: services "
-                       f"{', '.join(out.validated)} answered the validation prompt")
+            report.say(f"restored {artifact.capture_id}: {answers_line(ctx.services or [])}")
         return ReceiptResult(artifact=artifact.capture_id, prepared=prepare_only)
 
     return Prepared("restore", key, engine=artifact.launch.engine,

@@ -14,6 +14,7 @@ from coldsnap.hosts.inventory import load_inventory
 from coldsnap.operations import lifecycle
 from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.service_checks import answers_line
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import Prepare, Prepared, ReceiptKey, Refused, RunOptions, Touches
 from coldsnap.runner.report import Report
@@ -64,9 +65,8 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
             if operation == "sleep":
                 units = await lifecycle.sleep(stored, request, hosts, store, ctx)
             elif operation == "wake":
-                units, validated = await lifecycle.wake(stored, request, hosts, store, ctx)
-                shown(f"woke {stored.capture_id}: services {', '.join(validated)} answered "
-                      "the validation prompt")
+                units, _ = await lifecycle.wake(stored, request, hosts, store, ctx)
+                shown(f"woke {stored.capture_id}: {answers_line(ctx.services or [])}")
             else:
                 units = await lifecycle.status(stored, request, hosts, ctx)
             if options.json:

@@ -66,7 +66,7 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
         help="stream timing events (NDJSON, format 1) to stdout or to a new file at an "
              "absolute PATH (an existing file is refused); needs --receipt-json")
     parser.add_argument(
-        "--deadline", type=_seconds, default=None, metavar="SECONDS",
+        "--deadline", type=seconds_flag, default=None, metavar="SECONDS",
         help="cancel the operation (with its rollback) once it has run this long; the error "
              "code is `deadline`. Default: 1800 s for a capture, 600 s for the others, plus "
              "one second per 25 MiB the operation moves (a restore: its artifact's objects)")
@@ -83,7 +83,7 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
 
 
-def _seconds(text: str) -> float:
+def seconds_flag(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -115,7 +115,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         prepare_only=bool(getattr(args, "prepare_only", False)),
         fallback=getattr(args, "fallback", "none"),
         json=bool(getattr(args, "json", False)), verbose=bool(args.verbose),
-        deadline=getattr(args, "deadline", None))
+        deadline=getattr(args, "deadline", None),
+        validation_timeout=getattr(args, "validation_timeout", None))
 
 
 def operation_handler(

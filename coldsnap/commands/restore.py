@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from coldsnap.commands.common import add_request_option
-from coldsnap.commands.operation import add_operation_arguments, operation_handler
+from coldsnap.commands.operation import (
+    add_operation_arguments,
+    operation_handler,
+    seconds_flag,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -38,5 +42,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--fallback", choices=("none", "replay"), default="none",
                         help="replay: a unit whose process snapshot is not admissible is "
                              "re-created natively from its staged payloads and replay plans")
+    parser.add_argument("--validation-timeout", type=seconds_flag, default=None,
+                        metavar="SECONDS",
+                        help="what each service gets to answer its validation prompt after "
+                             "it is released (readiness, then the prompt; default 120 s); "
+                             "one that does not answer fails the restore, which is rolled "
+                             "back on every host")
     add_operation_arguments(parser)
     parser.set_defaults(handler=operation_handler("restore"))

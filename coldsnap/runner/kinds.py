@@ -13,7 +13,7 @@ from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
-from coldsnap.operations.service_checks import answers_line
+from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -102,6 +102,7 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
                             fallback=options.fallback,
+                            validate_timeout_s=options.validation_timeout or VALIDATE_TIMEOUT_S,
                             roots=(options.mount_roots, options.log_roots))
         for s in out.staging:
             report.say(f"{s.host}: {len(s.objects)} object(s) owned, "

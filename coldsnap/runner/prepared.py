@@ -45,6 +45,8 @@ class RunOptions:
     json: bool = False  # status: the report as JSON
     verbose: bool = False
     deadline: float | None = None  # seconds; None: derived from the bytes it moves
+    # restore: seconds each service gets to answer its validation; None: the default.
+    validation_timeout: float | None = None
     # Who runs it: the service's submitter (SO_PEERCRED); None: this process's uid (--local).
     # A workload belongs to the uid that first started it (coldsnap.runner.owners).
     uid: int | None = None

@@ -23,4 +23,5 @@ ACTIVE: tuple[JobState, ...] = ACTIVE_STATES
 # `receipt_json` and `timing_events` are the paths the client writes its receipt and timing
 # events to: the service only holds them to its policy (outputs.allow).
 SUBMISSION_OPTIONS: Final = ("artifact", "prepare_only", "fallback", "json", "verbose",
-                             "deadline", "receipt_json", "timing_events")
+                             "deadline", "validation_timeout", "receipt_json",
+                             "timing_events")

@@ -40,6 +40,8 @@ _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
     "json": (bool, False, lambda v: None),
     "verbose": (bool, False, lambda v: None),
     "deadline": (float, None, lambda v: None if 0 < v < float("inf") else "a positive number"),
+    "validation_timeout": (float, None,
+                           lambda v: None if 0 < v < float("inf") else "a positive number"),
     # Where the client writes its receipt and timing events: the service never writes them,
     # it holds them to its policy's outputs.allow (coldsnap.service.policy).
     "receipt_json": (str, None, lambda v: None if _client_path(v) else _CLIENT_PATH),

@@ -56,6 +56,7 @@ def _tp_pp(name: str, second: str) -> Layout:
                                                                       MASTER_PORT))
     tensor = (("tp-0", "tensor", "engine", (0, 1, 2, 3)), ("tp-1", "tensor", "engine",
                                                             (4, 5, 6, 7)))
+    extra: tuple[tuple[str, str, str, tuple[int, ...]], ...]
     if second == "pipeline":  # stage s of every tensor rank: (i, i + 4)
         extra = tuple((f"pp-{i}", "pipeline", "engine", (i, i + 4)) for i in range(4))
     else:  # expert groups overlapping both tensor groups, across both hosts
@@ -95,7 +96,7 @@ def _place(unit: dict[str, Any], lu: LayoutUnit, engine: str, host: str, master:
            devices: list[str]) -> None:
     unit["host"] = host
     unit["devices"] = devices
-    unit["command"] = ["test-engine", "serve", "--api", engine, "--host", "0.0.0.0",
+    unit["command"] = ["test-engine", "serve", "--api", engine, "--host", "0.0.0.0",  # noqa: S104
                        "--port", str(lu.port), "--model-dir", "/models",
                        "--master-addr", master, "--master-port", str(lu.master_port),
                        *lu.extra]

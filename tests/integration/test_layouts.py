@@ -142,6 +142,7 @@ def _cut(ops: Ops, request: dict[str, Any], unit: str, leader: str, group: str) 
     u = next(x for x in request["launch"]["units"] if x["id"] == unit)
     port = int(u["command"][u["command"].index("--port") + 1])
     container = _unit_container(ops, u["host"], unit)
+    # 198.18.0.254: in the dev cluster's subnet, no host has it, so nothing listens there.
     code, out, err = exec_in_container(container.client.api, container.id, [
         "python3", "-c",
         "import json,sys; p=sys.argv[1]; d=json.load(open(p)); "

@@ -21,7 +21,9 @@ Public API:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, ROLE_REPLAY_PLAN, ROLE_WEIGHTS
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
@@ -189,3 +191,19 @@ def resolve(source: Request | Launch) -> Topology:
                      for g in execution.groups),
         adapter_digest=execution.adapter.digest,
     )
+
+
+def execution_view(topology: Topology, addresses: Mapping[str, str]) -> dict[str, Any]:
+    """The request's groups and services and every worker's host address (`addresses`: host
+    name -> address), as a unit's identity carries them to its engine: an engine forms every
+    group it belongs to from this, and finds the services it depends on (a decode its
+    prefill). A restore's placement file carries the same workers with their new addresses."""
+    return {
+        "groups": [{"id": g.id, "kind": g.kind, "service": g.service, "members": list(g.members)}
+                   for g in topology.groups],
+        "services": [{"id": s.id, "role": s.role, "workers": list(s.workers)}
+                     for s in topology.services],
+        "peers": [{"id": w.id, "unit": w.unit, "service": w.service,
+                   "global_rank": w.global_rank, "host_address": addresses.get(w.host, w.host)}
+                  for w in topology.workers],
+    }

@@ -258,6 +258,11 @@ class UnitSpec:
     cluster_id: str | None = None
     # Host file that receives the engine's output (request `workload.log_path`).
     log_path: str | None = None
+    # The request's groups and services, and every worker's host address at launch
+    # (`execution_view`): in the unit's identity, so that an engine forms every group it
+    # belongs to and finds the services it depends on. A restore hands it the new addresses
+    # in the placement file (coldsnap.operations.network.placement_documents).
+    execution: Mapping[str, Any] = field(default_factory=dict)
     # The roots the host's realpath of each mount source, and of the log path, must stay
     # under (the service's policy: mounts.allow, log_paths.allow; coldsnap.capsule.host_paths).
     # None: unrestricted.
@@ -298,6 +303,7 @@ class UnitSpec:
                 }
                 for w in sorted(self.workers, key=lambda w: w.process_slot)
             ],
+            **self.execution,
         }
 
     def container_environment(self, devices: Sequence[str] | None = None) -> dict[str, str]:

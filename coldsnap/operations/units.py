@@ -25,7 +25,7 @@ from coldsnap.formats.request import (
 )
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.topology import Topology
+from coldsnap.topology import Topology, execution_view
 
 
 class PlacementError(ValueError):
@@ -138,6 +138,7 @@ def unit_spec(
         labels=dict(labels),
         cluster_id=workload.cluster_id if workload is not None else None,
         log_path=workload.log_path if workload is not None else None,
+        execution=execution_view(topology, {name: e.address for name, e in entries.items()}),
     )
 
 

@@ -3,6 +3,8 @@
 
     engine.py serve [--api vllm|sglang] [--host 0.0.0.0] [--port P] --model-dir D
                     [--served-model-name NAME] [--master-addr A] [--master-port P2]
+                    [--disaggregation-mode null|prefill|decode]
+                    [--disaggregation-bootstrap-port P3]
                     [--warmup-rounds N] [--hold-undumpable] [--try-io-uring]
     engine.py make-shards --out D --world-size W --bytes N --prompt P --answer A [--seed S]
 
@@ -36,6 +38,18 @@ Processes, shaped like a real engine at MiB-to-GiB scale and without a GPU:
   completion at once, a silent one within TEST_ENGINE_STEP_TIMEOUT (10 s). A unit without
   rank 0 answers completions with an error naming the driver, and serves /health and
   sleep/wake for its own workers.
+- every other group the request declares (tensor, pipeline, expert, context... any kind whose
+  name part is not `world`; COLDSNAP_UNIT's `groups`) is formed the same way
+  (engine_groups.py): its first member listens on its host's address (COLDSNAP_UNIT's
+  `peers`, else the placement's `workers`) at master port + 1 + the group's index among its
+  service's non-world groups; every completion's step is run across each of them by its
+  leader, so a member that cannot reach one of its groups fails the completion. /health
+  needs every group up.
+- SGLang prefill/decode (--disaggregation-mode): a prefill also serves its HTTP surface on
+  --disaggregation-bootstrap-port (default 8998); a decode sends every completion's prompt
+  to the head of the service whose role is `*:prefill` there first (its address from the
+  identity or placement, as the groups'), so a decode that cannot reach its prefill answers
+  503 naming it.
 
 Surfaces (HTTP/1.1, one request per connection, always Content-Length; errors in the engine's
 own error JSON):
@@ -108,6 +122,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 # The capsule runs this file through a symlink (/usr/local/bin/test-engine).
@@ -182,6 +197,11 @@ def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or (os.environ.get("VLLM_API_KEY") if args.api == "vllm" else None)
     server = engine_http.Server((args.host, port),
                                 engine_http.make_handler(surface, api_key or None))
+    if args.disaggregation_mode == "prefill":
+        # SGLang's prefill serves its decode peers on a bootstrap port besides --port.
+        bootstrap = engine_http.Server((args.host, args.disaggregation_bootstrap_port),
+                                       engine_http.make_handler(surface, api_key or None))
+        threading.Thread(target=bootstrap.serve_forever, name="bootstrap", daemon=True).start()
     print(f"test engine ({args.api}) serving on {args.host}:{port}", flush=True)
     server.serve_forever()
     return 0
@@ -203,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: $MASTER_ADDR, else 127.0.0.1")
     s.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT") or 29500),
                    help="default: $MASTER_PORT, else 29500")
+    s.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
+                   default="null",
+                   help="SGLang prefill/decode: a prefill serves --disaggregation-bootstrap-port "
+                        "too; a decode sends every completion's prompt there first")
+    s.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     s.add_argument("--warmup-rounds", type=int, default=4,
                    help="digest rounds per weight chunk: the CPU cost of warm-up")
     s.add_argument("--try-io-uring", action="store_true",

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import engine_group
+import engine_groups
 
 PLACEMENT_FORMAT = "coldsnap-placement/1"
 DEFAULT_RUNTIME_DIR = "/var/lib/coldsnap/runtime"
@@ -105,6 +106,10 @@ class Engine:
                  channels: list[Channel]) -> None:
         self.args = args
         self.unit_id = str(manifest.get("unit_id"))
+        self.manifest = manifest
+        # SGLang prefill/decode: a decode engine's completions need the prefill service.
+        self.prefill = (engine_groups.prefill_head(manifest)
+                        if getattr(args, "disaggregation_mode", None) == "decode" else None)
         self.channels = channels
         self.driver = next((c for c in channels if c.ident["global_rank"] == 0), None)
         self.model_dir = args.model_dir
@@ -160,6 +165,10 @@ class Engine:
                 return 503, "the engine is sleeping: wake it up first"
             self.in_flight += 1
         try:
+            if self.prefill is not None:
+                status, why = self.prefilled(prompt)
+                if status != 200:
+                    return status, why
             r = self.driver.call("complete", engine_group.STEP_TIMEOUT + 5.0,
                                  step={"prompt": prompt, "full_check": full_check})
         finally:
@@ -169,6 +178,31 @@ class Engine:
         if not r.get("ok"):
             return 503, str(r.get("error"))
         return 200, str(r["text"])
+
+    def prefilled(self, prompt: str) -> tuple[int, str]:
+        """A decode engine's prefill step: the prompt sent to the prefill service's head at
+        its bootstrap port (where its host is now: the placement's, else the identity's), as
+        SGLang's router pairs a prefill with every decode request. (200, "") or an error."""
+        addr = engine_groups.addresses(self.manifest, self.placement).get(str(self.prefill))
+        port = int(self.args.disaggregation_bootstrap_port)
+        if addr is None:
+            return 503, f"the address of the prefill service's head {self.prefill} is unknown"
+        where = f"prefill {self.prefill} at {addr}:{port}"
+        deadline = time.monotonic() + engine_group.STEP_TIMEOUT
+        while True:
+            try:
+                status, body = engine_groups.post_json(addr, port, "/generate", {
+                    "text": prompt, "sampling_params": {"max_new_tokens": 1}},
+                    engine_group.STEP_TIMEOUT)
+                if status == 200:
+                    return 200, ""
+                why = f"{where} answered {status}: {body[:300]!r}"
+            except (OSError, ValueError) as exc:
+                why = f"{where} cannot be reached: {exc}"
+            # A prefill still forming its groups after a wake answers 503 for a moment.
+            if time.monotonic() > deadline:
+                return 503, f"the decode service cannot prefill: {why}"
+            time.sleep(0.2)
 
     def sleep(self, *, weights: bool, kv: bool = True) -> tuple[int, str | None]:
         """Drain, then every worker sleeps, dropping its KV cache (`kv`) and its weights
@@ -228,9 +262,10 @@ class Engine:
             except PlacementError as exc:
                 return 400, str(exc)
             addr, port, env = self.transport()
+            peers = engine_groups.addresses(self.manifest, self.placement)
             bad = [r.get("error") for r in self.call_all(
-                "wake", CONTROL_TIMEOUT, master_addr=addr, master_port=port, env=env)
-                if not r.get("ok")]
+                "wake", CONTROL_TIMEOUT, master_addr=addr, master_port=port, env=env,
+                peers=peers) if not r.get("ok")]
             if bad:
                 return 500, "; ".join(map(str, bad))
             with self.cond:

@@ -20,6 +20,7 @@ from typing import Any
 
 import cuda_checkpoint_sim as gpu_sim
 import engine_group
+import engine_groups
 from engine_state import (
     CHUNK,
     SHARD_FORMAT,
@@ -41,8 +42,12 @@ class Worker:
     """One worker's warm state and its group membership (runs in the worker process)."""
 
     def __init__(self, ident: dict[str, Any], devices: list[str], model_dir: str,
-                 rounds: int) -> None:
+                 rounds: int, extra: list[engine_groups.Membership] | None = None) -> None:
         self.ident = ident
+        # Its groups beyond the world group (tensor, pipeline, expert...): each formed over
+        # TCP like the world group, and crossed by every completion.
+        self.extra = list(extra or [])
+        self.subgroups: dict[str, engine_group.Group] = {}
         self.rank, self.world_size = int(ident["global_rank"]), int(ident["world_size"])
         self.who = f"worker {ident['id']} (rank {self.rank} of {self.world_size})"
         self.devices = [devices[s] for s in ident.get("device_slots", []) if s < len(devices)]
@@ -128,7 +133,36 @@ class Worker:
                        == self.table[i] for i in picks)
 
     def contribute(self, step: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of one all-reduce step."""
+        """This rank's part of one world all-reduce step: its own part, and the step run
+        across each of its other groups (as the leader), or its connection to them checked,
+        so that a member that cannot reach one of its groups cannot answer."""
+        own = self.own_part(step)
+        if not own.get("ok"):
+            return own
+        for m in self.extra:
+            group = self.subgroups.get(m.group)
+            if group is None:
+                return {"ok": False, "rank": self.rank,
+                        "error": f"{m.who(self.ident['id'])}: the group is not formed"}
+            if isinstance(group, engine_group.MasterGroup):
+                try:
+                    parts = group.all_reduce({**step, "group": m.group}, own,
+                                             engine_group.STEP_TIMEOUT * 0.8)
+                except engine_group.GroupError as exc:
+                    return {"ok": False, "rank": self.rank,
+                            "error": f"group {m.group} ({m.kind}): {exc}"}
+                bad = [p.get("error") for p in parts if not p.get("ok")]
+                if bad:
+                    return {"ok": False, "rank": self.rank,
+                            "error": f"group {m.group} ({m.kind}): " + "; ".join(map(str, bad))}
+            elif not group.ready():
+                return {"ok": False, "rank": self.rank,
+                        "error": f"{m.who(self.ident['id'])}: not connected to its leader "
+                                 f"{group.master} ({group.problem or 'connecting'})"}
+        return own
+
+    def own_part(self, step: dict[str, Any]) -> dict[str, Any]:
+        """This rank's own part of a step: its warm state checked, its answer."""
         def no(why: str) -> dict[str, Any]:
             return {"ok": False, "rank": self.rank, "error": f"{self.who}: {why}"}
 
@@ -173,9 +207,11 @@ class Worker:
 
     def health(self) -> dict[str, Any]:
         group = self.group
+        groups = [group, *(self.subgroups.get(m.group) for m in self.extra)]
+        down = [g for g in groups if g is None or not g.ready()]
         return {"ok": True, "sleeping": self.sleeping, "gpu_state": self.gpu_state(),
-                "group_ready": group is not None and group.ready(),
-                "group_problem": group.problem if group is not None else None,
+                "group_ready": not down,
+                "group_problem": next((g.problem for g in down if g is not None), None),
                 "weights_loaded": self.weights is not None}
 
     def sleep(self, weights: bool, kv: bool) -> dict[str, Any]:
@@ -187,6 +223,7 @@ class Worker:
             if self.group is not None:
                 self.group.stop()
                 self.group = None
+            self._stop_subgroups()
         dropped = None
         with self.lock:
             if kv:
@@ -196,14 +233,25 @@ class Worker:
         free_weights(dropped)
         return {"ok": True}
 
-    def wake(self, master_addr: str, master_port: int, overlay: dict[str, Any]) -> dict[str, Any]:
+    def _stop_subgroups(self) -> None:
+        # caller holds group_lock
+        for g in self.subgroups.values():
+            g.stop()
+        self.subgroups = {}
+
+    def wake(self, master_addr: str, master_port: int, overlay: dict[str, Any],
+             peers: dict[str, str] | None = None) -> dict[str, Any]:
+        """Awake: the world group and every other group rebuilt when asleep or when the
+        placement changed. `peers`: worker id -> its host's address, where each group's
+        leader listens."""
         env = dict(os.environ)
         for key, value in overlay.items():
             if value is None:
                 env.pop(key, None)
             else:
                 env[key] = str(value)
-        config = (master_addr, int(master_port), sorted(overlay.items()))
+        peers = dict(peers or {})
+        config = (master_addr, int(master_port), sorted(overlay.items()), sorted(peers.items()))
         with self.group_lock:
             with self.lock:
                 rebuild = self.sleeping or self.group is None or config != self.config
@@ -218,6 +266,16 @@ class Worker:
                     self.who, self.rank, self.world_size, master_addr, int(master_port), env,
                     self.contribute)
                 self.group.start()
+                self._stop_subgroups()
+                for m in self.extra:
+                    leader = peers.get(m.leader)
+                    if leader is None:
+                        return {"ok": False, "error": f"{m.who(self.ident['id'])}: the address "
+                                                      f"of its leader {m.leader} is unknown"}
+                    g = engine_group.make_group(m.who(self.ident["id"]), m.rank, m.size, leader,
+                                                m.port(int(master_port)), env, self.own_part)
+                    g.start()
+                    self.subgroups[m.group] = g
         return {"ok": True, "rebuilt": rebuild}
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -229,7 +287,8 @@ class Worker:
         if op == "sleep":
             return self.sleep(bool(req.get("weights")), bool(req.get("kv", True)))
         if op == "wake":
-            return self.wake(req["master_addr"], req["master_port"], req.get("env") or {})
+            return self.wake(req["master_addr"], req["master_port"], req.get("env") or {},
+                             req.get("peers") or {})
         if op == "reload":
             return self.reload(req.get("model_dir") or self.model_dir)
         return {"ok": False, "error": f"unknown op {op!r}"}
@@ -248,14 +307,16 @@ def worker_main(args: argparse.Namespace) -> int:
 
     manifest = load_manifest()
     ident = next(w for w in manifest["workers"] if w["process_slot"] == args.slot)
-    worker = Worker(ident, manifest.get("devices", []), args.model_dir, args.warmup_rounds)
+    worker = Worker(ident, manifest.get("devices", []), args.model_dir, args.warmup_rounds,
+                    engine_groups.memberships(manifest, str(ident["id"])))
     try:
         worker.warm_up()
     except Exception as exc:
         print(f"worker {ident['id']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         send({"ready": False, "error": f"{type(exc).__name__}: {exc}"})
         return 1
-    worker.wake(args.master_addr, args.master_port, {})
+    worker.wake(args.master_addr, args.master_port, {},
+                engine_groups.addresses(manifest, None))
     send({"ready": True, "pid": os.getpid()})
 
     def serve_one(req: dict[str, Any]) -> None:

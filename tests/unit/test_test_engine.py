@@ -121,7 +121,7 @@ class Engine:
 
     def __init__(self, tmp: Path, name: str, workers: list[dict[str, Any]], model: Path,
                  port: int, master_port: int, api: str = "vllm",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.name, self.port, self.tmp = name, port, tmp
         self.runtime = tmp / f"runtime-{name}"
         self.env = {
@@ -133,7 +133,8 @@ class Engine:
             "NCCL_SOCKET_IFNAME": "lo",
             "MASTER_ADDR": "127.0.0.1",
             "COLDSNAP_UNIT": json.dumps({
-                "unit_id": name, "devices": [DEVICES[w["global_rank"]] for w in workers],
+                "unit_id": name,
+                "devices": [DEVICES[w["global_rank"] % len(DEVICES)] for w in workers],
                 "workers": [{**w, "device_slots": [slot]} for slot, w in enumerate(workers)]}),
             **(env or {}),
         }
@@ -142,7 +143,7 @@ class Engine:
         self.proc = subprocess.Popen(
             [PYTHON, str(ENGINE), "serve", "--api", api, "--host", "127.0.0.1",
              "--port", str(port), "--model-dir", str(model), "--served-model-name", "tiny",
-             "--master-port", str(master_port), "--warmup-rounds", "2"],
+             "--master-port", str(master_port), "--warmup-rounds", "2", *args],
             env=self.env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
         self.workers: list[int] = []
 

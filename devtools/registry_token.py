@@ -20,6 +20,7 @@ import ssl
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -56,10 +57,11 @@ def _access(scopes: list[str]) -> list[dict[str, Any]]:
 
 def serve(config: dict[str, Any]) -> None:
     key = serialization.load_pem_private_key(
-        open(config["signing_key"], "rb").read(), password=None)
-    assert isinstance(key, rsa.RSAPrivateKey)
-    cert = x509.load_pem_x509_certificate(open(config["signing_cert"], "rb").read())
-    users: dict[str, str] = json.load(open(config["users"]))
+        Path(config["signing_key"]).read_bytes(), password=None)
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise SystemExit("signing_key: not an RSA key")
+    cert = x509.load_pem_x509_certificate(Path(config["signing_cert"]).read_bytes())
+    users: dict[str, str] = json.loads(Path(config["users"]).read_text())
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
@@ -72,7 +74,7 @@ def serve(config: dict[str, Any]) -> None:
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path != "/token":
                 self.send_error(404)
@@ -111,4 +113,4 @@ def serve(config: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    serve(json.load(open(sys.argv[1])))
+    serve(json.loads(Path(sys.argv[1]).read_text()))

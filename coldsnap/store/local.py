@@ -322,6 +322,16 @@ class LocalStore:
                 bad.append((path, str(exc) or type(exc).__name__))
         return good, bad
 
+    # -- publications (coldsnap.store.publications) -------------------------------------------
+
+    def record_publication(self, capture_id: str, ref: str, kind: str = "full") -> None:
+        from coldsnap.store.publications import record_publication
+        record_publication(self, capture_id, ref, kind)
+
+    def publications(self, capture_id: str) -> list[str]:
+        from coldsnap.store.publications import publications
+        return publications(self, capture_id)
+
     def indexed(self, capture_id: str) -> StoredArtifact | None:
         """The artifact indexed under `capture_id`, or None."""
         path = self._artifact_file(capture_id)

@@ -123,10 +123,16 @@ async def _push_all(client: RegistryClient, store: LocalStore, target: RegistryR
             await _push_object(client, store, target.repository, artifact, obj,
                                sources.get(obj.sha256, []), progress)
 
-    # Largest first: they set the pace. A failure cancels the others (TaskGroup).
-    async with asyncio.TaskGroup() as tg:
-        for obj in sorted(objects, key=lambda o: -o.bytes):
-            tg.create_task(one(obj))
+    # Largest first: they set the pace. The first failure cancels the others and is raised
+    # as itself (it names the registry and the object).
+    tasks = [asyncio.create_task(one(obj)) for obj in sorted(objects, key=lambda o: -o.bytes)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _finish(client: RegistryClient, store: LocalStore, target: RegistryRef,

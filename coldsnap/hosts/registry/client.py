@@ -18,6 +18,7 @@ object; credentials and tokens appear in no message and no log.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import re
@@ -127,13 +128,16 @@ class RegistryClient:
 
     # -- authentication ------------------------------------------------------------------------
 
+    def _basic_header(self) -> str:
+        pair = f"{self.access.username}:{self.access.password or ''}".encode()
+        return "Basic " + base64.b64encode(pair).decode("ascii")
+
     def _auth_header(self, scope: str) -> dict[str, str]:
         token = self._tokens.get(scope)
         if token is not None and token[1] > time.monotonic():
             return {"Authorization": f"Bearer {token[0]}"}
         if self._basic and self.access.username is not None:
-            auth = aiohttp.BasicAuth(self.access.username, self.access.password or "")
-            return {"Authorization": auth.encode()}
+            return {"Authorization": self._basic_header()}
         return {}
 
     async def _authenticate(self, challenge: str, scope: str, what: str) -> None:
@@ -161,8 +165,7 @@ class RegistryClient:
             query.insert(0, ("service", params["service"]))
         headers = {}
         if self.access.username is not None:
-            headers["Authorization"] = aiohttp.BasicAuth(
-                self.access.username, self.access.password or "").encode()
+            headers["Authorization"] = self._basic_header()
         try:
             async with self.session.get(realm_url.with_query(query), headers=headers,
                                         timeout=self._timeout()) as r:
@@ -364,7 +367,7 @@ class RegistryClient:
             raise await self._error(r, what)
         try:
             if r.content_length is not None and r.content_length > max_bytes:
-                raise self._fail(what, f"{r.content_length} bytes, over the {max_bytes} "
+                raise self._fail(what, f"{r.content_length} bytes, over the {max_bytes} bytes "
                                        "this read accepts")
             data = await _read_limited(r, max_bytes, lambda: self._fail(
                 what, f"over the {max_bytes} bytes this read accepts"))

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from coldsnap.formats.artifact import (
@@ -40,11 +41,11 @@ from coldsnap.formats.oci_artifact import (
     parse_manifest,
     published_objects,
 )
-from coldsnap.hosts.registry.access import RegistryAccess
+from coldsnap.hosts.inventory import Inventory
+from coldsnap.hosts.registry.access import RegistryAccess, access_for
 from coldsnap.hosts.registry.client import RegistryClient
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
-from coldsnap.store.publications import publication_records
 from coldsnap.store.refs import MAX_ARTIFACT_BYTES
 
 # Objects only the control node uses: a capture with a registry pushes them from the store.
@@ -74,7 +75,7 @@ def mount_sources(store: LocalStore, target: RegistryRef) -> dict[str, list[str]
     good, _bad = store.scan_artifacts()
     for stored in good:
         try:
-            records = publication_records(store, stored.capture_id)
+            records = store.publication_records(stored.capture_id)
         except StoreError:
             continue
         for text, kind in records:
@@ -246,6 +247,30 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
         raise
 
 
+def is_registry_reference(text: str) -> bool:
+    """Whether an artifact reference names a published artifact, `REGISTRY/REPOSITORY@DIGEST`
+    (a file path starts with `/`; capture ids and digest prefixes hold no `/`)."""
+    return not text.startswith("/") and "/" in text and "@sha256:" in text
+
+
+def import_reference(store: LocalStore, text: str, inventory: Inventory) -> StoredArtifact:
+    """`import_published` for a command's `--artifact REGISTRY/REPOSITORY@sha256:...`,
+    reached as the inventory's `registries` says; run to completion from synchronous code
+    (in a thread of its own when an event loop runs in this one). ValueError for a bad
+    reference; PublishFailed, RegistryError or RegistryAccessError otherwise."""
+    ref = parse_ref(text)
+    if ref.digest is None:
+        raise ValueError(f"registry reference {text!r}: name the artifact by digest "
+                         "(REGISTRY/REPOSITORY@sha256:...), as `publish` prints it")
+    access = access_for(inventory, ref.registry)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(import_published(store, ref, access))
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, import_published(store, ref, access)).result()
+
+
 def _parse_document(config: bytes, pinned: str) -> Artifact:
     try:
         raw: Any = json.loads(config)
@@ -262,4 +287,5 @@ def _parse_document(config: bytes, pinned: str) -> Artifact:
 
 
 __all__ = ["CONTROL_NODE_ROLES", "PublishFailed", "PublishProgress", "import_published",
-           "mount_sources", "publish_artifact", "publish_document"]
+           "import_reference", "is_registry_reference", "mount_sources", "publish_artifact",
+           "publish_document"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST
-from coldsnap.formats.canonical import canonical_json, digest_bytes
+from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.oci_artifact import parse_manifest
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.client import RegistryClient, RegistryError
@@ -219,4 +219,15 @@ def test_publication_records_are_one_per_reference(tmp_path: Path) -> None:
     assert store.publications("cap-rec") == [a, b]
     doc = json.loads((store.root / "publications" / "cap-rec.json").read_bytes())
     assert doc["published"][0] == {"kind": "full", "ref": a}
-    assert digest_bytes(b"") .startswith("sha256:")
+
+
+async def test_a_mount_the_registry_refuses_is_false_and_its_upload_cancelled(
+        plain_registry: RegistryServer) -> None:
+    repo, other = new_repository(), new_repository()
+    async with RegistryClient(access_of(plain_registry)) as client:
+        digest = await client.push_blob_bytes(other, b"only in the other repository")
+        assert not await client.mount_blob(repo, "sha256:" + "1" * 64, other)
+        assert await client.mount_blob(repo, digest, other)
+        assert client.mounted == [digest]
+        with pytest.raises(RegistryError, match="not a sha256 digest"):
+            await client.has_blob(repo, "latest")

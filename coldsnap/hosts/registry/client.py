@@ -259,7 +259,8 @@ class RegistryClient:
 
     async def has_blob(self, repo: str, digest: str) -> bool:
         what = blob_what(repo, digest)
-        self._check_ref(what, digest)
+        if not is_digest(digest):
+            raise self._fail(what, "not a sha256 digest")
         r = await self._request("HEAD", self._url(repo, f"blobs/{digest}"),
                                 scope=self._pull(repo), what=what)
         if r.status == 200:

@@ -90,11 +90,18 @@ def _key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
+def _write_secret(path: Path, data: bytes) -> None:
+    """Created 0600 (never readable by others, not even briefly)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def _write_key(path: Path, key: rsa.RSAPrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    path.chmod(0o600)
+    _write_secret(path, key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
 
 
 def _cert(subject: str, key: rsa.RSAPrivateKey, issuer: x509.Name, issuer_key: rsa.RSAPrivateKey,
@@ -200,12 +207,11 @@ def start_registry(state_dir: Path, address: str, port: int, *, auth: bool = Fal
         server.username = USERNAME
         server.password = secrets.token_urlsafe(16)
         users = state_dir / "users.json"
-        users.write_text(json.dumps({USERNAME: hashlib.sha256(
-            server.password.encode()).hexdigest()}))
+        _write_secret(users, json.dumps({USERNAME: hashlib.sha256(
+            server.password.encode()).hexdigest()}).encode())
         creds = state_dir / "config.json"
         token = base64.b64encode(f"{USERNAME}:{server.password}".encode()).decode()
-        creds.write_text(json.dumps({"auths": {server.registry: {"auth": token}}}))
-        creds.chmod(0o600)
+        _write_secret(creds, json.dumps({"auths": {server.registry: {"auth": token}}}).encode())
         server.credentials_file = creds
         token_config = state_dir / "token.json"
         token_config.write_text(json.dumps({

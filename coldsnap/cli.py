@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "coldsnap.commands.restore",
     "coldsnap.commands.lifecycle",
     "coldsnap.commands.artifacts",
+    "coldsnap.commands.publish",
     "coldsnap.commands.store",
     "coldsnap.commands.gc",
     "coldsnap.service.command",

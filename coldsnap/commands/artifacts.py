@@ -14,10 +14,10 @@ from coldsnap.commands.common import (
 from coldsnap.exits import EXIT_FAILED, EXIT_OK, report_failure
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.runner.report import human_bytes
-from coldsnap.store import StoredArtifact, StoreError, resolve_reference
+from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
 
 
-def _summary(stored: StoredArtifact) -> dict[str, Any]:
+def _summary(store: LocalStore, stored: StoredArtifact) -> dict[str, Any]:
     a = stored.artifact
     return {
         "capture_id": a.capture_id,
@@ -28,15 +28,27 @@ def _summary(stored: StoredArtifact) -> dict[str, Any]:
         "units": len(a.launch.units),
         "workers": len(a.launch.execution.workers),
         "bytes": sum(o.bytes for o in a.objects),
+        "published": _published(store, stored),
     }
+
+
+def _published(store: LocalStore, stored: StoredArtifact) -> list[str]:
+    """Where the artifact is published; an unreadable record is said, not fatal."""
+    try:
+        return [f"{ref}" + (" (native)" if kind == "native" else "")
+                for ref, kind in store.publication_records(stored.capture_id)]
+    except StoreError as exc:
+        return [f"unknown: {exc}"]
+
 
 
 def _list(args: argparse.Namespace) -> int:
     try:
-        stored, bad = open_store(args).scan_artifacts()
+        store = open_store(args)
+        stored, bad = store.scan_artifacts()
     except (StoreError, ValueError) as exc:
         return report_failure(str(exc), EXIT_FAILED)
-    rows = [_summary(s) for s in stored]
+    rows = [_summary(store, s) for s in stored]
     # The good ones are listed all the same; each bad index file is named, and the exit
     # status says the store needs a look.
     status = EXIT_FAILED if bad else EXIT_OK
@@ -58,7 +70,8 @@ def _list(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        stored = resolve_reference(open_store(args), args.artifact)
+        store = open_store(args)
+        stored = resolve_reference(store, args.artifact)
     except (StoreError, ArtifactInvalid, ValueError) as exc:
         return report_failure(str(exc), EXIT_FAILED)
     if args.json:
@@ -77,6 +90,8 @@ def _show(args: argparse.Namespace) -> int:
         gpus = ", ".join(f"{d.gpu_name} ({d.compute_capability})" for d in compat.devices)
         out.write(f"unit {unit.id}: captured on {unit.host}, {compat.architecture}, driver "
                   f"{compat.nvidia_driver_captured}, {gpus}\n")
+    for ref in _published(store, stored):
+        out.write(f"published:       {ref}\n")
     out.write(f"{'OWNER':<24} {'ROLE':<22} {'SIZE':>10}  SHA256\n")
     for obj in a.objects:
         out.write(f"{obj.owner:<24} {obj.role:<22} {human_bytes(obj.bytes):>10}  "

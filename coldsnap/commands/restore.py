@@ -30,7 +30,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--artifact", metavar="REF",
                         help="the artifact: its file's absolute path (symlinks followed; a "
                              "file not yet in the store is verified and imported), a capture "
-                             "id, or a digest prefix of 6+ hex digits (see `artifacts list`). "
+                             "id, a digest prefix of 6+ hex digits (see `artifacts list`), or "
+                             "a published artifact REGISTRY/REPOSITORY@sha256:... (its "
+                             "document is imported; the hosts pull their objects). "
                              "With a request, both must name the same artifact")
     add_request_option(parser, required=False,
                        help="restore request, format 4 (operation: restore; `artifact` "

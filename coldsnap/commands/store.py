@@ -19,7 +19,9 @@ inode of each object that hashed right are kept in <store>/{STAMPS_FILE}. A corr
 is named with the artifacts that reference it; with --repair it is removed, and the next
 capture that brings the same bytes stores them again. (A capture replaces a corrupt copy by
 itself too, as a restore's staging replaces a corrupt staged copy on a host.) Objects that
-an artifact references but the store lacks are listed as missing.
+an artifact references but the store lacks are listed as missing, unless a publication of
+that artifact carries them (an artifact imported from a registry): those are listed as in
+the registry.
 
 Exit status: 0 every object intact (or every corrupt one removed with --repair),
 {EXIT_STORE_CORRUPT} corrupt objects found and left in place,
@@ -45,12 +47,15 @@ def _print_text(report: VerifyReport) -> None:
         used = ", ".join(r.text() for r in refs)
         out.write(f"missing {digest}: referenced by {used} (a capture that brings its "
                   "bytes stores it again)\n")
+    for digest, ref in sorted(report.in_registry.items()):
+        out.write(f"in registry {digest}: not in this store, published at {ref}\n")
     removed = sum(c.removed for c in report.corrupt)
     sys.stderr.write(
         f"store verify: {report.checked} object(s) in {report.store}, {len(report.hashed)} "
         f"hashed ({human_bytes(report.hashed_bytes)}), the others unchanged since the last "
         f"verify; {len(report.corrupt)} corrupt, {removed} removed, "
         f"{len(report.missing)} missing"
+        + (f", {len(report.in_registry)} in a registry only" if report.in_registry else "")
         + (f", {len(report.unreadable)} unreadable" if report.unreadable else "")
         + ("" if report.recorded else f"; {STAMPS_FILE} not written (read-only store?)")
         + "\n")

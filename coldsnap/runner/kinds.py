@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
-from coldsnap.hosts.inventory import load_inventory
+from coldsnap.hosts.inventory import Inventory, load_inventory
+from coldsnap.hosts.registry.client import RegistryError
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.publish import PublishFailed, import_reference, is_registry_reference
 from coldsnap.operations.restore import restore
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
@@ -64,10 +66,13 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
                     starts_workload=(workload, options.caller_uid) if keeps_serving else None)
 
 
-def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -> StoredArtifact:
+def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
+             inventory: Inventory) -> StoredArtifact:
     """The artifact named by `--artifact` and the request's `artifact`; raises Refused when
     they are missing, unknown or differ. Both may be given, in any of their forms, as long
-    as they name the same artifact."""
+    as they name the same artifact. A published artifact (REGISTRY/REPOSITORY@sha256:...)
+    is imported first: its document and control-node-only objects (staging pulls the rest
+    from the registry)."""
     refs = [(f"--artifact {artifact}", artifact)] if artifact else []
     if request is not None and request.artifact:
         refs.append((f"the request's artifact {request.artifact}", request.artifact))
@@ -76,8 +81,11 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -
     found: list[tuple[str, StoredArtifact]] = []
     for label, ref in refs:
         try:
-            found.append((label, resolve_reference(store, ref)))
-        except (StoreError, ArtifactInvalid) as exc:
+            if is_registry_reference(ref):
+                found.append((label, import_reference(store, ref, inventory)))
+            else:
+                found.append((label, resolve_reference(store, ref)))
+        except (StoreError, ArtifactInvalid, ValueError, PublishFailed, RegistryError) as exc:
             raise Refused(f"{label}: {exc}") from None
     if len({stored.digest for _, stored in found}) > 1:
         raise Refused(" differs from ".join(
@@ -89,7 +97,7 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -
 def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store)
-    stored = _resolve(options.artifact, request, store)
+    stored = _resolve(options.artifact, request, store, inventory)
     artifact = stored.artifact
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \

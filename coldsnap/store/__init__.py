@@ -7,6 +7,8 @@ Layout under the store root:
   tmp/                          partial writes; never read as objects
   verified.json                 size, mtime and inode of each object the last `store verify`
                                 hashed right (`verify.py`): unchanged files are not read again
+  publications/<capture_id>.json  the registry references the artifact is published at
+                                (publications.py); their objects may be absent here
   restored/<capture_id>.json    when each artifact was last restored, per host (usage.py)
   config.yaml                   optional: the store's `cache_budget` (usage.py, eviction.py)
 

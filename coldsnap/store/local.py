@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -20,9 +21,12 @@ from coldsnap.digests import CHUNK, check_digest, sha256_file
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.oci_artifact import KINDS
 from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir, publish
 from coldsnap.hosts.helper.stamps import stamp, stamped_digest
 
+PUBLICATIONS_DIR = "publications"
+_MAX_RECORD = 4 * 1024 * 1024
 ID_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
@@ -321,6 +325,49 @@ class LocalStore:
             except (OSError, ValueError, ArtifactInvalid) as exc:
                 bad.append((path, str(exc) or type(exc).__name__))
         return good, bad
+
+    # -- publications (what they mean: coldsnap.store.publications) --------------------------
+
+    def _publications_file(self, capture_id: str) -> Path:
+        self._artifact_file(capture_id)  # refuses what is not a capture id
+        return self.root / PUBLICATIONS_DIR / f"{capture_id}.json"
+
+    def publication_records(self, capture_id: str) -> list[tuple[str, str]]:
+        """(ref, kind) of each publication of the artifact, oldest first."""
+        path = self._publications_file(capture_id)
+        try:
+            with path.open("rb") as f:
+                doc: Any = json.loads(f.read(_MAX_RECORD))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"publication record {path} is unreadable: {exc}") from None
+        entries = doc.get("published") if isinstance(doc, dict) else None
+        if not isinstance(entries, list) or doc.get("format") != 1 or not all(
+                isinstance(e, dict) and isinstance(e.get("ref"), str) and e.get("kind") in KINDS
+                for e in entries):
+            raise StoreError(f"publication record {path} is not a format-1 record")
+        return [(e["ref"], e["kind"]) for e in entries]
+
+    def publications(self, capture_id: str) -> list[str]:
+        """The registry references the artifact is published at (pinned, by digest)."""
+        return [ref for ref, _ in self.publication_records(capture_id)]
+
+    def record_publication(self, capture_id: str, ref: str, kind: str = "full") -> None:
+        """Add `ref` to the artifact's publications, once; atomic and fsync'd, under a lock
+        so that two publishes of one artifact both land."""
+        if kind not in KINDS:
+            raise ValueError(f"publication kind {kind!r} is not one of {', '.join(KINDS)}")
+        path = self._publications_file(capture_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.with_suffix(".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = self.publication_records(capture_id)
+            if any(r == ref for r, _ in entries):
+                return
+            entries.append((ref, kind))
+            atomic_write_bytes(path, canonical_json({
+                "format": 1, "published": [{"ref": r, "kind": k} for r, k in entries]}))
 
     def indexed(self, capture_id: str) -> StoredArtifact | None:
         """The artifact indexed under `capture_id`, or None."""

@@ -22,6 +22,7 @@ from coldsnap.digests import is_digest, sha256_file
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.store.local import LocalStore
+from coldsnap.store.publications import in_registry
 
 STAMPS_FILE = "verified.json"
 _FORMAT = 1
@@ -59,6 +60,9 @@ class VerifyReport:
     # Referenced by an artifact but not in the store (removed by a repair, say): a restore
     # of those artifacts fails until a capture or an import brings them back.
     missing: dict[str, list[Reference]] = field(default_factory=dict)
+    # Referenced but not in the store, carried by a publication of the artifact (an artifact
+    # imported from a registry): digest -> the registry reference that holds it.
+    in_registry: dict[str, str] = field(default_factory=dict)
     # Objects this user cannot open (digest -> why): not known corrupt, so never removed.
     unreadable: dict[str, str] = field(default_factory=dict)
     # Whether verified.json was written: without it (a read-only store) the next run hashes
@@ -83,6 +87,7 @@ class VerifyReport:
                          **({"error": c.error} if c.error else {})} for c in self.corrupt],
             "missing": [{"digest": d, "artifacts": refs(r)}
                         for d, r in sorted(self.missing.items())],
+            "in_registry": [{"digest": d, "ref": r} for d, r in sorted(self.in_registry.items())],
             "unreadable": [{"digest": d, "error": why}
                            for d, why in sorted(self.unreadable.items())],
             "recorded": self.recorded,
@@ -108,14 +113,18 @@ def _load_stamps(store: LocalStore) -> dict[str, list[int]]:
             if isinstance(v, list) and len(v) == 3 and all(type(n) is int for n in v)}
 
 
-def _references(store: LocalStore) -> dict[str, list[Reference]]:
+def _references(store: LocalStore) -> tuple[dict[str, list[Reference]], dict[str, str]]:
+    """Each referenced digest with what references it, and those a publication carries."""
     refs: dict[str, list[Reference]] = {}
+    published: dict[str, str] = {}
     good, _bad = store.scan_artifacts()  # `artifacts list` names the unreadable ones
     for stored in good:
+        for d, ref in in_registry(store, stored.artifact).items():
+            published.setdefault(d, ref)
         for obj in stored.artifact.objects:
             refs.setdefault(obj.sha256, []).append(
                 Reference(stored.capture_id, obj.role, obj.owner))
-    return refs
+    return refs, published
 
 
 def _check(path: str, hexdigest: str, known: list[int] | None,
@@ -164,7 +173,7 @@ def verify_store(store: LocalStore, *, repair: bool = False) -> VerifyReport:
     remove each corrupt one."""
     report = VerifyReport(str(store.root))
     known = _load_stamps(store)
-    refs = _references(store)
+    refs, published = _references(store)
     records: dict[str, list[int]] = {}
     names = sorted(os.listdir(store.objects_dir)) if store.objects_dir.is_dir() else []
     for name in names:
@@ -194,7 +203,9 @@ def verify_store(store: LocalStore, *, repair: bool = False) -> VerifyReport:
             bad.removed = not bad.error
         report.corrupt.append(bad)
     present = {"sha256:" + n for n in names} - {c.digest for c in report.corrupt if c.removed}
-    report.missing = {d: r for d, r in refs.items() if d not in present}
+    absent = {d: r for d, r in refs.items() if d not in present}
+    report.in_registry = {d: published[d] for d in absent if d in published}
+    report.missing = {d: r for d, r in absent.items() if d not in published}
     if store.root.is_dir():
         try:
             atomic_write_bytes(store.root / STAMPS_FILE,

@@ -113,3 +113,7 @@ def mutate() -> Callable[[Callable[[dict[str, Any]], object]], dict[str, Any]]:
         return raw
 
     return apply
+
+
+# Real registries for the publish tests (session-scoped: started once).
+from tests.unit.registry_fixtures import auth_registry, plain_registry  # noqa: E402, F401

@@ -63,10 +63,23 @@ def test_lifecycle_requests_refuse_output_and_warm() -> None:
     assert paths == ["lifecycle.activation_state"]
 
 
-def test_publish_is_still_a_later_operation() -> None:
-    issues = issues_for(minimal_request("publish"))
-    assert [i.path for i in issues] == ["operation"]
-    assert "not supported" in issues[0].message and "sleep" in issues[0].message
+@pytest.mark.parametrize("op", ["publish", "publish-native"])
+def test_publish_names_its_artifact_and_a_registry_target(op: str) -> None:
+    raw = minimal_request(op)
+    del raw["artifact"]
+    assert [i.path for i in issues_for(raw)] == ["artifact", "output"]
+    raw.update(artifact="cap-1", output="198.18.0.1:5000/coldsnap/a:v1")
+    assert issues_for(raw) == []
+    raw["output"] = "/tmp/artifact.json"
+    issues = issues_for(raw)
+    assert [i.path for i in issues] == ["output"] and "not a file path" in issues[0].message
+
+
+def test_a_capture_output_is_still_an_absolute_clean_path() -> None:
+    raw = minimal_request("capture")
+    raw["output"] = "relative/artifact.json"
+    issues = issues_for(raw)
+    assert [i.path for i in issues] == ["output"] and "absolute" in issues[0].message
 
 
 def test_lifecycle_receipts_are_safe_to_repeat() -> None:

@@ -100,7 +100,6 @@ CASES: list[tuple[str, Callable[[Raw], None], str, str]] = [
     ("wrong-kind", setv("kind", "x"), "kind", "coldsnap-operation-request"),
     ("bad-engine", setv("launch.engine", "trt"), "launch.engine", "vllm"),
     ("bad-driver", setv("snapshot_driver.id", "n600"), "snapshot_driver.id", "n580"),
-    ("later-operation", setv("operation", "publish"), "operation", "not supported"),
     ("bad-operation", setv("operation", "nap"), "operation", "capture"),
     ("int-as-string", setv(f"{X}.workers.0.process_slot", "0"),
      "launch.execution.workers[0].process_slot", "integer"),

@@ -8,12 +8,17 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from coldsnap.formats.canonical import digest
-from coldsnap.formats.fields import AbsPath, Id, NonEmpty, StrictModel, check_abs_path, invalid
+from coldsnap.formats.fields import Id, NonEmpty, StrictModel, check_abs_path, invalid
 from coldsnap.formats.request.launch import Launch
 from coldsnap.formats.request.policy import Policy
 
-SUPPORTED_OPERATIONS = ("capture", "restore", "sleep", "wake", "status")
-LATER_OPERATIONS = ("publish", "publish-native")
+SUPPORTED_OPERATIONS = ("capture", "restore", "sleep", "wake", "status", "publish",
+                        "publish-native")
+# Operations of the format this coldsnapd does not run yet (none left).
+LATER_OPERATIONS: tuple[str, ...] = ()
+# Operations that push an artifact to an OCI registry: `artifact` names it, `output` the
+# target REGISTRY/REPOSITORY[:TAG]; publish-native only the workers' native payloads.
+PUBLISH_OPERATIONS = ("publish", "publish-native")
 # Operations on a workload that a restore started: they name the artifact it came from and the
 # workload's cluster id, by which its containers are labelled.
 LIFECYCLE_OPERATIONS = ("sleep", "wake", "status")
@@ -81,8 +86,9 @@ class Request(StrictModel):
     operation: Annotated[str, AfterValidator(_check_operation)]
     id: Id
     snapshot_driver: SnapshotDriver
-    # Written by the client (the CLI), as its user: an absolute, clean path.
-    output: AbsPath | None = None
+    # A capture's: the artifact file, written by the client (the CLI) as its user: an
+    # absolute, clean path. A publish's: the target REGISTRY/REPOSITORY[:TAG]. (rules.py)
+    output: NonEmpty | None = None
     artifact: NonEmpty | None = None
     workload: Workload | None = None
     lifecycle: Lifecycle | None = None

@@ -8,8 +8,9 @@ the policy in `policy_rules`.
 from __future__ import annotations
 
 from coldsnap.formats.errors import Issues, ValidationIssue
+from coldsnap.formats.fields import check_abs_path
 from coldsnap.formats.request.launch_rules import launch_issues, rank_issues
-from coldsnap.formats.request.models import LIFECYCLE_OPERATIONS, Request
+from coldsnap.formats.request.models import LIFECYCLE_OPERATIONS, PUBLISH_OPERATIONS, Request
 from coldsnap.formats.request.policy_rules import policy_issues
 
 # Where an operation's artifact is: capture writes it to `output`, restore reads it from
@@ -20,6 +21,8 @@ _ARTIFACT_FIELDS = {
     "restore": ("artifact", "the artifact file's path, a capture id or a digest prefix",
                 "output", "is for capture; a restore names its source in 'artifact'"),
 }
+_PUBLISH_ARTIFACT = "the artifact to publish: its file's path, a capture id or a digest prefix"
+_PUBLISH_OUTPUT = "the target REGISTRY/REPOSITORY[:TAG] (e.g. 198.18.0.1:5000/coldsnap/a:v1)"
 
 # Once a workload is described at all, these fields identify it.
 _WORKLOAD_REQUIRED = ("cluster_id", "intent_id", "recipe", "runtime", "model")
@@ -47,8 +50,27 @@ def _operation_issues(issues: Issues, req: Request, expected_operation: str | No
             issues.add(needed, f"is required for {req.operation}: {meaning}")
         if getattr(req, refused) is not None:
             issues.add(refused, why)
+    if req.operation == "capture" and req.output is not None:
+        try:
+            check_abs_path(req.output)
+        except ValueError as exc:
+            issues.add("output", str(exc))
+    if req.operation in PUBLISH_OPERATIONS:
+        _publish_issues(issues, req)
     if req.operation in LIFECYCLE_OPERATIONS:
         _lifecycle_issues(issues, req)
+
+
+def _publish_issues(issues: Issues, req: Request) -> None:
+    """The registry reference itself is parsed by the command (coldsnap.hosts.registry): here
+    only what tells it from a file path."""
+    op = req.operation
+    if req.artifact is None:
+        issues.add("artifact", f"is required for {op}: {_PUBLISH_ARTIFACT}")
+    if req.output is None:
+        issues.add("output", f"is required for {op}: {_PUBLISH_OUTPUT}")
+    elif req.output.startswith("/") or "/" not in req.output or "://" in req.output:
+        issues.add("output", f"must be {_PUBLISH_OUTPUT}, with no scheme; not a file path")
 
 
 def _lifecycle_issues(issues: Issues, req: Request) -> None:

@@ -1,0 +1,197 @@
+"""The helper's registry modes (`blob-pull`, `blob-push`), run as a host runs them, against a
+real docker-registry (CNCF distribution) started here on 127.0.0.1 over plain HTTP: a pull,
+a pull that resumes a partial file, a blob whose bytes lie, an unknown blob, a registry that is
+gone (the partial file stays), and a push of a blob the repository holds already."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldsnap.hosts.helper import helper_argv
+from coldsnap.hosts.helper.common import (
+    EXIT_MISMATCH,
+    EXIT_UNKNOWN,
+    EXIT_UNREACHABLE,
+)
+from coldsnap.hosts.helper.stamps import STAMP_ATTR
+from coldsnap.hosts.registry.access import RegistryAccess
+
+REPO = "coldsnap/test"
+
+
+@dataclass
+class Served:
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Served]:
+    """A plain-HTTP docker-registry with its storage under tmp_path, anonymous push and pull."""
+    port = _free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(json.dumps({
+        "version": 0.1, "log": {"level": "error", "accesslog": {"disabled": True}},
+        "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}},
+        "http": {"addr": f"127.0.0.1:{port}"}}))
+    log = (tmp_path / "registry.log").open("wb")
+    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    served = Served(f"127.0.0.1:{port}", proc)
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"http://{served.address}/v2/", timeout=5):
+                break
+        except OSError:
+            assert proc.poll() is None, (tmp_path / "registry.log").read_text()
+            time.sleep(0.05)
+    try:
+        yield served
+    finally:
+        if proc.poll() is None:
+            served.stop()
+        log.close()
+
+
+def stdin_for(address: str) -> bytes:
+    return json.dumps({"access": RegistryAccess(address, insecure=True).to_helper(),
+                       "repository": REPO, "timeout": 20}).encode()
+
+
+def helper(mode: str, address: str, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(helper_argv(mode, *args), input=stdin_for(address),
+                          capture_output=True, timeout=60, check=False)
+
+
+def blob(tmp_path: Path, data: bytes) -> tuple[Path, str]:
+    path = tmp_path / ("src-" + hashlib.sha256(data).hexdigest()[:12])
+    path.write_bytes(data)
+    return path, "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def answer(res: subprocess.CompletedProcess[bytes]) -> Any:
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+DATA = os.urandom(3 * 1024 * 1024 + 17)  # a few MiB: more than one piece of the helper's CH
+
+
+def test_a_pushed_blob_is_pulled_verified_stamped_and_private(registry: Served,
+                                                               tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA)
+    pushed = answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
+    assert pushed == {"present": False, "sent": len(DATA), "size": len(DATA)}
+    final = tmp_path / "host" / "objects" / "sha256" / digest[7:]
+    pulled = answer(helper("blob-pull", registry.address, str(final), digest, str(len(DATA))))
+    assert pulled == {"received": len(DATA), "resumed_from": 0, "size": len(DATA)}
+    assert final.read_bytes() == DATA
+    assert not Path(str(final) + ".part").exists()
+    assert final.parent.stat().st_mode & 0o777 == 0o700
+    assert final.stat().st_mode & 0o777 == 0o600
+    st = final.stat()
+    assert os.getxattr(final, STAMP_ATTR) == \
+        f"{digest[7:]} {st.st_size} {st.st_mtime_ns}".encode()
+
+
+def test_a_second_push_of_a_held_blob_sends_nothing(registry: Served, tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA[:4096])
+    assert answer(helper("blob-push", registry.address, str(src), digest, "4096"))["sent"] == 4096
+    again = answer(helper("blob-push", registry.address, str(src), digest, "4096"))
+    assert again == {"present": True, "sent": 0, "size": 4096}
+
+
+def test_a_partial_file_is_resumed_from_where_it_ends(registry: Served, tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA)
+    answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
+    final = tmp_path / "obj"
+    kept = 1024 * 1024 + 5
+    Path(str(final) + ".part").write_bytes(DATA[:kept])
+    pulled = answer(helper("blob-pull", registry.address, str(final), digest, str(len(DATA))))
+    # Only the rest crossed: the registry answered the range.
+    assert pulled == {"received": len(DATA) - kept, "resumed_from": kept, "size": len(DATA)}
+    assert final.read_bytes() == DATA
+
+
+def test_a_partial_file_with_wrong_bytes_is_a_mismatch_and_is_removed(
+        registry: Served, tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA)
+    answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
+    final = tmp_path / "obj"
+    part = Path(str(final) + ".part")
+    part.write_bytes(b"x" * 1000)
+    res = helper("blob-pull", registry.address, str(final), digest, str(len(DATA)))
+    assert res.returncode == EXIT_MISMATCH
+    assert f"registry {registry.address}, {REPO}@{digest}" in res.stderr.decode()
+    assert not part.exists() and not final.exists()
+    # The retry starts over and succeeds.
+    assert answer(helper("blob-pull", registry.address, str(final), digest,
+                         str(len(DATA))))["resumed_from"] == 0
+
+
+def test_a_size_that_lies_is_a_mismatch(registry: Served, tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA[:5000])
+    answer(helper("blob-push", registry.address, str(src), digest, "5000"))
+    final = tmp_path / "obj"
+    res = helper("blob-pull", registry.address, str(final), digest, "4000")
+    assert res.returncode == EXIT_MISMATCH, res.stderr
+    assert not final.exists() and not Path(str(final) + ".part").exists()
+
+
+def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
+    digest = "sha256:" + hashlib.sha256(b"never pushed").hexdigest()
+    res = helper("blob-pull", registry.address, str(tmp_path / "obj"), digest, "12")
+    assert res.returncode == EXIT_UNKNOWN
+    line = res.stderr.decode()
+    assert line.count("\n") == 1 and "blob unknown (404)" in line
+    assert f"registry {registry.address}, {REPO}@{digest}" in line
+    assert not (tmp_path / "obj").exists()
+
+
+def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,
+                                                        tmp_path: Path) -> None:
+    src, digest = blob(tmp_path, DATA)
+    answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
+    final = tmp_path / "obj"
+    part = Path(str(final) + ".part")
+    part.write_bytes(DATA[:777])
+    registry.stop()
+    res = helper("blob-pull", registry.address, str(final), digest, str(len(DATA)))
+    assert res.returncode == EXIT_UNREACHABLE
+    assert f"registry {registry.address}, {REPO}@{digest}: unreachable" in res.stderr.decode()
+    assert part.read_bytes() == DATA[:777] and not final.exists()
+    push = helper("blob-push", registry.address, str(src), digest, str(len(DATA)))
+    assert push.returncode == EXIT_UNREACHABLE
+
+
+def test_secrets_stay_off_argv_and_out_of_errors(registry: Served, tmp_path: Path) -> None:
+    req = json.loads(stdin_for(registry.address))
+    req["access"].update(username="alice", password="s3cret-pw")
+    digest = "sha256:" + "0" * 64
+    res = subprocess.run(helper_argv("blob-pull", str(tmp_path / "o"), digest, "1"),
+                         input=json.dumps(req).encode(), capture_output=True, timeout=60,
+                         check=False)
+    assert res.returncode == EXIT_UNKNOWN  # anonymous first: the registry asked for nothing
+    assert b"s3cret" not in res.stderr + res.stdout

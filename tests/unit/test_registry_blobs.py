@@ -5,11 +5,15 @@ gone (the partial file stays), and a push of a blob the repository holds already
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hashlib
+import http.server
 import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,11 +26,14 @@ import pytest
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import (
     EXIT_MISMATCH,
+    EXIT_UNAUTHORIZED,
     EXIT_UNKNOWN,
     EXIT_UNREACHABLE,
 )
 from coldsnap.hosts.helper.stamps import STAMP_ATTR
+from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
+from coldsnap.hosts.registry.blobs import RegistryTransferError, pull_blob, push_blob
 
 REPO = "coldsnap/test"
 
@@ -195,3 +202,82 @@ def test_secrets_stay_off_argv_and_out_of_errors(registry: Served, tmp_path: Pat
                          check=False)
     assert res.returncode == EXIT_UNKNOWN  # anonymous first: the registry asked for nothing
     assert b"s3cret" not in res.stderr + res.stdout
+
+
+def test_the_near_side_pulls_and_pushes_through_a_host_and_names_failures(
+        registry: Served, tmp_path: Path) -> None:
+    host = LocalHost("host-a")
+    access = RegistryAccess(registry.address, insecure=True, username="u", password="pw-xyz")
+    src, digest = blob(tmp_path, DATA[:9000])
+    pushed = asyncio.run(push_blob(host, access, REPO, str(src), digest, 9000, timeout=60))
+    assert (pushed.sent, pushed.present) == (9000, False)
+    final = tmp_path / "pulled"
+    pulled = asyncio.run(pull_blob(host, access, REPO, digest, 9000, str(final), timeout=60))
+    assert (pulled.received, pulled.resumed_from) == (9000, 0)
+    assert final.read_bytes() == DATA[:9000]
+    missing = "sha256:" + "1" * 64
+    with pytest.raises(RegistryTransferError) as err:
+        asyncio.run(pull_blob(host, access, REPO, missing, 5, str(tmp_path / "m"), timeout=60))
+    assert err.value.reason == "blob unknown"
+    text = str(err.value)
+    assert text.startswith(f"host-a: blob unknown: {registry.address}/{REPO}@{missing}")
+    assert "pw-xyz" not in text
+
+
+class _AuthRegistry(http.server.BaseHTTPRequestHandler):
+    """A registry front that asks for a bearer token (realm /token, which wants basic
+    credentials alice:right) and serves one blob to it: the auth dance the spec describes."""
+
+    blob = b"guarded bytes"
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        auth = self.headers.get("Authorization", "")
+        if self.path.startswith("/token?"):
+            ok = auth == "Basic " + base64.b64encode(b"alice:right").decode()
+            assert "scope=repository%3Acoldsnap%2Ftest%3Apull" in self.path
+            self._answer(200 if ok else 401, json.dumps({"token": "tok"}).encode() if ok
+                         else b"{}")
+        elif auth != "Bearer tok":
+            port = self.server.server_address[1]
+            self._answer(401, b"{}", {"WWW-Authenticate":
+                         f'Bearer realm="http://127.0.0.1:{port}/token",service="reg",'
+                         f'scope="repository:{REPO}:pull"'})
+        else:
+            self._answer(200, self.blob)
+
+    def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("password", ["right", "wrong"])
+def test_a_bearer_token_is_asked_with_the_basic_credentials(tmp_path: Path,
+                                                            password: str) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AuthRegistry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        access = RegistryAccess(address, insecure=True, username="alice", password=password)
+        data = _AuthRegistry.blob
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        final = tmp_path / "obj"
+        res = subprocess.run(
+            helper_argv("blob-pull", str(final), digest, str(len(data))), capture_output=True,
+            input=json.dumps({"access": access.to_helper(), "repository": REPO}).encode(),
+            timeout=60, check=False)
+        if password == "right":
+            assert res.returncode == 0, res.stderr
+            assert final.read_bytes() == data
+        else:
+            assert res.returncode == EXIT_UNAUTHORIZED
+            assert f"registry {address}, {REPO}@{digest}: unauthorized" in res.stderr.decode()
+            assert b"wrong" not in res.stderr and not final.exists()
+    finally:
+        server.shutdown()

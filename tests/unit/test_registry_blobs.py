@@ -30,10 +30,12 @@ from coldsnap.hosts.helper.common import (
     EXIT_UNKNOWN,
     EXIT_UNREACHABLE,
 )
+from coldsnap.hosts.helper.registry import PULL_PART_SUFFIX
 from coldsnap.hosts.helper.stamps import STAMP_ATTR
 from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError, pull_blob, push_blob
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 
 REPO = "coldsnap/test"
 
@@ -103,6 +105,11 @@ def answer(res: subprocess.CompletedProcess[bytes]) -> Any:
     return json.loads(res.stdout)
 
 
+def test_a_pull_uses_the_partial_file_name_every_transfer_uses() -> None:
+    # So that gc sweeps an old one, and a pull resumes what a put left.
+    assert PULL_PART_SUFFIX == PART_SUFFIX
+
+
 DATA = os.urandom(3 * 1024 * 1024 + 17)  # a few MiB: more than one piece of the helper's CH
 
 
@@ -115,7 +122,7 @@ def test_a_pushed_blob_is_pulled_verified_stamped_and_private(registry: Served,
     pulled = answer(helper("blob-pull", registry.address, str(final), digest, str(len(DATA))))
     assert pulled == {"received": len(DATA), "resumed_from": 0, "size": len(DATA)}
     assert final.read_bytes() == DATA
-    assert not Path(str(final) + ".part").exists()
+    assert not Path(str(final) + PART_SUFFIX).exists()
     assert final.parent.stat().st_mode & 0o777 == 0o700
     assert final.stat().st_mode & 0o777 == 0o600
     st = final.stat()
@@ -135,7 +142,7 @@ def test_a_partial_file_is_resumed_from_where_it_ends(registry: Served, tmp_path
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
     final = tmp_path / "obj"
     kept = 1024 * 1024 + 5
-    Path(str(final) + ".part").write_bytes(DATA[:kept])
+    Path(str(final) + PART_SUFFIX).write_bytes(DATA[:kept])
     pulled = answer(helper("blob-pull", registry.address, str(final), digest, str(len(DATA))))
     # Only the rest crossed: the registry answered the range.
     assert pulled == {"received": len(DATA) - kept, "resumed_from": kept, "size": len(DATA)}
@@ -147,7 +154,7 @@ def test_a_partial_file_with_wrong_bytes_is_a_mismatch_and_is_removed(
     src, digest = blob(tmp_path, DATA)
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
     final = tmp_path / "obj"
-    part = Path(str(final) + ".part")
+    part = Path(str(final) + PART_SUFFIX)
     part.write_bytes(b"x" * 1000)
     res = helper("blob-pull", registry.address, str(final), digest, str(len(DATA)))
     assert res.returncode == EXIT_MISMATCH
@@ -164,7 +171,7 @@ def test_a_size_that_lies_is_a_mismatch(registry: Served, tmp_path: Path) -> Non
     final = tmp_path / "obj"
     res = helper("blob-pull", registry.address, str(final), digest, "4000")
     assert res.returncode == EXIT_MISMATCH, res.stderr
-    assert not final.exists() and not Path(str(final) + ".part").exists()
+    assert not final.exists() and not Path(str(final) + PART_SUFFIX).exists()
 
 
 def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
@@ -182,7 +189,7 @@ def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,
     src, digest = blob(tmp_path, DATA)
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
     final = tmp_path / "obj"
-    part = Path(str(final) + ".part")
+    part = Path(str(final) + PART_SUFFIX)
     part.write_bytes(DATA[:777])
     registry.stop()
     res = helper("blob-pull", registry.address, str(final), digest, str(len(DATA)))

@@ -36,7 +36,7 @@ Modes:
   pack, place, finish, layers   see image_sets.py
   holdings                  stdin {"paths": [...], "sets": [[ROOT, PLAN], ...]}: see main.py
   blob-pull FINAL DIGEST SIZE   stdin {"access", "repository", "timeout"}: the blob from the
-                            registry into FINAL (resuming FINAL.part), verified, stamped,
+                            registry into FINAL (resuming FINAL.coldsnap-part), verified, stamped,
                             published; JSON {"received", "resumed_from", "size"}
   blob-push PATH DIGEST SIZE    the same stdin: the file as a blob, unless the repository
                             holds it; JSON {"present", "sent", "size"} (see registry.py)
@@ -46,7 +46,7 @@ Modes:
 Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 6 refused
 (a symlink, a `..`, not a regular file, outside every root, over a size cap), 75 busy;
 the registry modes: 7 unauthorized, 8 blob unknown, 9 unreachable or interrupted (a pull's
-.part kept), 10 another answer of the registry (and 4 for a blob that does not match).
+partial file kept), 10 another answer of the registry (and 4 for a blob that does not match).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ EXIT_REFUSED = 6  # a file not opened beneath its root without a symlink (helper
 # The registry modes (helper.registry); a mismatch there is EXIT_MISMATCH.
 EXIT_UNAUTHORIZED = 7  # the registry answered 401 or 403, or its token service refused
 EXIT_UNKNOWN = 8  # the registry does not hold the blob (404)
-EXIT_UNREACHABLE = 9  # refused, reset, timed out or a 5xx; a pull keeps its .part to resume
+EXIT_UNREACHABLE = 9  # refused, reset, timed out or a 5xx; a pull keeps its partial to resume
 EXIT_REGISTRY = 10  # any other answer of the registry
 EXIT_BUSY = 75  # another transfer is writing the same partial file
 

@@ -9,19 +9,22 @@ service=, scope=`, a token from the realm (asked with the basic credentials when
 any), and the request again with it. TLS with the access's CA bundle (else the system's), or
 plain HTTP for an insecure registry. Every socket operation has the timeout.
 
-  blob-pull FINAL DIGEST SIZE   into FINAL through FINAL.part (0600, in a 0700 directory).
-      A .part left by an interrupted pull is resumed: its bytes are hashed and only the rest
-      is asked for (`Range: bytes=N-`; a registry that answers 200 sends it all again). The
-      whole file must hash to DIGEST and be SIZE bytes: fsync'd, stamped verified as `put`
-      stamps, renamed, its directory fsync'd. stdout: {"received", "resumed_from", "size"}.
+  blob-pull FINAL DIGEST SIZE   into FINAL through FINAL.coldsnap-part (0600, in a 0700
+      directory; the partial file every transfer uses, so `coldsnapd gc` sweeps an old one and
+      a pull may resume what a put from the control node left). A partial file is resumed: its
+      bytes are hashed and only the rest is asked for (`Range: bytes=N-`; a registry that
+      answers 200 sends it all again). The whole file must hash to DIGEST and be SIZE bytes:
+      fsync'd, stamped verified as `put` stamps, renamed, its directory fsync'd.
+      stdout: {"received", "resumed_from", "size"}.
   blob-push PATH DIGEST SIZE    HEAD first: a blob the repository holds is not sent again;
       else one upload session, the file streamed in one PUT ?digest= (the registry checks the
       digest). stdout: {"present", "sent", "size"}.
 
 Failures exit with their own code and one stderr line naming the registry, the repository
 and the digest: 7 unauthorized (401/403), 8 blob unknown (404), 9 unreachable or interrupted
-(connection refused or reset, a timeout, a 5xx: a pull's .part is kept for a resume),
-4 mismatch (the bytes do not hash to DIGEST or are not SIZE: the .part is removed), 10 any
+(connection refused or reset, a timeout, a 5xx: a pull's partial file is kept for a
+resume), 4 mismatch (the bytes do not hash to DIGEST or are not SIZE: the partial file is
+removed), 10 any
 other answer of the registry.
 
 A part of the helper program (see `coldsnap.hosts.helper`): Python 3.8, standard library only.
@@ -55,6 +58,8 @@ from coldsnap.hosts.helper.files import Writeback, open_part, part_state
 # Without a timeout on stdin: what one socket operation (connect, a send, a receive) may take.
 REG_TIMEOUT = 60.0
 REG_REDIRECTS = 5
+# transfer.protocol.PART_SUFFIX, which the helper cannot import (a unit test holds them equal).
+PULL_PART_SUFFIX = ".coldsnap-part"
 
 
 class RegFailed(Exception):
@@ -250,7 +255,7 @@ def reg_run(args: list[str], pull: bool) -> None:
 
 
 def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, Any]:
-    part = final + ".part"
+    part = final + PULL_PART_SUFFIX
     mv = memoryview(bytearray(CH))
     f = open_part(part)
     have, h = part_state(f, mv)

@@ -38,5 +38,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--fallback", choices=("none", "replay"), default="none",
                         help="replay: a unit whose process snapshot is not admissible is "
                              "re-created natively from its staged payloads and replay plans")
+    parser.add_argument("--stage-from", choices=("auto", "store", "registry"), default="auto",
+                        help="where each host's objects come from: registry (the artifact's "
+                             "publication: each host pulls exactly its own blobs, resuming "
+                             "partial ones; the control node sends no object bytes), store "
+                             "(the control node's store, over SSH), auto (the registry when "
+                             "the artifact is published, else the store)")
     add_operation_arguments(parser)
     parser.set_defaults(handler=operation_handler("restore"))

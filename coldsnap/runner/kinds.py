@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
-from coldsnap.hosts.inventory import load_inventory
+from coldsnap.hosts.inventory import Inventory, load_inventory
+from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.restore import restore
+from coldsnap.operations.sources import ObjectSource, choose_source, published_at
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -85,6 +87,17 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore) -
     return found[0][1]
 
 
+def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
+            capture_id: str) -> ObjectSource:
+    """Where the restore's staging takes the objects from (`--stage-from`); Refused when the
+    registry is asked for and the artifact is not published, or its access cannot be read."""
+    try:
+        return choose_source(options.stage_from, store, published_at(store, capture_id),
+                             lambda registry: access_for(inventory, registry))
+    except (ValueError, RegistryAccessError) as exc:
+        raise Refused(str(exc)) from None
+
+
 def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store)
@@ -98,13 +111,16 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     workload = workload_name(request, artifact.capture_id)
     check_owner(store.root, workload, options.caller_uid, "restore")
 
+    source = _source(options, store, inventory, artifact.capture_id)
+
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
                             fallback=options.fallback,
-                            roots=(options.mount_roots, options.log_roots))
+                            roots=(options.mount_roots, options.log_roots), source=source)
+        moved = "sent" if source.kind == "store" else "pulled from the registry"
         for s in out.staging:
             report.say(f"{s.host}: {len(s.objects)} object(s) owned, "
-                       f"{human_bytes(s.owned_bytes)}; sent {human_bytes(s.sent_bytes)}, "
+                       f"{human_bytes(s.owned_bytes)}; {moved} {human_bytes(s.sent_bytes)}, "
                        f"{len(s.skipped)} already present")
         if out.replayed_units:
             report.say("re-created natively from payloads (--fallback replay): "

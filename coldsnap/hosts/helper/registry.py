@@ -16,7 +16,8 @@ plain HTTP for an insecure registry. Every socket operation has the timeout.
       answers 200 sends it all again). The whole file must hash to DIGEST and be SIZE bytes:
       fsync'd, stamped verified as `put` stamps, renamed, its directory fsync'd.
       stdout: {"received", "resumed_from", "size"}.
-  blob-push PATH DIGEST SIZE    HEAD first: a blob the repository holds is not sent again;
+  blob-push PATH DIGEST SIZE [ROOT]   HEAD first: a blob the repository holds is not sent
+      again; with ROOT, PATH is opened beneath it, no symlink followed (exit 6 otherwise);
       else one upload session, the file streamed in one PUT ?digest= (the registry checks the
       digest). stdout: {"present", "sent", "size"}.
 
@@ -53,7 +54,7 @@ from coldsnap.hosts.helper.common import (
     die,
     publish,
 )
-from coldsnap.hosts.helper.files import Writeback, open_part, part_state
+from coldsnap.hosts.helper.files import Writeback, open_part, open_read, part_state
 
 # Without a timeout on stdin: what one socket operation (connect, a send, a receive) may take.
 REG_TIMEOUT = 60.0
@@ -229,22 +230,24 @@ def reg_status(resp: Any, what: str) -> RegFailed:
     return RegFailed(EXIT_REGISTRY, f"the registry answered {resp.status} {what}")
 
 
-def reg_args(args: list[str]) -> tuple[str, str, int]:
-    if len(args) != 3 or not args[1].startswith("sha256:") or len(args[1]) != 71 \
-            or not args[2].isdigit():
-        die(EXIT_USAGE, "usage: blob-pull FINAL sha256:HEX SIZE | blob-push PATH sha256:HEX SIZE")
-    return args[0], args[1], int(args[2])
+def reg_args(args: list[str], pull: bool) -> tuple[str, str, int, str | None]:
+    if len(args) not in ((3,) if pull else (3, 4)) or not args[1].startswith("sha256:") \
+            or len(args[1]) != 71 or not args[2].isdigit():
+        die(EXIT_USAGE, "usage: blob-pull FINAL sha256:HEX SIZE | "
+                        "blob-push PATH sha256:HEX SIZE [ROOT]")
+    return args[0], args[1], int(args[2]), args[3] if len(args) == 4 else None
 
 
 def reg_run(args: list[str], pull: bool) -> None:
-    path, digest, size = reg_args(args)
+    path, digest, size, root = reg_args(args, pull)
     try:
         req = json.load(sys.stdin)
     except ValueError:
         die(EXIT_USAGE, "stdin: not JSON")
     reg = Registry(req)
     try:
-        answer = blob_pull(reg, path, digest, size) if pull else blob_push(reg, path, digest, size)
+        answer = blob_pull(reg, path, digest, size) if pull else \
+            blob_push(reg, path, digest, size, root)
     except RegFailed as e:
         die(e.code, f"{reg.where(digest)}: {e}")
     except (OSError, http.client.HTTPException) as e:  # socket.timeout is an OSError
@@ -308,7 +311,8 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
     return {"received": received, "resumed_from": resumed, "size": size}
 
 
-def blob_push(reg: Registry, path: str, digest: str, size: int) -> dict[str, Any]:
+def blob_push(reg: Registry, path: str, digest: str, size: int,
+              root: str | None) -> dict[str, Any]:
     base = f"/v2/{reg.repository}/blobs/"
     resp = reg.request("HEAD", base + digest)
     resp.read()
@@ -316,7 +320,7 @@ def blob_push(reg: Registry, path: str, digest: str, size: int) -> dict[str, Any
         return {"present": True, "sent": 0, "size": size}
     if resp.status != 404:
         raise reg_status(resp, "asking whether the blob is there")
-    with open(path, "rb") as f:
+    with open_read(path, root) as f:
         have = os.fstat(f.fileno()).st_size
         if have != size:
             raise RegFailed(EXIT_MISMATCH, f"{path} is {have} bytes, expected {size}")

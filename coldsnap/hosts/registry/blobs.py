@@ -17,6 +17,7 @@ from coldsnap.hosts.base import Host
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import (
     EXIT_MISMATCH,
+    EXIT_REFUSED,
     EXIT_REGISTRY,
     EXIT_UNAUTHORIZED,
     EXIT_UNKNOWN,
@@ -35,13 +36,15 @@ _REASONS = {
     EXIT_MISMATCH: "digest mismatch",
     EXIT_REGISTRY: "registry error",
     EXIT_USAGE: "usage",
+    EXIT_REFUSED: "refused",
 }
 
 
 class RegistryTransferError(Exception):
     """A blob pull or push failed. `reason` is one of `unauthorized`, `blob unknown`,
     `unreachable` (a pull's partial file is kept for a resume), `digest mismatch`, `registry
-    error`, `usage`, `helper` (the helper itself failed or answered nonsense)."""
+    error`, `usage`, `refused` (a pushed file not opened beneath its
+    root), `helper` (the helper itself failed or answered nonsense)."""
 
     def __init__(self, host: str, registry: str, repository: str, digest: str,
                  reason: str, detail: str) -> None:
@@ -75,9 +78,10 @@ def _stdin(access: RegistryAccess, repository: str) -> bytes:
 
 
 async def _run(host: Host, mode: str, access: RegistryAccess, repository: str, path: str,
-               digest: str, size: int, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+               digest: str, size: int, timeout: float,  # noqa: ASYNC109
+               root: str | None = None) -> dict[str, Any]:
     check_digest(digest)
-    res = await host.run(helper_argv(mode, path, digest, str(size)),
+    res = await host.run(helper_argv(mode, path, digest, str(size), *([root] if root else [])),
                          input=_stdin(access, repository), timeout=timeout, check=False)
 
     def fail(reason: str, detail: str) -> RegistryTransferError:
@@ -110,10 +114,13 @@ async def pull_blob(host: Host, access: RegistryAccess, repository: str, digest:
 
 
 async def push_blob(host: Host, access: RegistryAccess, repository: str, path: str,
-                    digest: str, size: int, *, timeout: float) -> PushResult:  # noqa: ASYNC109
+                    digest: str, size: int, *, timeout: float,  # noqa: ASYNC109
+                    root: str | None = None) -> PushResult:
     """The file `path` on `host` as the blob `digest` of `repository`, unless the repository
-    holds it already (the registry verifies the digest of what it receives)."""
-    answer = await _run(host, "blob-push", access, repository, path, digest, size, timeout)
+    holds it already (the registry verifies the digest of what it receives). With `root`,
+    the file is opened beneath it, no symlink followed (a payload the engine can write)."""
+    answer = await _run(host, "blob-push", access, repository, path, digest, size, timeout,
+                        root)
     return PushResult(host.name, digest, int(answer["sent"]), bool(answer["present"]))
 
 

@@ -11,13 +11,9 @@ import hashlib
 import http.server
 import json
 import os
-import socket
 import subprocess
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,52 +32,15 @@ from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError, pull_blob, push_blob
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
+from tests.unit.plain_registry import Served, serve_registry
 
 REPO = "coldsnap/test"
 
 
-@dataclass
-class Served:
-    address: str
-    proc: subprocess.Popen[bytes]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[Served]:
-    """A plain-HTTP docker-registry with its storage under tmp_path, anonymous push and pull."""
-    port = _free_port()
-    config = tmp_path / "registry.yml"
-    config.write_text(json.dumps({
-        "version": 0.1, "log": {"level": "error", "accesslog": {"disabled": True}},
-        "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}},
-        "http": {"addr": f"127.0.0.1:{port}"}}))
-    log = (tmp_path / "registry.log").open("wb")
-    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    served = Served(f"127.0.0.1:{port}", proc)
-    for _ in range(300):
-        try:
-            with urllib.request.urlopen(f"http://{served.address}/v2/", timeout=5):
-                break
-        except OSError:
-            assert proc.poll() is None, (tmp_path / "registry.log").read_text()
-            time.sleep(0.05)
-    try:
+    with serve_registry(tmp_path) as served:
         yield served
-    finally:
-        if proc.poll() is None:
-            served.stop()
-        log.close()
 
 
 def stdin_for(address: str) -> bytes:

@@ -204,7 +204,8 @@ async def _capture_units(
                           f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
                    for w in r.workers]
         if pusher is not None:
-            # The host pushes its replay plans too: a restore pulls them with the payloads.
+            # The host pushes its replay plans too: a restore's hosts pull them with the
+            # payloads they own.
             wanted += [Wanted(w.replay_plan.path, w.replay_plan.sha256, w.replay_plan.bytes,
                               f"replay plan of {Owner.worker(w.worker_id)}", w.replay_plan.root)
                        for w in r.workers]
@@ -227,8 +228,9 @@ async def _capture_units(
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                           path=payload_path(p_digest), bytes=sizes[p_digest],
                                           sha256=p_digest))
-            r_digest, r_size = store.add_bytes(w.replay_plan_json) if pusher is None else \
-                (w.replay_plan.sha256, sizes[w.replay_plan.sha256])
+            # Kept here in any case: a restore reads it on the control node (the payload's
+            # mount); with a registry the host pushed the same bytes for the units' hosts.
+            r_digest, r_size = store.add_bytes(w.replay_plan_json)
             objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
                                           path=replay_plan_path(w.worker_id), bytes=r_size,
                                           sha256=r_digest))

@@ -22,6 +22,7 @@ import pytest
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import (
     EXIT_MISMATCH,
+    EXIT_REFUSED,
     EXIT_UNAUTHORIZED,
     EXIT_UNKNOWN,
     EXIT_UNREACHABLE,
@@ -247,3 +248,17 @@ def test_a_bearer_token_is_asked_with_the_basic_credentials(tmp_path: Path,
             assert b"wrong" not in res.stderr and not final.exists()
     finally:
         server.shutdown()
+
+
+def test_a_push_beneath_a_root_follows_no_symlink(registry: Served, tmp_path: Path) -> None:
+    root = tmp_path / "mount"
+    root.mkdir()
+    src, digest = blob(tmp_path, DATA[:2048])
+    (root / "weights.bin").symlink_to(src)  # the engine could point its payload anywhere
+    res = helper("blob-push", registry.address, str(root / "weights.bin"), digest, "2048",
+                 str(root))
+    assert res.returncode == EXIT_REFUSED, res.stderr
+    (root / "real.bin").write_bytes(DATA[:2048])
+    pushed = answer(helper("blob-push", registry.address, str(root / "real.bin"), digest,
+                           "2048", str(root)))
+    assert pushed["sent"] == 2048

@@ -44,9 +44,13 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await capture(request, hosts, store, ctx,
                             roots=(options.mount_roots, options.log_roots))
+        moved, held = ("pushed", "already in the registry") if out.published else \
+            ("fetched", "already in the store")
         for f in out.fetched:
-            report.say(f"{f.host}: fetched {f.fetched} object(s), "
-                       f"{human_bytes(f.fetched_bytes)}; {f.present} already in the store")
+            report.say(f"{f.host}: {moved} {f.fetched} object(s), "
+                       f"{human_bytes(f.fetched_bytes)}; {f.present} {held}")
+        if out.published:
+            report.say(f"published {out.published}")
         stored = out.stored
         # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
         ctx.artifact_document = stored.artifact.to_json()

@@ -16,11 +16,16 @@ import pytest
 
 from coldsnap.capsule.images import image_set_dir
 from coldsnap.formats.artifact import ArtifactObject, payload_path
+from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError
+from coldsnap.hosts.transfer.protocol import PART_SUFFIX
+from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.fetch import Wanted
+from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.push import Pusher
+from coldsnap.operations.restore import _stage
 from coldsnap.operations.sources import (
     Publication,
     RegistrySource,
@@ -29,7 +34,7 @@ from coldsnap.operations.sources import (
     parse_publication,
     published_at,
 )
-from coldsnap.operations.staging import remote_object_path, stage_host
+from coldsnap.operations.staging import remote_object_path, stage_host, survey_host
 from coldsnap.store import LocalStore
 from tests.unit.plain_registry import Served, serve_registry
 from tests.unit.test_criu_image_objects import packed, store_with
@@ -145,3 +150,33 @@ def test_a_publication_names_its_registry_and_repository(ref: str,
     assert parse_publication(ref) == Publication(*want)
     with pytest.raises(ValueError, match="not REGISTRY/REPOSITORY"):
         parse_publication("no-repository")
+
+
+@pytest.mark.parametrize("from_registry", [True, False])
+async def test_a_failed_staging_keeps_a_registry_pulls_partial_file_for_the_retry(
+        registry: Served, tmp_path: Path, from_registry: bool) -> None:
+    data = os.urandom(100_000)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    obj = ArtifactObject(role="weights", owner="worker/w0", path=payload_path(digest),
+                         bytes=len(data), sha256=digest)
+    entry = HostEntry.model_validate({
+        "name": "host-0", "address": "127.0.0.1", "data_dir": str(tmp_path / "h0"),
+        "docker_socket": None, "simulated": True, "driver_version": "610.43.02"})
+    hosts = HostSet(Inventory(hosts=[entry]), {"host-0": LocalHost("host-0")})
+    partial = Path(remote_object_path(entry.data_dir, digest) + PART_SUFFIX)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(data[:40_000])  # what an interrupted pull left
+    registry.stop()  # the registry goes away: the pull cannot finish
+    store = LocalStore(tmp_path / "store").ensure()  # and the store lacks the object
+    source = RegistrySource(RegistryAccess(registry.address, insecure=True), REPO) \
+        if from_registry else StoreSource(store)
+    ctx = OperationContext("restore", operation_id="op-9")
+    surveys = {"host-0": survey_host(hosts.host("host-0"), entry.data_dir, [obj])}
+    with pytest.raises(OperationFailed) as err:
+        await _stage(hosts, source, {"host-0": [obj]}, {"host-0": []}, ctx, surveys)
+    assert err.value.code == "staging"
+    if from_registry:
+        assert f"unreachable: {registry.address}/{REPO}@{digest}" in err.value.message
+        assert partial.read_bytes() == data[:40_000]  # the retry resumes it
+    else:
+        assert not partial.exists()

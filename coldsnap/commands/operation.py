@@ -114,6 +114,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         artifact=getattr(args, "artifact", None),
         prepare_only=bool(getattr(args, "prepare_only", False)),
         fallback=getattr(args, "fallback", "none"),
+        stage_from=getattr(args, "stage_from", "auto"),
         json=bool(getattr(args, "json", False)), verbose=bool(args.verbose),
         deadline=getattr(args, "deadline", None),
         validation_timeout=getattr(args, "validation_timeout", None))

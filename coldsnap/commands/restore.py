@@ -50,5 +50,11 @@ def register(subparsers: Any) -> None:
                              "it is released (readiness, then the prompt; default 120 s); "
                              "one that does not answer fails the restore, which is rolled "
                              "back on every host")
+    parser.add_argument("--stage-from", choices=("auto", "store", "registry"), default="auto",
+                        help="where each host's objects come from: registry (the artifact's "
+                             "publication: each host pulls exactly its own blobs, resuming "
+                             "partial ones; the control node sends no object bytes), store "
+                             "(the control node's store, over SSH), auto (the registry when "
+                             "the artifact is published, else the store)")
     add_operation_arguments(parser)
     parser.set_defaults(handler=operation_handler("restore"))

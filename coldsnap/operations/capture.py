@@ -1,5 +1,7 @@
 """`coldsnapd capture`: every unit started, warmed, quiesced, checkpointed, dumped and
-committed across its hosts, and every unit's and worker's objects pulled into the store.
+committed across its hosts, and every unit's and worker's objects pulled into the store, or,
+with the inventory's `artifact_repository`, pushed there by their own hosts and the artifact
+published (`push`, `publishing`).
 
 Coordinated in phases with a barrier between them: no unit is dumped before every unit is
 quiesced and its GPUs checkpointed. A failure anywhere rolls every unit back (returned to
@@ -50,6 +52,7 @@ from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.base import ProgressCallback
+from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.retry import is_transient
 from coldsnap.operations.budgets import remove_empty_operation_dirs
 from coldsnap.operations.context import (
@@ -61,6 +64,8 @@ from coldsnap.operations.fetch import Fetcher, HostFetch, Wanted
 from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
+from coldsnap.operations.publishing import publish_capture
+from coldsnap.operations.push import Pusher, split_repository
 from coldsnap.operations.service_checks import unit_labels
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
@@ -74,6 +79,9 @@ class CaptureOutcome:
     stored: StoredArtifact
     fetched: list[HostFetch]  # per host: what was pulled, what the store held already
     manifests: list[CapsuleManifest]  # each unit's, in launch order
+    # With an `artifact_repository`: where the artifact is published (`fetched` then counts
+    # what each host pushed there, and what the repository held already).
+    published: str | None = None
 
 
 def compatibility_entry(placed: PlacedUnit, facts: HostFacts, driver_min: int,
@@ -108,6 +116,7 @@ async def capture(
     launch = request.launch
     topology = resolve(request)
     ctx.unit_services = unit_labels(topology)
+    pusher = _pusher(hosts)  # before any unit starts: unreadable credentials stop it here
     keep_serving = request.lifecycle is not None and request.lifecycle.activation_state == "running"
 
     with ctx.span("capture.facts"):
@@ -129,7 +138,7 @@ async def capture(
             runs = [UnitRun(p, sessions[p.host]) for p in placed]
             try:
                 return await _capture_units(request, runs, facts, hosts, store, ctx,
-                                            keep_serving)
+                                            keep_serving, pusher)
             except BaseException:
                 await _rollback(ctx, hosts, runs, request.id, keep_serving)
                 raise
@@ -150,6 +159,7 @@ async def _capture_units(
     store: LocalStore,
     ctx: OperationContext,
     keep_serving: bool,
+    pusher: Pusher | None = None,
 ) -> CaptureOutcome:
     async def start(r: UnitRun) -> None:
         r.handle = await start_unit(r.session, r.placed.spec)
@@ -195,7 +205,15 @@ async def _capture_units(
         wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
                           f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
                    for w in r.workers]
-        sizes = await fetcher.pull_all(host, wanted, progress)
+        if pusher is not None:
+            # The host pushes its replay plans too: a restore's hosts pull them with the
+            # payloads they own.
+            wanted += [Wanted(w.replay_plan.path, w.replay_plan.sha256, w.replay_plan.bytes,
+                              f"replay plan of {Owner.worker(w.worker_id)}", w.replay_plan.root)
+                       for w in r.workers]
+            sizes = await pusher.push_all(host, wanted)
+        else:
+            sizes = await fetcher.pull_all(host, wanted, progress)
         for o in r.capsule.objects:
             path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE
                     else criu_image_path(o.file.sha256))
@@ -212,18 +230,21 @@ async def _capture_units(
             objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                           path=payload_path(p_digest), bytes=sizes[p_digest],
                                           sha256=p_digest))
+            # Kept here in any case: a restore reads it on the control node (the payload's
+            # mount); with a registry the host pushed the same bytes for the units' hosts.
             r_digest, r_size = store.add_bytes(w.replay_plan_json)
             objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
                                           path=replay_plan_path(w.worker_id), bytes=r_size,
                                           sha256=r_digest))
             replay.append(ReplayPlanEntry(worker=w.worker_id, plan=replay_plan_path(w.worker_id),
                                           payload=payload_path(p_digest)))
-        # The tar and plans now live in the store; the capture host keeps only its image.
+        # The tar and plans now live in the store (or the registry); the capture host keeps
+        # only its image.
         await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
                                    r.placed.unit_id)
 
     # Refused before any byte is pulled: a store that fills up half-way helps no one.
-    refuse_short([store_need(store, [
+    refuse_short([] if pusher is not None else [store_need(store, [
         pair for r in runs if r.capsule is not None and r.workers is not None
         for pair in [*((o.file.sha256, o.file.bytes) for o in r.capsule.objects),
                      *((w.payload.sha256, w.payload.bytes) for w in r.workers)]])])
@@ -259,13 +280,32 @@ async def _capture_units(
         objects=objects,
         weights=WeightsRecord(recovery=RecoveryRecord(replay_plan=replay)),
     )
+    published = None
+    if pusher is not None:
+        # Published while a failure still rolls every unit back.
+        with ctx.span("capture.publish"):
+            published = await publish_capture(pusher.access, pusher.repository, artifact, store)
     # The units reach their final state before anything is written, so that a failure here
     # still rolls everything back and leaves no artifact behind.
     await _finish_units(ctx, runs, keep_serving)
     with ctx.span("capture.write"):
         stored = store.put_artifact(artifact)
-    return CaptureOutcome(stored, fetcher.summary(),
-                          [r.capsule.manifest for r in runs if r.capsule is not None])
+    return CaptureOutcome(stored, (pusher or fetcher).summary(),
+                          [r.capsule.manifest for r in runs if r.capsule is not None],
+                          published)
+
+
+def _pusher(hosts: HostSet) -> Pusher | None:
+    """With the inventory's `artifact_repository`, the capture's hosts push their objects
+    there; OperationFailed naming the registry when its access cannot be read."""
+    target = hosts.inventory.artifact_repository
+    if target is None:
+        return None
+    registry, repository = split_repository(target)
+    try:
+        return Pusher(access_for(hosts.inventory, registry), repository)
+    except RegistryAccessError as exc:
+        raise OperationFailed("registry-access", str(exc)) from None
 
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],

@@ -84,6 +84,7 @@ from coldsnap.operations.replace import (
     touched_previous,
 )
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, unit_labels, validate_services
+from coldsnap.operations.sources import ObjectSource, StoreSource
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostHoldings,
@@ -147,12 +148,18 @@ def restore_placement(artifact: Artifact, request: Request | None,
     return request.launch, request.policy, request.validation
 
 
-def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology) -> None:
-    needed = [o for objs in objects_by_host(artifact, topology).values() for o in objs]
-    needed += [o for o in artifact.objects if o.role == ROLE_CAPSULE_MANIFEST]
-    for obj in needed:
+def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology,
+                    source: ObjectSource) -> None:
+    """The control node's own objects (capsule manifests) must be in the store; the staged
+    ones wherever `source` takes them from."""
+    staged = [o for objs in objects_by_host(artifact, topology).values() for o in objs]
+    own = [o for o in artifact.objects if o.role == ROLE_CAPSULE_MANIFEST]
+    for obj in own + staged:
         try:
-            store.verify(obj.sha256)
+            if obj in own:
+                store.verify(obj.sha256)
+            else:
+                source.check([obj])
         except StoreError as exc:
             raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
 
@@ -168,10 +175,12 @@ async def restore(
     fallback: Fallback = "none",
     roots: HostRoots = (None, None),
     validate_timeout_s: float = VALIDATE_TIMEOUT_S,
+    source: ObjectSource | None = None,
 ) -> RestoreOutcome:
     """`roots`: what the host's realpath of each mount source and log path must stay under
     (None: unrestricted). `validate_timeout_s`: what each service gets to answer its
-    validation prompt."""
+    validation prompt. `source`: where staging takes the objects from (default: the store;
+    a `RegistrySource` has each host pull its own)."""
     artifact = stored.artifact
     launch, policy, validation = restore_placement(
         artifact, request, captured_request(store, artifact) if request is None else None)
@@ -181,9 +190,10 @@ async def restore(
     warm = (request is not None and request.lifecycle is not None
             and request.lifecycle.activation_state == "warm")
     outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=warm)
+    source = source or StoreSource(store)
 
-    with ctx.span("restore.verify-objects"):
-        _verify_objects(store, artifact, topology)
+    with ctx.span("restore.verify-objects", source=source.kind):
+        _verify_objects(store, artifact, topology, source)
 
     per_host = objects_by_host(artifact, topology)
     # What each host holds is asked beside its facts: asking writes nothing there, and on a
@@ -252,7 +262,7 @@ async def restore(
                      if isinstance(h, HostHoldings)})
             async def staged() -> list[HostStaging]:
                 with ctx.span("restore.stage"):
-                    done = await _stage(hosts, store, per_host, sets, ctx, surveys)
+                    done = await _stage(hosts, source, per_host, sets, ctx, surveys)
                 for st in done:
                     ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
                 return done
@@ -312,23 +322,24 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
     return refusals
 
 
-async def _stage(hosts: HostSet, store: LocalStore,
+async def _stage(hosts: HostSet, source: ObjectSource,
                  per_host: dict[str, list[ArtifactObject]],
                  sets: Mapping[str, list[CriuImageSet]], ctx: OperationContext,
                  surveys: Mapping[str, Awaitable[HostHoldings]]) -> list[HostStaging]:
     async def one(name: str) -> HostStaging:
         with ctx.span("restore.stage-host", host=name):
             return await stage_host(hosts.host(name), hosts.entries[name].data_dir,
-                                    per_host[name], store, progress=ctx.progress,
+                                    per_host[name], source, progress=ctx.progress,
                                     image_sets=sets[name], operation_id=ctx.operation_id,
                                     holdings=await surveys[name])
 
     results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
     failed = [n for n, res in zip(per_host, results, strict=True)
               if isinstance(res, BaseException)]
-    if failed:
-        # A transfer keeps its partial file to resume a dropped connection; once staging has
-        # failed, that file is only a half-written object filling the host's disk.
+    if failed and not source.keeps_partials:
+        # A transfer keeps its partial file to resume a dropped connection; once staging from
+        # the store has failed, that file is only a half-written object filling the host's
+        # disk. A registry pull's is kept: the retry resumes it (gc sweeps it after a day).
         await asyncio.shield(asyncio.gather(*(
             discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
             for n in failed)))

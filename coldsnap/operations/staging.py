@@ -36,7 +36,8 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
-from coldsnap.store import LocalStore, ObjectCorrupt
+from coldsnap.operations.sources import ObjectSource, StoreSource
+from coldsnap.store import LocalStore
 from coldsnap.topology import Topology
 
 
@@ -44,7 +45,7 @@ from coldsnap.topology import Topology
 class HostStaging:
     host: str
     objects: list[ArtifactObject]
-    sent_bytes: int = 0
+    sent_bytes: int = 0  # that crossed to the host (from the store or the registry)
     skipped: list[str] = field(default_factory=list)  # digests already present and verified
     sent: list[str] = field(default_factory=list)
 
@@ -93,28 +94,17 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
     return plan
 
 
-async def _send(host: Host, data_dir: str, obj: ArtifactObject, store: LocalStore,
+async def _send(host: Host, data_dir: str, obj: ArtifactObject, source: ObjectSource,
                 progress: Callable[[str], ProgressCallback | None] | None,
                 result: HostStaging, held: Set[str]) -> str:
-    """The object's staged copy on the host, sent unless it is there and hashes right."""
+    """The object's staged copy on the host, brought from `source` unless it is there and
+    hashes right."""
     remote = remote_object_path(data_dir, obj.sha256)
     if obj.sha256 in held:
         result.skipped.append(obj.sha256)
         return remote
-    local = store.object_path(obj.sha256)
-    if not local.is_file():
-        raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
-                            f"from the store")
-    callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
-    # The far side's hash is checked against the object's digest, so the store's bytes are
-    # verified by the one hash that also proves the far copy.
-    sent = await host.put(local, remote, progress=callback, expected=obj.sha256)
-    if sent.sha256 != obj.sha256:
-        # The store's bytes changed under us: nothing was published, and nothing may stay.
-        await host.run(["rm", "-f", "--", remote], check=False)
-        raise ObjectCorrupt(f"object {obj.sha256} in the store hashed to {sent.sha256} while "
-                            f"being sent to {host.name}")
-    result.sent_bytes += sent.sent_bytes
+    moved = await source.deliver(host, remote, obj, progress)
+    result.sent_bytes += moved  # not `+= await`: that reads the total before the await
     result.sent.append(obj.sha256)
     return remote
 
@@ -161,18 +151,20 @@ async def stage_host(
     host: Host,
     data_dir: str,
     objects: Sequence[ArtifactObject],
-    store: LocalStore,
+    store: LocalStore | ObjectSource,
     progress: Callable[[str], ProgressCallback | None] | None = None,
     *,
     image_sets: Sequence[CriuImageSet] = (),
     operation_id: str = "adhoc",
     holdings: HostHoldings | None = None,
 ) -> HostStaging:
-    """Send the missing objects to one host; every local read is digest-verified in flight.
+    """Bring the missing objects to one host from `store` (the control node's store, or any
+    `ObjectSource`: a registry the host pulls from); every copy is digest-verified.
     The CRIU objects of `image_sets` (the host's units') are assembled into their published
     image directories on the way; an assembly left unfinished is removed. `holdings`: what
     `survey_host` found there, when it was asked ahead."""
     result = HostStaging(host.name, list(objects))
+    source = StoreSource(store) if isinstance(store, LocalStore) else store
     if holdings is None:
         holdings = await survey_host(host, data_dir, objects, image_sets)
     held = holdings.held
@@ -184,11 +176,11 @@ async def stage_host(
 
     async def plain_object(obj: ArtifactObject) -> None:
         async with sending:
-            await _send(host, data_dir, obj, store, progress, result, held)
+            await _send(host, data_dir, obj, source, progress, result, held)
 
     async def criu_object(obj: ArtifactObject) -> None:
         async with sending:
-            remote = await _send(host, data_dir, obj, store, progress, result, held)
+            remote = await _send(host, data_dir, obj, source, progress, result, held)
         staged_criu.append(remote)
         for key, image_set in todo.items():
             if any(o.sha256 == obj.sha256 for o in image_set.objects):

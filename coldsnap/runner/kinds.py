@@ -9,6 +9,7 @@ from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
 from coldsnap.hosts.inventory import Inventory, load_inventory
+from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.registry.client import RegistryError
 from coldsnap.operations.capture import capture
 from coldsnap.operations.context import OperationContext, new_operation_id
@@ -16,6 +17,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.publish import PublishFailed, import_reference, is_registry_reference
 from coldsnap.operations.restore import restore
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
+from coldsnap.operations.sources import ObjectSource, choose_source, published_at
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -45,9 +47,13 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await capture(request, hosts, store, ctx,
                             roots=(options.mount_roots, options.log_roots))
+        moved, held = ("pushed", "already in the registry") if out.published else \
+            ("fetched", "already in the store")
         for f in out.fetched:
-            report.say(f"{f.host}: fetched {f.fetched} object(s), "
-                       f"{human_bytes(f.fetched_bytes)}; {f.present} already in the store")
+            report.say(f"{f.host}: {moved} {f.fetched} object(s), "
+                       f"{human_bytes(f.fetched_bytes)}; {f.present} {held}")
+        if out.published:
+            report.say(f"published {out.published}")
         stored = out.stored
         # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
         ctx.artifact_document = stored.artifact.to_json()
@@ -94,6 +100,17 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
     return found[0][1]
 
 
+def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
+            capture_id: str) -> ObjectSource:
+    """Where the restore's staging takes the objects from (`--stage-from`); Refused when the
+    registry is asked for and the artifact is not published, or its access cannot be read."""
+    try:
+        return choose_source(options.stage_from, store, published_at(store, capture_id),
+                             lambda registry: access_for(inventory, registry))
+    except (ValueError, RegistryAccessError) as exc:
+        raise Refused(str(exc)) from None
+
+
 def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store)
@@ -107,14 +124,17 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     workload = workload_name(request, artifact.capture_id)
     check_owner(store.root, workload, options.caller_uid, "restore")
 
+    source = _source(options, store, inventory, artifact.capture_id)
+
     async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
                             fallback=options.fallback,
                             validate_timeout_s=options.validation_timeout or VALIDATE_TIMEOUT_S,
-                            roots=(options.mount_roots, options.log_roots))
+                            roots=(options.mount_roots, options.log_roots), source=source)
+        moved = "sent" if source.kind == "store" else "pulled from the registry"
         for s in out.staging:
             report.say(f"{s.host}: {len(s.objects)} object(s) owned, "
-                       f"{human_bytes(s.owned_bytes)}; sent {human_bytes(s.sent_bytes)}, "
+                       f"{human_bytes(s.owned_bytes)}; {moved} {human_bytes(s.sent_bytes)}, "
                        f"{len(s.skipped)} already present")
         if out.replayed_units:
             report.say("re-created natively from payloads (--fallback replay): "

@@ -42,6 +42,8 @@ class RunOptions:
     artifact: str | None = None  # restore: the artifact reference
     prepare_only: bool = False
     fallback: Literal["none", "replay"] = "none"
+    # restore: where staging takes the objects from (coldsnap.operations.sources)
+    stage_from: Literal["auto", "store", "registry"] = "auto"
     json: bool = False  # status: the report as JSON
     verbose: bool = False
     deadline: float | None = None  # seconds; None: derived from the bytes it moves

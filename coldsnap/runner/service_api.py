@@ -22,6 +22,6 @@ ACTIVE: tuple[JobState, ...] = ACTIVE_STATES
 # each value's type and range, the CLI sends those its command has.
 # `receipt_json` and `timing_events` are the paths the client writes its receipt and timing
 # events to: the service only holds them to its policy (outputs.allow).
-SUBMISSION_OPTIONS: Final = ("artifact", "prepare_only", "fallback", "json", "verbose",
-                             "deadline", "validation_timeout", "receipt_json",
+SUBMISSION_OPTIONS: Final = ("artifact", "prepare_only", "fallback", "stage_from", "json",
+                             "verbose", "deadline", "validation_timeout", "receipt_json",
                              "timing_events")

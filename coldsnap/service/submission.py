@@ -1,7 +1,8 @@
 """A job submission, as the API receives it, turned into the operation its command would run.
 
     {"operation": "restore", "request": {...} | null, "wait": true,
-     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none", "json": false},
+     "options": {"artifact": "REF", "prepare_only": false, "fallback": "none",
+                 "stage_from": "auto", "json": false},
      "output_exists": false}
 
 `output_exists`: the client found the capture request's `output` there already (the service
@@ -37,6 +38,8 @@ _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
     "artifact": (str, None, lambda v: None if 0 < len(v) <= 4096 else "1 to 4096 characters"),
     "prepare_only": (bool, False, lambda v: None),
     "fallback": (str, "none", lambda v: None if v in ("none", "replay") else "none or replay"),
+    "stage_from": (str, "auto", lambda v: None if v in ("auto", "store", "registry")
+                   else "auto, store or registry"),
     "json": (bool, False, lambda v: None),
     "verbose": (bool, False, lambda v: None),
     "deadline": (float, None, lambda v: None if 0 < v < float("inf") else "a positive number"),

@@ -12,6 +12,7 @@ the parts in order, without their imports of each other (`PROGRAM`).
   files.py       put, stat, stats, recv, commit, get, reap: the far side of file transfers
   image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
   locks.py       hold: exclusive locks on the host (flock under <data_dir>/locks)
+  registry.py    blob-pull, blob-push: a host's own objects from and to an OCI registry
   main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
 
 Modes:
@@ -34,11 +35,18 @@ Modes:
                             runs here, killing what still runs after half the time
   pack, place, finish, layers   see image_sets.py
   holdings                  stdin {"paths": [...], "sets": [[ROOT, PLAN], ...]}: see main.py
+  blob-pull FINAL DIGEST SIZE   stdin {"access", "repository", "timeout"}: the blob from the
+                            registry into FINAL (resuming FINAL.coldsnap-part), verified, stamped,
+                            published; JSON {"received", "resumed_from", "size"}
+  blob-push PATH DIGEST SIZE    the same stdin: the file as a blob, unless the repository
+                            holds it; JSON {"present", "sent", "size"} (see registry.py)
   hold ROOT HOLDER          locks under ROOT, taken and released by commands on stdin and
                             held until stdin ends: see locks.py
 
 Exit codes (common.py): 0 ok, 2 usage, 3 short stream, 4 mismatch, 5 stale offset, 6 refused
-(a symlink, a `..`, not a regular file, outside every root, over a size cap), 75 busy.
+(a symlink, a `..`, not a regular file, outside every root, over a size cap), 75 busy;
+the registry modes: 7 unauthorized, 8 blob unknown, 9 unreachable or interrupted (a pull's
+partial file kept), 10 another answer of the registry (and 4 for a blob that does not match).
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ import ast
 from importlib import resources
 
 # In the order the program needs them: each part uses only names of the parts before it.
-PARTS = ("stamps", "common", "beneath", "files", "image_sets", "locks", "main")
+PARTS = ("stamps", "common", "beneath", "files", "image_sets", "locks", "registry",
+         "main")
 
 
 def _part(name: str) -> str:

@@ -21,6 +21,11 @@ EXIT_SHORT = 3  # the stream ended early; the partial file is kept for a resume
 EXIT_MISMATCH = 4  # the bytes do not hash to what the sender has, or to the expected digest
 EXIT_OFFSET = 5  # a resume offset or a file size that no longer holds
 EXIT_REFUSED = 6  # a file not opened beneath its root without a symlink (helper.beneath)
+# The registry modes (helper.registry); a mismatch there is EXIT_MISMATCH.
+EXIT_UNAUTHORIZED = 7  # the registry answered 401 or 403, or its token service refused
+EXIT_UNKNOWN = 8  # the registry does not hold the blob (404)
+EXIT_UNREACHABLE = 9  # refused, reset, timed out or a 5xx; a pull keeps its partial to resume
+EXIT_REGISTRY = 10  # any other answer of the registry
 EXIT_BUSY = 75  # another transfer is writing the same partial file
 
 CH = 1 << 20  # read, hash and write in pieces of this size

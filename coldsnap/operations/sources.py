@@ -1,0 +1,156 @@
+"""Where staging takes an object's bytes from: the control node's store (sent over the host's
+SSH link), or an OCI registry the artifact is published to (the host pulls it itself, by
+digest; the control node moves no object bytes). Either way the host's copy lands at the same
+path, verified against the object's digest and stamped, so the survey, the skip of what is
+held and the CRIU assembly around it stay the same.
+
+`--stage-from` (`StageFrom`) chooses: `store`, `registry`, or `auto` (the registry when the
+artifact records a publication, else the store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from coldsnap.formats.artifact import ArtifactObject
+from coldsnap.hosts.base import Host, ProgressCallback
+from coldsnap.hosts.registry.access import RegistryAccess
+from coldsnap.hosts.registry.blobs import pull_blob, transfer_timeout
+from coldsnap.store import LocalStore, ObjectCorrupt
+
+StageFrom = Literal["auto", "store", "registry"]
+STAGE_FROM: tuple[StageFrom, ...] = ("auto", "store", "registry")
+
+Progress = Callable[[str], ProgressCallback | None] | None
+
+
+class ObjectSource(Protocol):
+    @property
+    def kind(self) -> str:
+        """"store" or "registry": what reports and logs say."""
+        ...
+
+    @property
+    def keeps_partials(self) -> bool:
+        """Whether a failed staging keeps its partial files: a registry pull's are resumed by
+        the next try (gc sweeps them after a day); a store's sends discard theirs."""
+        ...
+
+    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
+                      progress: Progress) -> int:
+        """Bring the object's bytes to `remote` on `host`, verified against its digest and
+        published; returns the bytes that crossed to the host for it."""
+        ...
+
+    def check(self, objects: list[ArtifactObject]) -> None:
+        """Refuse (StoreError) before anything is staged when an object cannot come from
+        here."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoreSource:
+    """The control node's store: each object sent over the host's SSH transport."""
+
+    store: LocalStore
+    kind: str = "store"
+    keeps_partials: bool = False
+
+    def check(self, objects: list[ArtifactObject]) -> None:
+        for obj in objects:
+            self.store.verify(obj.sha256)
+
+    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
+                      progress: Progress) -> int:
+        local = self.store.object_path(obj.sha256)
+        if not local.is_file():
+            raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
+                                f"from the store")
+        callback = progress(f"{host.name} {obj.role} {obj.owner}") if progress else None
+        # The far side's hash is checked against the object's digest, so the store's bytes
+        # are verified by the one hash that also proves the far copy.
+        sent = await host.put(local, remote, progress=callback, expected=obj.sha256)
+        if sent.sha256 != obj.sha256:
+            # The store's bytes changed under us: nothing was published, and nothing may stay.
+            await host.run(["rm", "-f", "--", remote], check=False)
+            raise ObjectCorrupt(f"object {obj.sha256} in the store hashed to {sent.sha256} "
+                                f"while being sent to {host.name}")
+        return sent.sent_bytes
+
+
+@dataclass(frozen=True)
+class RegistrySource:
+    """A repository of an OCI registry that holds every object as a blob of its digest: each
+    host pulls its own, resuming what an earlier pull left."""
+
+    access: RegistryAccess
+    repository: str
+    kind: str = "registry"
+    keeps_partials: bool = True
+
+    def check(self, objects: list[ArtifactObject]) -> None:
+        """Nothing to check here: the registry answers for its blobs, and each pull verifies
+        what lands."""
+
+    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
+                      progress: Progress) -> int:
+        pulled = await pull_blob(host, self.access, self.repository, obj.sha256, obj.bytes,
+                                 remote, timeout=transfer_timeout(obj.bytes))
+        return pulled.received
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Where an artifact is published: a registry (HOST[:PORT]) and a repository in it."""
+
+    registry: str
+    repository: str
+
+
+def parse_publication(ref: str) -> Publication:
+    """`REGISTRY/REPOSITORY[:TAG][@sha256:HEX]`, as `publish` records it, to its registry and
+    repository (a ValueError naming the reference when it has no registry or repository)."""
+    name = ref.split("@", 1)[0]
+    registry, sep, repository = name.partition("/")
+    last = repository.rsplit("/", 1)[-1]
+    if ":" in last:
+        repository = repository[: len(repository) - len(last)] + last.split(":", 1)[0]
+    if not sep or not registry or not repository:
+        raise ValueError(f"publication {ref!r} is not REGISTRY/REPOSITORY[@DIGEST]")
+    return Publication(registry, repository)
+
+
+def published_at(store: LocalStore, capture_id: str) -> Publication | None:
+    """The latest full publication the store records for the capture, else None."""
+    # A native publication carries only the payloads and replay plans: staging needs a full one.
+    refs = [ref for ref, kind in store.publication_records(capture_id) if kind == "full"]
+    return parse_publication(refs[-1]) if refs else None
+
+
+def choose_source(stage_from: StageFrom, store: LocalStore,
+                  publication: Publication | None,
+                  access: Callable[[str], RegistryAccess]) -> ObjectSource:
+    """The source `--stage-from` asks for: `registry` needs a publication (ValueError naming
+    the flag otherwise), `auto` takes the registry when there is one. `access`: how to reach
+    a registry (the inventory's `registries` entry)."""
+    if stage_from == "store" or (stage_from == "auto" and publication is None):
+        return StoreSource(store)
+    if publication is None:
+        raise ValueError("--stage-from registry: the artifact is not published to a registry "
+                         "(`coldsnapd publish`)")
+    return RegistrySource(access(publication.registry), publication.repository)
+
+
+__all__ = [
+    "STAGE_FROM",
+    "ObjectSource",
+    "Publication",
+    "RegistrySource",
+    "StageFrom",
+    "StoreSource",
+    "choose_source",
+    "parse_publication",
+    "published_at",
+]

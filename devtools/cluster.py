@@ -11,7 +11,7 @@
     scripts/dev-cluster heal-host NAME                  reconnect it
     scripts/dev-cluster stop-docker NAME                stop one host's dockerd
     scripts/dev-cluster start-docker NAME               start it again (images kept)
-    scripts/dev-cluster status                          one line per host
+    scripts/dev-cluster status                          one line per host, and the registry
 
 Each host has its own network namespace (csd-host-N, address 198.18.0.{N+2} on interface ensN),
 joined by a veth pair (csd-hN) to the bridge csd-br0 (198.18.0.1/24), with its own sshd and

@@ -336,7 +336,7 @@ def cmd_link(layout: Layout, name: str, up: bool) -> int:
 
 
 def cmd_shape(layout: Layout, argv: Sequence[str]) -> int:
-    if not argv or argv[0].startswith("-"):
+    if not argv or not argv[0].isdigit():
         raise UsageError("shape needs a rate in Mbit/s (0 = unshaped): "
                          "shape R [--registry-mbit R2]")
     # The environment's defaults are for `up`: `shape` sets exactly what it is given.

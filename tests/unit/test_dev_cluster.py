@@ -86,7 +86,9 @@ def test_every_slot_stays_inside_the_benchmarking_range_and_fits_interface_names
         seen.add(addr)
     assert len(seen) == MAX_SLOT + 1
     assert bridge in subnet
-    assert REGISTRY_ADDR == "198.18.0.254:5000"  # the registry host of the default base
+    # the registry host of the default base; the capsule builds' follows the environment
+    assert RegistryNet(0).plain == "198.18.0.254:5000"
+    assert RegistryNet(current_net_base()).plain == REGISTRY_ADDR
 
 
 @pytest.mark.parametrize(("base", "netns", "veth_root", "address"), [
@@ -219,6 +221,7 @@ def test_up_argument_errors(argv: list[str], base: int, message: str) -> None:
         (["up", "0"], "host count 1..252"),
         (["shape"], "shape needs a rate"),
         (["shape", "--registry-mbit", "5"], "shape needs a rate"),
+        (["shape", "fast"], "shape needs a rate in Mbit/s"),
         (["shape", "50", "extra"], "unexpected argument 'extra'"),
         (["link-bytes", "now"], "link-bytes takes no arguments"),
     ],

@@ -92,6 +92,8 @@ def ensure_packages(docker: bool) -> None:
         missing.append("iproute2")
     if docker and shutil.which("dockerd") is None:
         missing.append("docker.io")
+    if shutil.which("docker-registry") is None:  # the registry host's, with or without Docker
+        missing.append("docker-registry")
     if missing:
         log(f"installing {' '.join(missing)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}

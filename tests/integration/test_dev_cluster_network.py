@@ -175,6 +175,31 @@ async def test_a_pooled_connection_works_again_after_a_heal(
     assert r.stdout.strip() == b"after"
 
 
+
+def test_the_registry_is_a_host_of_its_own_that_every_host_reaches(dev_hosts: Inventory) -> None:
+    registry = RegistryNet(net_of(dev_hosts.hosts[0]).base)
+    assert dev_hosts.registry == registry.plain
+    assert dev_hosts.registries[registry.plain].insecure
+    # Its own address, routed over the bridge; its listener in its own namespace, not the
+    # control node's.
+    route = json.loads(subprocess.run(["ip", "-j", "route", "get", registry.address],
+                                      capture_output=True, text=True, check=True).stdout)
+    assert route[0]["dev"] == BRIDGE and route[0].get("prefsrc") == BRIDGE_ADDRESS, route
+    listeners = subprocess.run(["ip", "netns", "exec", registry.netns, "ss", "-Hltn"],
+                               capture_output=True, text=True, check=True).stdout
+    assert f"{registry.plain} " in listeners + " ", listeners
+    assert f"{registry.plain} " not in subprocess.run(
+        ["ss", "-Hltn"], capture_output=True, text=True, check=True).stdout + " "
+    with urllib.request.urlopen(f"http://{registry.plain}/v2/", timeout=5) as r:
+        assert r.status == 200
+    for entry in dev_hosts.hosts[:2]:
+        got = subprocess.run(
+            ["ip", "netns", "exec", net_of(entry).netns, "python3", "-c",
+             "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], "
+             "timeout=5).status)", f"http://{registry.plain}/v2/"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+        assert got.strip() == "200", entry.name
+
 # A TCP sink: accepts one connection, reads to EOF, answers the byte count.
 SINK = """
 import socket, sys

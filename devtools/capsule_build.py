@@ -7,11 +7,12 @@ Debian forky rootfs (mmdebstrap, minbase + criu 4.2.1, python3, iproute2) + the 
 and the cuda-checkpoint SIMULATOR from deploy/test-capsule/ + the production capsule programs
 from deploy/capsule/ (the quiet PID 1 and confined launcher, the in-capsule HTTP client)
 -> `docker import` into one host's dockerd (default: host-0's socket from
-.dev-cluster/inventory.yaml) -> `docker push` to the registry on the dev cluster's bridge,
-198.18.0.1:5000 (Debian's docker-registry, started here when it is not answering; storage under
-.dev-cluster/registry, pid in .dev-cluster/registry/registry.pid). The hosts live in their own
-network namespaces and reach the registry over the bridge; each dockerd trusts it without TLS
-(`--insecure-registry`), so the bridge must exist first (`scripts/dev-cluster up`).
+.dev-cluster/inventory.yaml) -> `docker push` to the dev cluster's registry host, 198.18.0.254:5000
+for the default network base (Debian's docker-registry in its own network namespace, started
+here when it is not answering; storage under .dev-cluster/registry, pid in
+.dev-cluster/registry/registry.pid; devtools/registry_host.py). The hosts reach it over the
+bridge; each dockerd trusts it without TLS (`--insecure-registry`), so the cluster must be up
+first (`scripts/dev-cluster up`).
 
 Why forky: CRIU < 4.2 cannot dump any inet socket on Linux >= 6.16 (the kernel restricted
 SO_PASSCRED to unix and netlink sockets; fixed in checkpoint-restore/criu pull request 2719),

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -29,7 +28,8 @@ import yaml
 # The cache that other runs and clones trust must never hold half a tarball after a crash:
 # the file and its rename are synced (coldsnap's own publish, stdlib only).
 from coldsnap.hosts.durable import publish
-from devtools.layout import BRIDGE, REGISTRY_ADDR
+from devtools import procs, registry_host
+from devtools.layout import REGISTRY_ADDR, RegistryNet, current_net_base
 
 # Fixed mtime of every entry a build adds: the same inputs give the same layer, hence the same
 # image digest.
@@ -149,55 +149,27 @@ def registry_up() -> bool:
 
 
 def ensure_registry(registry_dir: Path, prog: str) -> None:
+    """The plain registry on the dev cluster's registry host (devtools/registry_host.py, which
+    `scripts/dev-cluster up` makes), started in its namespace when it is not answering."""
     if registry_up():
         return
-    host = REGISTRY_ADDR.rsplit(":", 1)[0]
-    addrs = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", BRIDGE],
-                           capture_output=True, text=True, check=False).stdout
-    if f" {host}/" not in addrs:
-        raise SystemExit(f"{prog}: the registry listens on {host}, the address of "
-                         f"the dev cluster's bridge {BRIDGE}, which does not exist: run "
-                         "scripts/dev-cluster up first")
-    (registry_dir / "data").mkdir(parents=True, exist_ok=True)
-    config = registry_dir / "config.yml"
-    config.write_text(
-        "version: 0.1\n"
-        "log:\n  level: warn\n"
-        "storage:\n  filesystem:\n"
-        f"    rootdirectory: {registry_dir / 'data'}\n"
-        "  delete:\n    enabled: true\n"
-        f"http:\n  addr: {REGISTRY_ADDR}\n"
-    )
-    log(prog, f"starting docker-registry on {REGISTRY_ADDR} (storage {registry_dir / 'data'})")
-    with open(registry_dir / "registry.log", "ab") as logf:
-        proc = subprocess.Popen(["docker-registry", "serve", str(config)],
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True)
-    (registry_dir / "registry.pid").write_text(f"{proc.pid}\n")
-    for _ in range(100):
-        if registry_up():
-            return
-        if proc.poll() is not None:
-            raise SystemExit(f"{prog}: docker-registry exited; see "
-                             f"{registry_dir / 'registry.log'}")
-        time.sleep(0.1)
-    raise SystemExit(f"{prog}: docker-registry did not answer")
+    reg = RegistryNet(current_net_base())
+    log(prog, f"starting docker-registry on {reg.plain} (storage {registry_dir / 'data'})")
+    try:
+        registry_host.ensure_plain(reg, registry_dir)
+    except registry_host.RegistryError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
 
 
 def stop_registry(registry_dir: Path, prog: str) -> int:
-    pidfile = registry_dir / "registry.pid"
-    if not pidfile.exists():
-        log(prog, "no registry pidfile; nothing to stop")
+    """The plain registry stopped (the registry host stays: `dev-cluster down` removes it)."""
+    pid = procs.pid_alive(registry_dir / "registry.pid")
+    if pid is None:
+        log(prog, "no registry running; nothing to stop")
+        (registry_dir / "registry.pid").unlink(missing_ok=True)
         return 0
-    pid = int(pidfile.read_text().strip())
-    try:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(50):
-            os.kill(pid, 0)
-            time.sleep(0.1)
-    except ProcessLookupError:
-        pass
-    pidfile.unlink(missing_ok=True)
+    procs.terminate([pid], grace=5)
+    (registry_dir / "registry.pid").unlink(missing_ok=True)
     log(prog, f"registry (pid {pid}) stopped")
     return 0
 

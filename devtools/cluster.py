@@ -1,29 +1,38 @@
 """A local cluster of simulated coldsnap hosts (run through scripts/dev-cluster).
 
-    scripts/dev-cluster up N [--no-docker] [--gpus N]   start (or converge to) N hosts
+    scripts/dev-cluster up N [--no-docker] [--gpus N] [--link-mbit R] [--registry-mbit R2]
+                                                        start (or converge to) N hosts
     scripts/dev-cluster down                            stop and remove everything it made
+    scripts/dev-cluster shape R [--registry-mbit R2]    shape the links (0 = unshaped)
+    scripts/dev-cluster link-bytes                      JSON byte counters: control, registry
     scripts/dev-cluster stop-host NAME                  kill one host's sshd (a lost host)
     scripts/dev-cluster start-host NAME                 bring that sshd back
     scripts/dev-cluster partition-host NAME             cut a host's link (processes keep running)
     scripts/dev-cluster heal-host NAME                  reconnect it
     scripts/dev-cluster stop-docker NAME                stop one host's dockerd
     scripts/dev-cluster start-docker NAME               start it again (images kept)
-    scripts/dev-cluster status                          one line per host
+    scripts/dev-cluster status                          one line per host, and the registry
 
 Each host has its own network namespace (csd-host-N, address 198.18.0.{N+2} on interface ensN),
 joined by a veth pair (csd-hN) to the bridge csd-br0 (198.18.0.1/24), with its own sshd and
-(optionally) its own dockerd inside. `up` writes .dev-cluster/inventory.yaml and prints its path
-as the last line of stdout. With Docker it also builds the test capsule (cached), pushes it to
-the local registry on 198.18.0.1:5000 and writes ready-to-run requests into
-.dev-cluster/requests/ (dev-requests). Idempotent: running `up` again reuses keys, GPU UUIDs and
-Docker image stores, and only starts what is not running.
+(optionally) its own dockerd inside. The registry host (devtools/registry_host.py) is one more
+namespace on the bridge, csd-registry at 198.18.0.254 (for the default network base), running
+the plain registry on :5000. `up` writes .dev-cluster/inventory.yaml and prints its path as the
+last line of stdout. With Docker it also builds the test capsule (cached), pushes it to the
+registry host and writes ready-to-run requests into .dev-cluster/requests/ (dev-requests).
+Idempotent: running `up` again reuses keys, GPU UUIDs, Docker image stores and the registry's
+storage, and only starts what is not running. `--link-mbit R` shapes every host's link and the
+control node's to R Mbit/s, `--registry-mbit R2` the registry's (devtools/shaping.py; absent or
+0: unshaped; the registry stays unshaped unless asked).
 Environment: COLDSNAP_DEV_CLUSTER_DIR (state, default .dev-cluster), COLDSNAP_DEV_SSH_PORT
-(default 22), COLDSNAP_DEV_NET_BASE (a second cluster's first address slot, default 0).
+(default 22), COLDSNAP_DEV_NET_BASE (a second cluster's first address slot, default 0),
+COLDSNAP_DEV_LINK_MBIT / COLDSNAP_DEV_REGISTRY_MBIT (defaults of the two rate options).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -34,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from devtools import net, procs, services
+from devtools import net, procs, registry_host, services, shaping
 from devtools.layout import (
     BRIDGE,
     OWNERS_DIR,
@@ -53,12 +62,13 @@ from devtools.render import (
     inventory_yaml,
     known_hosts_line,
     parse_up_args,
+    rate_options,
     sshd_config,
 )
 from devtools.services import log
 
 COMMANDS = ("up", "down", "stop-host", "start-host", "partition-host", "heal-host",
-            "stop-docker", "start-docker", "status")
+            "stop-docker", "start-docker", "status", "shape", "link-bytes")
 
 
 class ClusterError(RuntimeError):
@@ -82,6 +92,8 @@ def ensure_packages(docker: bool) -> None:
         missing.append("iproute2")
     if docker and shutil.which("dockerd") is None:
         missing.append("docker.io")
+    if shutil.which("docker-registry") is None:  # the registry host's, with or without Docker
+        missing.append("docker-registry")
     if missing:
         log(f"installing {' '.join(missing)}")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -124,10 +136,12 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def run_script(name: str) -> None:
+def run_script(name: str, layout: Layout) -> None:
     """A repo script, its stdout to our stderr (our stdout ends with the inventory path). The
-    running Python goes first on PATH, so python scripts get the venv's modules."""
-    env = dict(os.environ)
+    running Python goes first on PATH, so python scripts get the venv's modules; the cluster's
+    state and network base are passed on, so the capsule builds push to its registry host."""
+    env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(layout.state),
+               COLDSNAP_DEV_NET_BASE=str(layout.net_base))
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     r = subprocess.run([str(REPO / "scripts" / name)], env=env, stdout=sys.stderr, check=False)
     if r.returncode != 0:
@@ -209,6 +223,12 @@ def cmd_up(layout: Layout, args: UpArgs) -> int:
             stop_host_fully(layout, name)
 
     net.ensure_bridge()
+    reg = layout.registry
+    registry_host.ensure_host(reg, layout.state)
+    if registry_host.ensure_plain(reg, layout.registry_dir):
+        log(f"registry on {reg.plain} (namespace {reg.netns}, storage "
+            f"{layout.registry_dir / 'data'})")
+    auth = registry_host.start_auth(reg, layout.registry_dir)
     inv: list[InventoryHost] = []
     for i in range(args.hosts):
         name = host_name(i)
@@ -224,7 +244,7 @@ def cmd_up(layout: Layout, args: UpArgs) -> int:
         gpus = ensure_gpus(paths, args.gpus)
         services.start_sshd(hn, paths)
         if args.docker:
-            services.start_dockerd(hn, paths)
+            services.start_dockerd(hn, paths, reg.plain)
         else:
             services.stop_dockerd(paths)
         inv.append(InventoryHost(hn, paths, gpus))
@@ -236,14 +256,17 @@ def cmd_up(layout: Layout, args: UpArgs) -> int:
         known_hosts_line(h.net.address, layout.ssh_port,
                          h.paths.host_key.with_suffix(".pub").read_text()) + "\n"
         for h in inv))
-    write_atomic(layout.inventory, inventory_yaml(layout, inv, args.docker))
+    write_atomic(layout.inventory, inventory_yaml(layout, inv, args.docker, auth))
     if args.docker:
         # Ready-to-run requests need the capsule's digest: build (cached) and publish it first.
-        run_script("build-test-capsule")
-        run_script("dev-requests")
+        run_script("build-test-capsule", layout)
+        run_script("dev-requests", layout)
+    # Shaped last: the capsule push above is not a benchmark.
+    rates = shaping.LinkRates(args.link_mbit, args.registry_mbit)
+    shaping.apply([h.net for h in inv], reg, rates)
     log(f"{args.hosts} host(s) up (docker: {'yes' if args.docker else 'no'}, "
         f"gpus/host: {args.gpus}, hosts on {layout.net(0).address}.."
-        f"{layout.net(args.hosts - 1).address})")
+        f"{layout.net(args.hosts - 1).address}, registry {reg.plain}, {rates.describe()})")
     print(layout.inventory, flush=True)
     return 0
 
@@ -255,12 +278,9 @@ def cmd_down(layout: Layout) -> int:
     # Engines take seconds each to shut down; stop them side by side.
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
         list(pool.map(lambda n: services.stop_dockerd(host_paths(layout, n)), names))
-    # `up` started the local registry (through build-test-capsule); `down` stops it too, before
-    # the bridge whose address it listens on goes away.
-    env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(layout.state))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    subprocess.run([str(REPO / "scripts" / "build-test-capsule"), "stop-registry"], env=env,
-                   stdout=sys.stderr, check=False)
+    # The registry host and its registries (their storage stays for the next `up`).
+    for what in registry_host.stop(layout.registry, layout.registry_dir, layout.state):
+        log(f"{what} stopped")
     # Processes still in a namespace (started over ssh with setsid, say) would outlive
     # `ip netns del`; then every namespace and link this cluster made goes.
     for name in names:
@@ -271,6 +291,9 @@ def cmd_down(layout: Layout) -> int:
     with contextlib.suppress(OSError):  # empty once no cluster holds a namespace
         OWNERS_DIR.rmdir()
     if net.remove_bridge_if_unused():
+        # The control node's link went with it; its ingress shaping device too.
+        if net.link(shaping.IFB) is not None:
+            net.ip("link", "del", shaping.IFB)
         log(f"bridge {BRIDGE} removed")
     elif net.link(BRIDGE) is not None:
         log(f"bridge {BRIDGE} kept: another cluster still uses it "
@@ -299,7 +322,7 @@ def cmd_start_host(layout: Layout, name: str) -> int:
 def cmd_docker(layout: Layout, name: str, up: bool) -> int:
     hn, paths = existing_host(layout, name)
     if up:
-        services.start_dockerd(hn, paths)
+        services.start_dockerd(hn, paths, layout.registry.plain)
         services.wait_dockerd(name, paths)
     else:
         services.stop_dockerd(paths)
@@ -311,6 +334,34 @@ def cmd_link(layout: Layout, name: str, up: bool) -> int:
     hn, _ = existing_host(layout, name)
     net.set_link(hn, up)
     log(f"{name}: link {hn.veth_root} {'up (healed)' if up else 'down (partitioned)'}")
+    return 0
+
+
+def cmd_shape(layout: Layout, argv: Sequence[str]) -> int:
+    if not argv or not argv[0].isdigit():
+        raise UsageError("shape needs a rate in Mbit/s (0 = unshaped): "
+                         "shape R [--registry-mbit R2]")
+    # The environment's defaults are for `up`: `shape` sets exactly what it is given.
+    rest, link_mbit, registry_mbit = rate_options(["--link-mbit", *argv], env={})
+    if rest:
+        raise UsageError(f"shape: unexpected argument {rest[0]!r}")
+    names = [n for n in layout.known_host_names()
+             if net.netns_exists(layout.net(host_index(n)).netns)]
+    if not names:
+        raise ClusterError("no host is up: run scripts/dev-cluster up first")
+    reg = layout.registry
+    rates = shaping.LinkRates(link_mbit, registry_mbit)
+    shaping.apply([layout.net(host_index(n)) for n in names],
+                  reg if net.netns_exists(reg.netns) else None, rates)
+    log(f"{len(names)} host(s): {rates.describe()}")
+    return 0
+
+
+def cmd_link_bytes(layout: Layout) -> int:
+    reg = layout.registry
+    if not net.netns_exists(reg.netns):
+        raise ClusterError(f"no registry host ({reg.netns}): run scripts/dev-cluster up first")
+    print(json.dumps(shaping.link_bytes(reg), sort_keys=True))
     return 0
 
 
@@ -329,6 +380,11 @@ def cmd_status(layout: Layout) -> int:
         print(status_line(layout, name))
     if not names:
         print("no hosts (run: scripts/dev-cluster up 4)")
+    reg = layout.registry
+    if net.netns_exists(reg.netns):
+        up = "up" if registry_host.answers(reg.plain, timeout=1) else "down"
+        print(f"{'registry':<8} {reg.address:<13} registry={up:<4} "
+              f"link={net.link_state(reg)}")
     if layout.inventory.exists() and layout.cluster_env.exists():
         print(layout.inventory)
     return 0
@@ -343,9 +399,13 @@ def dispatch(layout: Layout, argv: Sequence[str]) -> int:
     layout = resolve_net_base(layout, for_up=cmd == "up")
     if cmd == "up":
         return cmd_up(layout, parse_up_args(rest, layout.net_base))
-    if cmd in ("down", "status"):
+    if cmd == "shape":
+        return cmd_shape(layout, rest)
+    if cmd in ("down", "status", "link-bytes"):
         if rest:
             raise UsageError(f"{cmd} takes no arguments")
+        if cmd == "link-bytes":
+            return cmd_link_bytes(layout)
         return cmd_down(layout) if cmd == "down" else cmd_status(layout)
     if len(rest) != 1:
         raise UsageError(f"{cmd} needs exactly one host name")
@@ -372,8 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"error: {exc}")
         print(usage(), file=sys.stderr)
         return 2
-    except (ClusterError, net.NetError, services.ServiceError,
-            subprocess.CalledProcessError) as exc:
+    except (ClusterError, net.NetError, services.ServiceError, registry_host.RegistryError,
+            subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         log(f"error: {exc}")
         return 1
     except BrokenPipeError:  # `status | head`: the reader left; nothing more to say

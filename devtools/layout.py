@@ -1,4 +1,5 @@
-"""Names, addresses and paths of the dev cluster: pure functions, no side effects.
+"""Names, addresses and paths of the dev cluster: pure functions, no side effects (only
+current_net_base reads the base a cluster recorded).
 
 Host `host-N` of a cluster whose network base is B (default 0, `COLDSNAP_DEV_NET_BASE`) takes
 network slot S = B + N:
@@ -9,9 +10,21 @@ network slot S = B + N:
     address     198.18.0.{S+2}/24   (the bridge itself is 198.18.0.1)
 
 With the default base the namespace of host-N is csd-host-N and its address 198.18.0.{N+2}.
-A second cluster on the same machine (the probe benchmark's) picks another base so the two
-share the bridge but no namespace, link or address. 198.18.0.0/24 is RFC 2544's benchmarking
-range; the bridge holds the only route to it, so nothing leaves the machine.
+
+Each cluster also has a registry host (the local OCI registry, in its own namespace so that
+what crosses the control node's link can be told apart from registry traffic). It takes slot
+R = 252 - B, mirrored from the top of the range:
+
+    namespace   csd-registry (B = 0), csd-registry-B otherwise
+    veth        csd-regB <-> ensr   (csd-regB in the root namespace, on the bridge)
+    address     198.18.0.{254-B}/24 (198.18.0.254 for the default base)
+    ports       5000 plain HTTP registry; 5001 TLS + token auth, 5002 its token server
+
+so a cluster's hosts may not reach slot R (check_host_count): with B = 0 up to 252 hosts,
+with B = 100 up to 52. A second cluster on the same machine (the probe benchmark's) picks
+another base so the two share the bridge but no namespace, link or address (nor registry
+host). 198.18.0.0/24 is RFC 2544's benchmarking range; the bridge holds the only route to it,
+so nothing leaves the machine.
 """
 
 from __future__ import annotations
@@ -27,13 +40,18 @@ SUBNET = "198.18.0.0/24"
 PREFIX_LEN = 24
 BRIDGE = "csd-br0"
 BRIDGE_ADDRESS = "198.18.0.1"
-REGISTRY_PORT = 5000
-# The local OCI registry (scripts/build-test-capsule) listens on the bridge, where every host's
-# namespace can reach it; each dockerd trusts it without TLS (--insecure-registry).
-REGISTRY_ADDR = f"{BRIDGE_ADDRESS}:{REGISTRY_PORT}"
 # Host addresses are .2 .. .254: slots 0 .. 252.
 MAX_SLOT = 252
 MAX_HOSTS = MAX_SLOT + 1
+
+# The registry host's ports (see the module docstring). Every dockerd trusts the plain one
+# without TLS (--insecure-registry).
+REGISTRY_PORT = 5000
+REGISTRY_AUTH_PORT = 5001
+REGISTRY_TOKEN_PORT = 5002
+REGISTRY_NETNS = "csd-registry"
+REGISTRY_VETH_ROOT_PREFIX = "csd-reg"
+REGISTRY_VETH_NS = "ensr"
 
 NETNS_PREFIX = "csd-host-"
 VETH_ROOT_PREFIX = "csd-h"
@@ -124,12 +142,121 @@ class HostNet:
         return f"{self.address}/{PREFIX_LEN}"
 
 
+@dataclass(frozen=True)
+class RegistryNet:
+    """The registry host of the cluster whose network base is `base` (slot 252 - base)."""
+
+    base: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.base <= MAX_SLOT:
+            raise UsageError(f"network base {self.base} is outside 0..{MAX_SLOT}")
+
+    @property
+    def name(self) -> str:
+        return "registry"
+
+    @property
+    def slot(self) -> int:
+        return MAX_SLOT - self.base
+
+    @property
+    def netns(self) -> str:
+        return REGISTRY_NETNS if self.base == 0 else f"{REGISTRY_NETNS}-{self.base}"
+
+    @property
+    def netns_path(self) -> str:
+        return f"/var/run/netns/{self.netns}"
+
+    @property
+    def mac(self) -> str:
+        # Fixed, like a host's, but in its own range (04th octet 01): never a host's MAC.
+        return f"02:c5:d0:01:{self.slot >> 8:02x}:{self.slot & 0xFF:02x}"
+
+    @property
+    def veth_root(self) -> str:
+        return f"{REGISTRY_VETH_ROOT_PREFIX}{self.base}"
+
+    @property
+    def veth_ns(self) -> str:
+        return REGISTRY_VETH_NS
+
+    @property
+    def address(self) -> str:
+        return f"198.18.0.{self.slot + 2}"
+
+    @property
+    def cidr(self) -> str:
+        return f"{self.address}/{PREFIX_LEN}"
+
+    @property
+    def plain(self) -> str:
+        """HOST:PORT of the plain-HTTP registry (capsules; artifacts)."""
+        return f"{self.address}:{REGISTRY_PORT}"
+
+    @property
+    def authenticated(self) -> str:
+        """HOST:PORT of the TLS + token-auth registry (when devtools.registry_server runs it)."""
+        return f"{self.address}:{REGISTRY_AUTH_PORT}"
+
+
+@dataclass(frozen=True)
+class AuthRegistry:
+    """The registry host's authenticated registry, as the inventory names it."""
+
+    address: str  # HOST:PORT
+    ca_file: Path
+    credentials_file: Path  # docker-style config.json (`auths`)
+
+
+def registry_net_of_netns(netns: str) -> RegistryNet | None:
+    """The registry host whose namespace is `netns`; None for any other name."""
+    if netns == REGISTRY_NETNS:
+        return RegistryNet(0)
+    rest = netns.removeprefix(f"{REGISTRY_NETNS}-")
+    if rest != netns and rest.isdigit() and 0 < int(rest) <= MAX_SLOT:
+        return RegistryNet(int(rest))
+    return None
+
+
+def current_net_base(env: dict[str, str] | None = None) -> int:
+    """The network base of the cluster this process works on: COLDSNAP_DEV_NET_BASE, else the
+    one recorded in the cluster's state directory (`up` writes it), else 0. For the tools that
+    `up` runs (the capsule builds) and that are run by hand beside it."""
+    e = dict(os.environ) if env is None else env
+    raw = e.get("COLDSNAP_DEV_NET_BASE")
+    if not raw:
+        state = Path(e.get("COLDSNAP_DEV_CLUSTER_DIR") or REPO / ".dev-cluster")
+        try:
+            raw = (state / "net-base").read_text().strip()
+        except OSError:
+            raw = "0"
+    try:
+        base = int(raw)
+    except ValueError:
+        raise UsageError(f"COLDSNAP_DEV_NET_BASE must be an integer, not {raw!r}") from None
+    if not 0 <= base <= MAX_SLOT:
+        raise UsageError(f"COLDSNAP_DEV_NET_BASE={base} must be 0..{MAX_SLOT}")
+    return base
+
+
+# The plain registry of the cluster this process works on (see current_net_base): where the
+# capsule builds push. The cluster itself uses Layout.registry, which follows its own base.
+REGISTRY_ADDR = RegistryNet(current_net_base()).plain
+
+
 def check_host_count(n: int, base: int = 0) -> None:
-    """`up N` accepts 1 <= N and every host's address inside 198.18.0.2-254."""
-    if n < 1 or base < 0 or base + n - 1 > MAX_SLOT:
+    """`up N` accepts 1 <= N, every host's address inside 198.18.0.2-254 and none on or above
+    the cluster's registry host's slot when that lies above the base."""
+    reg = MAX_SLOT - base
+    limit = reg - base if reg >= base else MAX_HOSTS - base
+    if limit < 1:
+        raise UsageError(f"network base {base} puts host-0 on 198.18.0.{reg + 2}, the "
+                         "cluster's registry host: pick another COLDSNAP_DEV_NET_BASE")
+    if not 1 <= n <= limit:
         raise UsageError(
-            f"up needs a host count 1..{MAX_HOSTS - base} (network base {base}: host addresses "
-            "must stay within 198.18.0.2-254)"
+            f"up needs a host count 1..{limit} (network base {base}: host addresses must stay "
+            f"within 198.18.0.2-254 and off the registry host's 198.18.0.{reg + 2})"
         )
 
 
@@ -160,6 +287,15 @@ class Layout:
 
     def net(self, index: int) -> HostNet:
         return HostNet(index, self.net_base)
+
+    @property
+    def registry(self) -> RegistryNet:
+        return RegistryNet(self.net_base)
+
+    @property
+    def registry_dir(self) -> Path:
+        """The registry's state: config, pidfile, log and its storage (data/, kept by `down`)."""
+        return self.state / "registry"
 
     def host_dir(self, name: str) -> Path:
         return self.state / name

@@ -21,9 +21,13 @@ from devtools.layout import (
     SUBNET,
     VETH_ROOT_PREFIX,
     HostNet,
+    RegistryNet,
+    registry_net_of_netns,
 )
 
 LinkState = Literal["up", "down", "missing"]
+# A simulated host or the cluster's registry host: both a namespace on one veth pair.
+Node = HostNet | RegistryNet
 
 
 class NetError(RuntimeError):
@@ -114,11 +118,11 @@ def remove_bridge_if_unused() -> bool:
 # --- ownership: which cluster (state directory) made a namespace ------------------------------
 
 
-def owner_file(net: HostNet) -> Path:
+def owner_file(net: Node) -> Path:
     return OWNERS_DIR / net.netns
 
 
-def owner(net: HostNet) -> str | None:
+def owner(net: Node) -> str | None:
     try:
         return owner_file(net).read_text().strip()
     except FileNotFoundError:
@@ -132,7 +136,7 @@ def owned_namespaces(state: Path) -> list[str]:
     return sorted(p.name for p in OWNERS_DIR.iterdir() if p.read_text().strip() == str(state))
 
 
-def ensure_host_net(net: HostNet, state: Path) -> None:
+def ensure_host_net(net: Node, state: Path) -> None:
     """Namespace, veth pair on the bridge, address, links up (the root end too: this heals a
     partition). Idempotent; refuses a namespace that another cluster made."""
     mine = str(state)
@@ -176,7 +180,7 @@ def _del_link(name: str, netns: str | None = None) -> None:
         raise NetError(f"ip link del {name}: {r.stderr.strip()}")
 
 
-def remove_host_net(net: HostNet, state: Path) -> None:
+def remove_host_net(net: Node, state: Path) -> None:
     """Delete the host's veth pair and namespace when the cluster in `state` made them.
     Stop the processes inside first: `ip netns del` leaves them running."""
     if owner(net) != str(state):
@@ -185,11 +189,15 @@ def remove_host_net(net: HostNet, state: Path) -> None:
 
 
 def remove_netns_by_name(name: str) -> None:
-    """A namespace of ours and the veth on slot it names (csd-host-S <-> csd-hS)."""
-    slot = name.removeprefix(NETNS_PREFIX)
+    """A namespace of ours and the veth it names (csd-host-S <-> csd-hS, csd-registry-B <->
+    csd-regB)."""
+    reg = registry_net_of_netns(name)
     # The pair first: deleting one end deletes both at once, while a deleted namespace is
     # torn down later, in the background, and its veth with it.
-    _del_link(f"{VETH_ROOT_PREFIX}{slot}")
+    if reg is not None:
+        _del_link(reg.veth_root)
+    elif name.startswith(NETNS_PREFIX):
+        _del_link(f"{VETH_ROOT_PREFIX}{name.removeprefix(NETNS_PREFIX)}")
     if netns_exists(name):
         ip("netns", "del", name)
     (OWNERS_DIR / name).unlink(missing_ok=True)
@@ -211,7 +219,7 @@ def set_link(net: HostNet, up: bool) -> None:
     ip("link", "set", net.veth_root, "up" if up else "down")
 
 
-def link_state(net: HostNet) -> LinkState:
+def link_state(net: Node) -> LinkState:
     info = link(net.veth_root)
     if info is None:
         return "missing"

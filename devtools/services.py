@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 from devtools import procs
-from devtools.layout import REGISTRY_ADDR, HostNet, HostPaths
+from devtools.layout import HostNet, HostPaths
 
 SSHD = "/usr/sbin/sshd"
 
@@ -87,7 +88,7 @@ def stop_sshd(paths: HostPaths) -> None:
 # --- dockerd -----------------------------------------------------------------------------------
 
 
-def dockerd_argv(name: str, paths: HostPaths) -> list[str]:
+def dockerd_argv(name: str, paths: HostPaths, registry: str) -> list[str]:
     # No --containerd: each dockerd supervises its own containerd (state under its own data and
     # exec roots), so the engines share nothing; the containerd namespaces keep them apart even
     # if a system containerd is found and shared.
@@ -100,7 +101,7 @@ def dockerd_argv(name: str, paths: HostPaths) -> list[str]:
         "--bridge=none", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
         "--containerd-namespace", f"coldsnap-{name}",
         "--containerd-plugins-namespace", f"coldsnap-{name}-p",
-        "--insecure-registry", REGISTRY_ADDR,
+        "--insecure-registry", registry,
     ]
 
 
@@ -108,18 +109,36 @@ def dockerd_running(paths: HostPaths) -> bool:
     return procs.pid_alive(paths.docker_pid) is not None
 
 
-def start_dockerd(net: HostNet, paths: HostPaths) -> None:
+def dockerd_trusts(paths: HostPaths, registry: str) -> bool:
+    """Whether the running dockerd was started trusting `registry` (`--insecure-registry`)."""
+    pid = procs.pid_alive(paths.docker_pid)
+    if pid is None:
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(a == b"--insecure-registry" and b == registry.encode()
+               for a, b in itertools.pairwise(argv))
+
+
+def start_dockerd(net: HostNet, paths: HostPaths, registry: str) -> None:
     """dockerd entered into the host's network namespace ONLY (nsenter --net): `ip netns exec`
     would also give it a fresh /sys without the cgroup mounts, and it dies with "Devices cgroup
-    isn't mounted". `--network host` containers then live in the host's namespace."""
+    isn't mounted". `--network host` containers then live in the host's namespace.
+    A dockerd started trusting another registry (before the registry host had its own
+    address) is restarted: the flag is read only at start. Its images stay."""
     (paths.docker / "root").mkdir(parents=True, exist_ok=True)
     (paths.docker / "exec").mkdir(parents=True, exist_ok=True)
     if dockerd_running(paths):
-        return
+        if dockerd_trusts(paths, registry):
+            return
+        log(f"{net.name}: restarting dockerd to trust the registry {registry}")
+        stop_dockerd(paths)
     paths.docker_sock.unlink(missing_ok=True)
     with open(paths.docker_log, "ab") as logf:
         subprocess.Popen(
-            ["nsenter", f"--net={net.netns_path}", *dockerd_argv(net.name, paths)],
+            ["nsenter", f"--net={net.netns_path}", *dockerd_argv(net.name, paths, registry)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
 
 

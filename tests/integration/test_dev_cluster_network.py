@@ -1,5 +1,6 @@
 """The dev cluster's network on the running cluster: each host in its own namespace on the
-bridge csd-br0, reachable at its 198.18.0.x address only, and partitions that cut it off."""
+bridge csd-br0, reachable at its 198.18.0.x address only, partitions that cut it off, and
+link shaping and counters (devtools/shaping.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.pool import HostPool
-from devtools.layout import BRIDGE, HostNet, host_index
+from devtools import shaping
+from devtools.layout import BRIDGE, BRIDGE_ADDRESS, HostNet, RegistryNet, host_index
 
 from .conftest import ClusterControl
 
@@ -171,3 +173,113 @@ async def test_a_pooled_connection_works_again_after_a_heal(
         assert not connects(host.entry.address, host.entry.port, 1.5)
     r = await host.run(["echo", "after"], timeout=30)
     assert r.stdout.strip() == b"after"
+
+
+
+def test_the_registry_is_a_host_of_its_own_that_every_host_reaches(dev_hosts: Inventory) -> None:
+    registry = RegistryNet(net_of(dev_hosts.hosts[0]).base)
+    assert dev_hosts.registry == registry.plain
+    assert dev_hosts.registries[registry.plain].insecure
+    # Its own address, routed over the bridge; its listener in its own namespace, not the
+    # control node's.
+    route = json.loads(subprocess.run(["ip", "-j", "route", "get", registry.address],
+                                      capture_output=True, text=True, check=True).stdout)
+    assert route[0]["dev"] == BRIDGE and route[0].get("prefsrc") == BRIDGE_ADDRESS, route
+    listeners = subprocess.run(["ip", "netns", "exec", registry.netns, "ss", "-Hltn"],
+                               capture_output=True, text=True, check=True).stdout
+    assert f"{registry.plain} " in listeners + " ", listeners
+    assert f"{registry.plain} " not in subprocess.run(
+        ["ss", "-Hltn"], capture_output=True, text=True, check=True).stdout + " "
+    with urllib.request.urlopen(f"http://{registry.plain}/v2/", timeout=5) as r:
+        assert r.status == 200
+    for entry in dev_hosts.hosts[:2]:
+        got = subprocess.run(
+            ["ip", "netns", "exec", net_of(entry).netns, "python3", "-c",
+             "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], "
+             "timeout=5).status)", f"http://{registry.plain}/v2/"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+        assert got.strip() == "200", entry.name
+
+# A TCP sink: accepts one connection, reads to EOF, answers the byte count.
+SINK = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+n = 0
+while True:
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    n += len(b)
+c.sendall(str(n).encode())
+c.close()
+"""
+# Sends argv[3] zero bytes to argv[1]:argv[2]; prints the sink's count and the seconds from
+# connecting until the sink had them all (the interpreter's start is not the link's time).
+SEND = """
+import socket, sys, time
+data = bytes(int(sys.argv[3]))
+t0 = time.monotonic()
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+c.sendall(data)
+c.shutdown(socket.SHUT_WR)
+c.settimeout(30)
+n = c.recv(64).decode()
+print(n, time.monotonic() - t0, flush=True)
+"""
+SHAPED_PORT = 8001
+
+
+def timed_transfer(sink_ns: str | None, sink_addr: str, send_ns: str | None,
+                   nbytes: int) -> float:
+    """Seconds to move `nbytes` over TCP from `send_ns` to a sink at `sink_addr` in `sink_ns`
+    (None: the root namespace, the control node), counted until the sink has them all."""
+    def argv(ns: str | None, *rest: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *rest] if ns else list(rest)
+
+    sink = subprocess.Popen(argv(sink_ns, "python3", "-c", SINK, sink_addr, str(SHAPED_PORT)),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        out = subprocess.run(argv(send_ns, "python3", "-c", SEND, sink_addr, str(SHAPED_PORT),
+                                  str(nbytes)), capture_output=True, text=True, timeout=60,
+                             check=True).stdout.split()
+        assert int(out[0]) == nbytes
+        return float(out[1])
+    finally:
+        sink.kill()
+        sink.wait(10)
+
+
+def test_a_shaped_link_limits_throughput_both_ways_and_the_control_link_is_counted(
+    dev_hosts: Inventory,
+) -> None:
+    entry = dev_hosts.hosts[-1]
+    hn = net_of(entry)
+    registry = RegistryNet(hn.base)
+    nbytes = 6_000_000  # 48 Mbit: about 1 s at 50 Mbit/s, milliseconds unshaped
+    before = shaping.link_bytes(registry)
+    try:
+        shaping.shape_node(hn, 50)
+        qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", hn.veth_root],
+                                capture_output=True, text=True, check=True).stdout
+        assert "tbf" in qdiscs and "50Mbit" in qdiscs, qdiscs
+        down = timed_transfer(hn.netns, hn.address, None, nbytes)  # control node -> host
+        up = timed_transfer(None, BRIDGE_ADDRESS, hn.netns, nbytes)  # host -> control node
+    finally:
+        shaping.shape_node(hn, 0)
+    assert down >= 0.5, f"6 MB to {entry.name} at 50 Mbit/s took {down:.3f} s"
+    assert up >= 0.5, f"6 MB from {entry.name} at 50 Mbit/s took {up:.3f} s"
+    assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", hn.veth_root],
+                                       capture_output=True, text=True, check=True).stdout
+    # Both transfers crossed the control node's link (csd-br0's own counters), none the
+    # registry host's.
+    after = shaping.link_bytes(registry)
+    assert int(after["control"]["tx_bytes"]) - int(before["control"]["tx_bytes"]) >= nbytes
+    assert int(after["control"]["rx_bytes"]) - int(before["control"]["rx_bytes"]) >= nbytes
+    for key in ("rx_bytes", "tx_bytes"):
+        assert int(after["registry"][key]) - int(before["registry"][key]) < nbytes // 10

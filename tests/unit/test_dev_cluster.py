@@ -12,18 +12,22 @@ from pathlib import Path
 import pytest
 
 from coldsnap.hosts.inventory import load_inventory
-from devtools import cluster, procs, services, session
+from devtools import cluster, procs, services, session, shaping
 from devtools.layout import (
     BRIDGE,
     BRIDGE_ADDRESS,
     MAX_SLOT,
     REGISTRY_ADDR,
     SUBNET,
+    AuthRegistry,
     HostNet,
     HostPaths,
     Layout,
+    RegistryNet,
     UsageError,
+    current_net_base,
     host_index,
+    registry_net_of_netns,
 )
 from devtools.render import (
     ClusterShape,
@@ -82,7 +86,47 @@ def test_every_slot_stays_inside_the_benchmarking_range_and_fits_interface_names
         seen.add(addr)
     assert len(seen) == MAX_SLOT + 1
     assert bridge in subnet
-    assert REGISTRY_ADDR == "198.18.0.1:5000"
+    # the registry host of the default base; the capsule builds' follows the environment
+    assert RegistryNet(0).plain == "198.18.0.254:5000"
+    assert RegistryNet(current_net_base()).plain == REGISTRY_ADDR
+
+
+@pytest.mark.parametrize(("base", "netns", "veth_root", "address"), [
+    (0, "csd-registry", "csd-reg0", "198.18.0.254"),
+    (100, "csd-registry-100", "csd-reg100", "198.18.0.154"),
+    (128, "csd-registry-128", "csd-reg128", "198.18.0.126"),
+])
+def test_each_cluster_has_its_own_registry_host(base: int, netns: str, veth_root: str,
+                                                address: str) -> None:
+    reg = RegistryNet(base)
+    assert (reg.netns, reg.veth_root, reg.veth_ns, reg.address) == (
+        netns, veth_root, "ensr", address)
+    assert (reg.plain, reg.authenticated) == (f"{address}:5000", f"{address}:5001")
+    assert Layout(Path("/x"), net_base=base).registry == reg
+    assert registry_net_of_netns(netns) == reg
+    # never a host's address, namespace, link or MAC: of its own `up 8` or the default
+    # cluster's first 60
+    for hn in [HostNet(i, base) for i in range(8)] + [HostNet(i) for i in range(60)]:
+        assert reg.address != hn.address and reg.mac != hn.mac
+        assert reg.netns != hn.netns and reg.veth_root != hn.veth_root
+    assert len(reg.veth_root) <= 15
+
+
+def test_registry_netns_names_are_told_apart_from_others() -> None:
+    for other in ("csd-host-3", "csd-registry-", "csd-registry-x", "csd-registry-0",
+                  "csd-registry-253", "registry"):
+        assert registry_net_of_netns(other) is None
+
+
+def test_the_registry_base_follows_the_environment_then_the_recorded_base(
+        tmp_path: Path) -> None:
+    assert current_net_base({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path)}) == 0
+    (tmp_path / "net-base").write_text("100\n")
+    assert current_net_base({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path)}) == 100
+    assert current_net_base({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path),
+                             "COLDSNAP_DEV_NET_BASE": "96"}) == 96
+    with pytest.raises(UsageError, match="COLDSNAP_DEV_NET_BASE"):
+        current_net_base({"COLDSNAP_DEV_NET_BASE": "x"})
 
 
 @pytest.mark.parametrize(("index", "base"), [(MAX_SLOT + 1, 0), (-1, 0), (5, MAX_SLOT)])
@@ -128,7 +172,14 @@ def test_up_arguments() -> None:
     assert parse_up_args(["4"]) == UpArgs(4, True, 2)
     assert parse_up_args(["2", "--no-docker", "--gpus", "0"]) == UpArgs(2, False, 0)
     assert parse_up_args(["--gpus=3", "1"]) == UpArgs(1, True, 3)
-    assert parse_up_args(["253"]).hosts == 253
+    assert parse_up_args(["252"]).hosts == 252
+    assert parse_up_args(["52"], 100).hosts == 52
+    assert parse_up_args(["8", "--link-mbit", "1000"], env={}) == UpArgs(8, True, 2, 1000, 0)
+    assert parse_up_args(["8", "--link-mbit=50", "--registry-mbit", "400"], env={}) == \
+        UpArgs(8, True, 2, 50, 400)
+    env = {"COLDSNAP_DEV_LINK_MBIT": "100", "COLDSNAP_DEV_REGISTRY_MBIT": "200"}
+    assert parse_up_args(["2"], env=env) == UpArgs(2, True, 2, 100, 200)
+    assert parse_up_args(["2", "--link-mbit", "0"], env=env) == UpArgs(2, True, 2, 0, 200)
 
 
 @pytest.mark.parametrize(
@@ -136,9 +187,14 @@ def test_up_arguments() -> None:
     [
         ([], 0, "needs a host count"),
         (["four"], 0, "needs a host count"),
-        (["0"], 0, "host count 1..253"),
-        (["254"], 0, "host count 1..253"),
+        (["0"], 0, "host count 1..252"),
+        (["253"], 0, "off the registry host's 198.18.0.254"),
+        (["53"], 100, "host count 1..52"),
+        (["1"], 126, "puts host-0 on 198.18.0.128, the cluster's registry host"),
         (["126"], 128, "host count 1..125"),
+        (["4", "--link-mbit"], 0, "--link-mbit needs a rate"),
+        (["4", "--link-mbit", "fast"], 0, "--link-mbit needs a rate in Mbit/s"),
+        (["4", "--registry-mbit=-5"], 0, "--registry-mbit needs a rate"),
         (["4", "--gpus"], 0, "--gpus needs a number"),
         (["4", "--gpus", "two"], 0, "--gpus needs a number"),
         (["4", "--gpus=-1"], 0, "--gpus needs a number"),
@@ -162,7 +218,12 @@ def test_up_argument_errors(argv: list[str], base: int, message: str) -> None:
         (["heal-host", "host-0", "host-1"], "heal-host needs exactly one host name"),
         (["partition-host", "db-1"], "bad host name 'db-1'"),
         (["start-host", "host-7"], "no such host: host-7"),
-        (["up", "0"], "host count 1..253"),
+        (["up", "0"], "host count 1..252"),
+        (["shape"], "shape needs a rate"),
+        (["shape", "--registry-mbit", "5"], "shape needs a rate"),
+        (["shape", "fast"], "shape needs a rate in Mbit/s"),
+        (["shape", "50", "extra"], "unexpected argument 'extra'"),
+        (["link-bytes", "now"], "link-bytes takes no arguments"),
     ],
 )
 def test_command_line_errors_exit_2_and_touch_nothing(
@@ -261,8 +322,28 @@ def test_inventory_loads_with_coldsnaps_own_loader(tmp_path: Path) -> None:
     g = (h0.simulated_gpus or [])[0]
     assert (g.name, g.compute_capability, g.memory_bytes) == ("NVIDIA GB10", "12.1", 128 << 30)
     assert h0.driver_version == "610.43.02"
-    # every dockerd trusts the shared registry on the bridge: the inventory names it
-    assert inv.registry == "198.18.0.1:5000"
+    # every dockerd trusts the registry host's plain registry: the inventory names it, as a
+    # plain-HTTP registry, and names no artifact repository (that stays the requests' choice)
+    assert inv.registry == "198.18.0.254:5000"
+    assert inv.registries["198.18.0.254:5000"].insecure
+    assert list(inv.registries) == ["198.18.0.254:5000"]
+    assert "artifact_repository" not in path.read_text()
+
+
+def test_inventory_names_the_authenticated_registry_with_its_ca_and_credentials(
+        tmp_path: Path) -> None:
+    layout = Layout(tmp_path, net_base=100)
+    (tmp_path / "ca.pem").write_text("x")
+    (tmp_path / "auth.json").write_text("{}")
+    auth = AuthRegistry("198.18.0.154:5001", tmp_path / "ca.pem", tmp_path / "auth.json")
+    path = tmp_path / "inventory.yaml"
+    path.write_text(inventory_yaml(layout, [host(layout, 0, UUIDS)], docker=True, auth=auth))
+    inv = load_inventory(path)
+    assert inv.registry == "198.18.0.154:5000"
+    assert inv.registries["198.18.0.154:5000"].insecure
+    tls = inv.registries["198.18.0.154:5001"]
+    assert not tls.insecure
+    assert (tls.ca_file, tls.credentials) == (tmp_path / "ca.pem", tmp_path / "auth.json")
 
 
 def test_inventory_without_docker_and_on_another_port(tmp_path: Path) -> None:
@@ -273,6 +354,7 @@ def test_inventory_without_docker_and_on_another_port(tmp_path: Path) -> None:
     (h0,) = inv.hosts
     assert h0.docker_socket is None
     assert inv.registry is None
+    assert inv.registries["198.18.0.126:5000"].insecure  # artifacts may still go there
     assert (h0.address, h0.port) == ("198.18.0.130", 2222)
 
 
@@ -294,9 +376,9 @@ def test_cluster_shape_round_trip() -> None:
         ClusterShape.parse("N=x DOCKER=1")
 
 
-def test_dockerd_flags_keep_engines_apart_and_trust_the_bridge_registry(tmp_path: Path) -> None:
+def test_dockerd_flags_keep_engines_apart_and_trust_the_registry_host(tmp_path: Path) -> None:
     paths = HostPaths(tmp_path / "host-1")
-    argv = dockerd_argv("host-1", paths)
+    argv = dockerd_argv("host-1", paths, RegistryNet(0).plain)
     assert argv[0] == "dockerd"
     for flag, value in [("--data-root", f"{paths.docker}/root"),
                         ("--exec-root", f"{paths.docker}/exec"),
@@ -304,7 +386,7 @@ def test_dockerd_flags_keep_engines_apart_and_trust_the_bridge_registry(tmp_path
                         ("--pidfile", str(paths.docker_pid)),
                         ("--containerd-namespace", "coldsnap-host-1"),
                         ("--containerd-plugins-namespace", "coldsnap-host-1-p"),
-                        ("--insecure-registry", "198.18.0.1:5000")]:
+                        ("--insecure-registry", "198.18.0.254:5000")]:
         assert argv[argv.index(flag) + 1] == value
     for flag in ("--bridge=none", "--iptables=false", "--ip-masq=false"):
         assert flag in argv
@@ -424,3 +506,13 @@ def test_each_slot_has_its_own_fixed_mac() -> None:
     assert len(macs) == 3 * 12
     assert HostNet(3, base=96).mac == HostNet(3, base=96).mac == "02:c5:d0:00:00:63"
     assert all(int(m.split(":")[0], 16) & 0b10 for m in macs)  # locally administered
+
+
+def test_tbf_lets_tcp_reach_the_rate_with_a_burst_that_fits_a_gso_segment() -> None:
+    assert shaping.tbf_args(50) == ["tbf", "rate", "50mbit", "burst", "65536",
+                                    "latency", "50ms"]
+    # 10 ms at the rate once that exceeds 64 KiB: 1 Gbit/s -> 1.25 MB
+    assert shaping.burst_bytes(1000) == 1_250_000
+    assert shaping.LinkRates(0, 0).describe() == "links unshaped"
+    assert shaping.LinkRates(1000, 0).describe() == (
+        "host and control links 1000 Mbit/s, registry link unshaped")

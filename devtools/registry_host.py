@@ -8,7 +8,8 @@ over the bridge.
 
     ADDR:5000   plain-HTTP docker-registry (Debian's CNCF distribution): capsules, artifacts.
                 Storage in <state>/registry/data, kept by `down`, so pushed images survive.
-    ADDR:5001   TLS + token auth (token server on ADDR:5002): see the SEAM below.
+    ADDR:5001   TLS + token auth (token server on ADDR:5002; devtools.registry_server), its
+                CA and credentials under <state>/registry/auth.
 
 Every registry process is started by `_start_plain` / `start_auth`, inside the namespace.
 """
@@ -22,7 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from devtools import net, procs
-from devtools.layout import AuthRegistry, RegistryNet
+from devtools.layout import REGISTRY_AUTH_PORT, AuthRegistry, RegistryNet
+from devtools.registry_server import start_registry
 
 
 class RegistryError(RuntimeError):
@@ -62,10 +64,8 @@ def _stop_pidfile(pidfile: Path) -> int | None:
 def _start_plain(reg: RegistryNet, registry_dir: Path) -> subprocess.Popen[bytes]:
     """docker-registry serving <registry_dir>/data on ADDR:5000 inside the registry's namespace.
 
-    SEAM (devtools/registry_server.py, once merged): this may become
-        start_registry(registry_dir, reg.address, REGISTRY_PORT, netns=reg.netns,
-                       data_dir=registry_dir / "data")
-    keeping the pidfile <registry_dir>/registry.pid (ensure_plain and stop read it)."""
+    Started here rather than through devtools.registry_server to keep its storage layout and
+    pidfile (<registry_dir>/registry.pid) as clusters made before it have them."""
     (registry_dir / "data").mkdir(parents=True, exist_ok=True)
     config = registry_dir / "config.yml"
     config.write_text(
@@ -108,18 +108,26 @@ def ensure_plain(reg: RegistryNet, registry_dir: Path, timeout: float = 10) -> b
                         f"see {registry_dir / 'registry.log'}")
 
 
-def start_auth(reg: RegistryNet, registry_dir: Path) -> AuthRegistry | None:
-    """The TLS + token-auth registry on ADDR:5001 (token server ADDR:5002); None until
-    devtools/registry_server.py exists.
+def start_auth(reg: RegistryNet, registry_dir: Path) -> AuthRegistry:
+    """The TLS + token-auth registry on ADDR:5001 (token server ADDR:5002), inside the
+    registry's namespace (devtools.registry_server); its CA and a docker-style credentials
+    file stay under <registry_dir>/auth, for the inventory's `registries:`. A running one is
+    kept (its password lives in that credentials file)."""
+    auth_dir = registry_dir / "auth"
+    ca, creds = auth_dir / "ca.pem", auth_dir / "config.json"
+    running = all(procs.pid_alive(auth_dir / f"{name}.pid") is not None
+                  for name in ("registry", "token"))
+    if running and ca.is_file() and creds.is_file():
+        return AuthRegistry(reg.authenticated, ca, creds)
+    _stop_auth(auth_dir)
+    srv = start_registry(auth_dir, reg.address, REGISTRY_AUTH_PORT, auth=True, netns=reg.netns)
+    assert srv.ca_file is not None and srv.credentials_file is not None
+    return AuthRegistry(reg.authenticated, srv.ca_file, srv.credentials_file)
 
-    SEAM (devtools/registry_server.py, once merged): start it here, in the registry's
-    namespace, and say where its CA and credentials are, e.g.
-        srv = start_registry(registry_dir / "auth", reg.address, REGISTRY_AUTH_PORT,
-                             auth=True, netns=reg.netns)
-        return AuthRegistry(reg.authenticated, srv.ca_file, srv.credentials_file)
-    (and have `stop` below stop it). cluster.cmd_up writes what this returns into the
-    inventory's `registries:` (ca_file + credentials) on its own."""
-    return None
+
+def _stop_auth(auth_dir: Path) -> list[int]:
+    return [pid for name in ("registry", "token")
+            if (pid := _stop_pidfile(auth_dir / f"{name}.pid")) is not None]
 
 
 def stop(reg: RegistryNet, registry_dir: Path, state: Path) -> list[str]:
@@ -129,7 +137,8 @@ def stop(reg: RegistryNet, registry_dir: Path, state: Path) -> list[str]:
     pid = _stop_pidfile(registry_dir / "registry.pid")
     if pid is not None:
         done.append(f"registry (pid {pid})")
-    # SEAM: stop the authenticated registry and its token server here.
+    for pid in _stop_auth(registry_dir / "auth"):
+        done.append(f"authenticated registry process (pid {pid})")
     if net.owner(reg) == str(state):
         left = net.netns_pids(reg.netns)
         if left:

@@ -56,10 +56,11 @@ def _access(scopes: list[str]) -> list[dict[str, Any]]:
 
 
 def serve(config: dict[str, Any]) -> None:
-    key = serialization.load_pem_private_key(
+    loaded = serialization.load_pem_private_key(
         Path(config["signing_key"]).read_bytes(), password=None)
-    if not isinstance(key, rsa.RSAPrivateKey):
+    if not isinstance(loaded, rsa.RSAPrivateKey):
         raise SystemExit("signing_key: not an RSA key")
+    key: rsa.RSAPrivateKey = loaded  # named so the handler below sees the narrowed type
     cert = x509.load_pem_x509_certificate(Path(config["signing_cert"]).read_bytes())
     users: dict[str, str] = json.loads(Path(config["users"]).read_text())
 

@@ -18,7 +18,7 @@
           - {uuid: GPU-..., name: NVIDIA GB10, compute_capability: "12.1",
              memory_bytes: 137438953472}
 
-    registry: 198.18.0.1:5000             # optional, top level: an OCI registry every host's
+    registry: 198.18.0.254:5000           # optional, top level: an OCI registry every host's
                                           # Docker can push to and pull from (HOST[:PORT])
     artifact_repository: 198.18.0.254:5000/coldsnap/artifacts
                                           # optional: captures publish here, each host pushing

@@ -22,7 +22,7 @@ _ARTIFACT_FIELDS = {
                 "output", "is for capture; a restore names its source in 'artifact'"),
 }
 _PUBLISH_ARTIFACT = "the artifact to publish: its file's path, a capture id or a digest prefix"
-_PUBLISH_OUTPUT = "the target REGISTRY/REPOSITORY[:TAG] (e.g. 198.18.0.1:5000/coldsnap/a:v1)"
+_PUBLISH_OUTPUT = "the target REGISTRY/REPOSITORY[:TAG] (e.g. 198.18.0.254:5000/coldsnap/a:v1)"
 
 # Once a workload is described at all, these fields identify it.
 _WORKLOAD_REQUIRED = ("cluster_id", "intent_id", "recipe", "runtime", "model")

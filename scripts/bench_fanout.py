@@ -127,10 +127,33 @@ def side_by_side(calls: Sequence[Callable[[], Any]]) -> tuple[float, list[Any]]:
         return time.perf_counter() - t0, results
 
 
+ACCOUNTING = "csd-bench-fanout"
+
+
+def accounting(addresses: Sequence[str], add: bool) -> None:
+    """Counting rules (no target) in the control node's INPUT and OUTPUT for this cluster's
+    addresses: csd-br0's counters are the machine's, so another cluster's control traffic
+    (the shared one's tests) lands there too; these count only this cluster's."""
+    for addr in addresses:
+        for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
+            subprocess.run(["iptables", "-A" if add else "-D", chain, flag, addr, "-m",
+                            "comment", "--comment", ACCOUNTING], capture_output=True,
+                           timeout=30, check=add)
+
+
+def own_control_bytes() -> int:
+    total = 0
+    for chain in ("INPUT", "OUTPUT"):
+        out = subprocess.run(["iptables", "-nvxL", chain], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        total += sum(int(line.split()[1]) for line in out.splitlines() if ACCOUNTING in line)
+    return total
+
+
 def link_bytes() -> dict[str, int]:
     doc = json.loads(run([str(REPO / "scripts" / "dev-cluster"), "link-bytes"]))
     return {"control": doc["control"]["rx_bytes"] + doc["control"]["tx_bytes"],
-            "registry_tx": doc["registry"]["tx_bytes"]}
+            "registry_tx": doc["registry"]["tx_bytes"], "own": own_control_bytes()}
 
 
 def load1() -> float:
@@ -185,7 +208,7 @@ def staging_seconds(receipt: dict[str, Any]) -> float:
 
 
 def restores(b: Bench, capture: dict[str, Any], capture_id: str, hosts: list[str],
-             way: str, tag: str, dr: Any) -> dict[str, Any]:
+             way: str, tag: str, dr: Any, per_host_bytes: int) -> dict[str, Any]:
     """N restores at once, one per host, each with its own request; `way` is --stage-from."""
     paths = []
     for k, host in enumerate(hosts):
@@ -201,16 +224,16 @@ def restores(b: Bench, capture: dict[str, Any], capture_id: str, hosts: list[str
         lambda p=p: b.coldsnapd("restore", "--request", str(p), "--stage-from", way)
         for p in paths])
     after = link_bytes()
-    staged = [b.staged_bytes(h) for h in hosts]
     return {
         "wall_seconds": round(wall, 3),
         "restore_seconds": [round(r["duration_seconds"], 3) for r in receipts],
         "staging_seconds": [staging_seconds(r) for r in receipts],
-        "control_bytes": after["control"] - before["control"],
+        "control_bytes": after["own"] - before["own"],
+        "control_bytes_csd_br0": after["control"] - before["control"],
         "registry_egress_bytes": after["registry_tx"] - before["registry_tx"],
-        "staged_bytes": sum(s for s, _ in staged),
+        "staged_bytes": per_host_bytes * len(hosts),
+        "objects_dir_bytes": sum(b.staged_bytes(h)[0] for h in hosts),
         "load_avg": [load_before, load1()],
-        "_blobs": {h: names for h, (_, names) in zip(hosts, staged, strict=True)},
         "_phases": [sorted({s["name"] for s in r["timing"]["spans"]}) for r in receipts[:1]],
     }
 
@@ -238,7 +261,8 @@ def floor(b: Bench, registry: str, blobs: dict[str, list[str]]) -> dict[str, Any
                   for p in (b.data_dir(h) / "curl-floor").iterdir())
     b.make_cold()
     return {"wall_seconds": round(wall, 3), "per_host_seconds": [round(s, 3) for s in per_host],
-            "control_bytes": after["control"] - before["control"],
+            "control_bytes": after["own"] - before["own"],
+            "control_bytes_csd_br0": after["control"] - before["control"],
             "registry_egress_bytes": after["registry_tx"] - before["registry_tx"],
             "staged_bytes": written, "load_avg": [load_before, load1()]}
 
@@ -265,19 +289,22 @@ def measure(b: Bench, gib: float, replicas: list[int]) -> dict[str, Any]:
                       "--to", f"{registry}/{REPOSITORY}", "--inventory", str(b.inventory),
                       "--store", str(b.store)]).strip().splitlines()[-1]
     artifact = json.loads((b.work / "artifact.json").read_text())
+    # TP1: the one unit's host receives every object but the capsule manifests, which stay
+    # on the control node (restore reads them from its store).
+    blobs = [o for o in artifact["objects"] if o["role"] != "capsule-manifest"]
+    per_host_bytes = sum(o["bytes"] for o in blobs)
     runs: dict[str, Any] = {}
     for n in replicas:
         hosts = [f"host-{k}" for k in range(n)]
         out: dict[str, Any] = {}
         for way in ("store", "registry"):
             log(f"N={n}: {n} restore(s) at once, --stage-from {way}")
-            out[way] = restores(b, capture, capture["id"], hosts, way, f"fanout-{stamp}", dr)
+            out[way] = restores(b, capture, capture["id"], hosts, way, f"fanout-{stamp}", dr,
+                                per_host_bytes)
         log(f"N={n}: the floor, raw curl of the same blobs")
-        out["floor"] = floor(b, registry, out["registry"]["_blobs"])
+        out["floor"] = floor(b, registry, {h: [o["sha256"][7:] for o in blobs] for h in hosts})
         phases = out["registry"].pop("_phases")
-        out["store"].pop("_blobs")
         out["store"].pop("_phases")
-        out["registry"].pop("_blobs")
         reg = out["registry"]
         out["goals"] = {
             "control_bytes_vs_staged_registry": round(
@@ -293,6 +320,8 @@ def measure(b: Bench, gib: float, replicas: list[int]) -> dict[str, Any]:
         "capture_id": capture["id"], "published": published,
         "capture_seconds": round(cap["duration_seconds"], 3),
         "artifact_bytes": sum(o["bytes"] for o in artifact["objects"]),
+        "bytes_per_host": per_host_bytes,
+        "objects": sorted({o["role"] for o in artifact["objects"]}),
         "payload_bytes": sum(o["bytes"] for o in artifact["objects"]
                              if o["role"] == "model-weight-payload"),
         "runs": runs,
@@ -351,9 +380,12 @@ def main() -> None:
     inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", str(replicas[-1]),
                           "--link-mbit", str(args.link_mbit)]).strip().splitlines()[-1])
     work = Path(tempfile.mkdtemp(prefix="bench-fanout-", dir=BENCH_DIR))
+    ours = [layout.net(i).address for i in range(replicas[-1])] + [layout.registry.address]
+    accounting(ours, add=True)
     try:
         figures = measure(Bench(inventory, work, layout), args.gib, replicas)
     finally:
+        accounting(ours, add=False)
         shutil.rmtree(work, ignore_errors=True)
         if args.keep:
             pass

@@ -23,10 +23,9 @@ plain HTTP for an insecure registry. Every socket operation has the timeout.
 
 Failures exit with their own code and one stderr line naming the registry, the repository
 and the digest: 7 unauthorized (401/403), 8 blob unknown (404), 9 unreachable or interrupted
-(connection refused or reset, a timeout, a 5xx: a pull's partial file is kept for a
-resume), 4 mismatch (the bytes do not hash to DIGEST or are not SIZE: the partial file is
-removed), 10 any
-other answer of the registry.
+(connection refused or reset, a timeout, a 5xx, a body ending before its declared length:
+a pull's partial file is kept for a resume), 4 mismatch (the bytes do not hash to DIGEST or
+are not SIZE: the partial file is removed), 10 any other answer of the registry.
 
 A part of the helper program (see `coldsnap.hosts.helper`): Python 3.8, standard library only.
 """
@@ -302,6 +301,12 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
                 writeback.written(have)
         finally:
             writeback.join()
+        if resp.length:
+            # The body ended before the length the registry declared (it stopped, or the
+            # connection closed: http.client's readinto then returns 0, it raises nothing):
+            # an interruption, not a mismatch; the partial file stays for a resume.
+            raise RegFailed(EXIT_UNREACHABLE, f"interrupted: the body ended {resp.length} "
+                                              f"bytes short, at byte {have} of {size}")
     got = "sha256:" + h.hexdigest()
     if have != size or got != digest:
         os.unlink(part)

@@ -142,6 +142,7 @@ def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
     assert line.count("\n") == 1 and "blob unknown (404)" in line
     assert f"registry {registry.address}, {REPO}@{digest}" in line
     assert not (tmp_path / "obj").exists()
+    assert not (tmp_path / ("obj" + PART_SUFFIX)).exists()  # no empty partial file either
 
 
 def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,

@@ -258,8 +258,23 @@ def reg_run(args: list[str], pull: bool) -> None:
 
 def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, Any]:
     part = final + PULL_PART_SUFFIX
-    mv = memoryview(bytearray(CH))
     f = open_part(part)
+    try:
+        return pull_into(reg, f, part, final, digest, size)
+    except BaseException:
+        # A pull refused or cut before its first byte (401, 404, unreachable) leaves no empty
+        # partial file behind: it holds nothing to resume.
+        try:
+            if os.fstat(f.fileno()).st_size == 0:
+                os.unlink(part)
+        except OSError:
+            pass
+        raise
+
+
+def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str,
+              size: int) -> dict[str, Any]:
+    mv = memoryview(bytearray(CH))
     have, h = part_state(f, mv)
     if have > size:
         f.truncate(0)

@@ -1,4 +1,4 @@
-"""Hosts move their own objects through the dev cluster's registry (198.18.0.1:5000, plain
+"""Hosts move their own objects through the dev cluster's registry (its registry host, plain
 HTTP, named `insecure` in an inventory variant written here): one host pushes a CRIU-sized
 object and a second one, two other hosts each stage exactly the one they own from the registry
 (one resuming a partial file), and a second staging pulls nothing. The control node moves no
@@ -32,7 +32,6 @@ from coldsnap.operations.staging import objects_dir, remote_object_path, stage_h
 pytestmark = pytest.mark.integration
 
 MIB = 1024 * 1024
-REGISTRY = "198.18.0.1:5000"
 
 
 @pytest.fixture
@@ -40,8 +39,9 @@ def registry_inventory(dev_inventory: Path, tmp_path: Path) -> Inventory:
     """The dev inventory with the shared registry as `insecure` and a repository of this
     test's own as `artifact_repository`."""
     doc = yaml.safe_load(dev_inventory.read_text())
-    doc["registries"] = {REGISTRY: {"insecure": True}}
-    doc["artifact_repository"] = f"{REGISTRY}/coldsnap-test/staging-{uuid.uuid4().hex[:12]}"
+    registry = doc["registry"]  # the plain one: insecure in the dev inventory already
+    doc["registries"] = {**doc.get("registries", {}), registry: {"insecure": True}}
+    doc["artifact_repository"] = f"{registry}/coldsnap-test/staging-{uuid.uuid4().hex[:12]}"
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(doc))
     return load_inventory(path)
@@ -59,13 +59,13 @@ async def scratch(pool: HostPool, registry_inventory: Inventory) -> AsyncIterato
             await pool.host(entry.name).run(
                 ["sh", "-c", 'for p; do rm -rf -- "$p" "$p"' + PART_SUFFIX + '; done', "sh",
                  *mine], check=False)
-    _, repository = split_repository(registry_inventory.artifact_repository or "")
+    registry, repository = split_repository(registry_inventory.artifact_repository or "")
     for digest in (p for p in leftovers if p.startswith("sha256:")):
-        await asyncio.to_thread(_delete_blob, repository, digest)
+        await asyncio.to_thread(_delete_blob, registry, repository, digest)
 
 
-def _delete_blob(repository: str, digest: str) -> None:
-    req = urllib.request.Request(f"http://{REGISTRY}/v2/{repository}/blobs/{digest}",
+def _delete_blob(registry: str, repository: str, digest: str) -> None:
+    req = urllib.request.Request(f"http://{registry}/v2/{repository}/blobs/{digest}",
                                  method="DELETE")
     try:
         with urllib.request.urlopen(req, timeout=10):
@@ -93,7 +93,7 @@ async def test_each_host_pulls_exactly_what_it_owns_from_the_registry(
     capture, first, second = "host-0", "host-1", "host-2"
     registry, repository = split_repository(registry_inventory.artifact_repository or "")
     access = access_for(registry_inventory, registry)
-    assert access.insecure and registry == REGISTRY
+    assert access.insecure and registry == registry_inventory.registry
 
     big, small = os.urandom(24 * MIB + 4321), os.urandom(3 * MIB + 7)
     objs = {first: _object(big, "worker/w0"), second: _object(small, "worker/w1")}

@@ -114,13 +114,13 @@ async def test_an_object_two_hosts_hold_is_pushed_once(registry: Served,
     assert summary == {"a": (1, 200_000, 0), "b": (0, 0, 1), "c": (0, 0, 1)}
 
 
-class _Published(LocalStore):
-    def publications(self, capture_id: str) -> list[str]:
-        return [f"reg.example:5000/team/art@sha256:{'a' * 64}"] if capture_id == "cap-1" else []
-
-
 def test_stage_from_chooses_the_registry_only_for_a_published_artifact(tmp_path: Path) -> None:
-    store = _Published(tmp_path / "store")
+    store = LocalStore(tmp_path / "store").ensure()
+    store.record_publication("cap-1", f"reg.example:5000/team/art@sha256:{'a' * 64}")
+    # A native publication carries no CRIU images: staging never takes it.
+    store.record_publication("cap-1", f"reg.example:5000/team/native@sha256:{'b' * 64}",
+                             "native")
+    store.record_publication("cap-3", f"reg.example:5000/team/n3@sha256:{'c' * 64}", "native")
     seen: list[str] = []
 
     def access(registry: str) -> RegistryAccess:
@@ -130,6 +130,7 @@ def test_stage_from_chooses_the_registry_only_for_a_published_artifact(tmp_path:
     published = published_at(store, "cap-1")
     assert published == Publication("reg.example:5000", "team/art")
     assert published_at(store, "cap-2") is None
+    assert published_at(store, "cap-3") is None
     assert published_at(LocalStore(tmp_path / "plain"), "cap-1") is None
     auto = choose_source("auto", store, published, access)
     assert isinstance(auto, RegistrySource) and auto.repository == "team/art"

@@ -258,9 +258,16 @@ def reg_run(args: list[str], pull: bool) -> None:
 
 def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, Any]:
     part = final + PULL_PART_SUFFIX
+    resp = None
+    if not os.path.exists(part) and size > 0:
+        # Nothing to resume: the registry answers first, so that a pull refused (401, 404) or
+        # killed (its staging cancelled) before the answer leaves no empty partial file.
+        resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}")
+        if resp.status != 200:
+            raise reg_status(resp, "")
     f = open_part(part)
     try:
-        return pull_into(reg, f, part, final, digest, size)
+        return pull_into(reg, f, part, final, digest, size, resp)
     except BaseException:
         # A pull refused or cut before its first byte (401, 404, unreachable) leaves no empty
         # partial file behind: it holds nothing to resume.
@@ -272,8 +279,8 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
         raise
 
 
-def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str,
-              size: int) -> dict[str, Any]:
+def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str, size: int,
+              answered: Any) -> dict[str, Any]:
     mv = memoryview(bytearray(CH))
     have, h = part_state(f, mv)
     if have > size:
@@ -283,7 +290,8 @@ def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str,
     received = 0
     if have < size:
         headers = {"Range": f"bytes={have}-"} if have else {}
-        resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}", headers)
+        resp = answered if answered is not None and not have else \
+            reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}", headers)
         if resp.status == 416 and have:
             resp.read()
             resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}")

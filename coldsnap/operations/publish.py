@@ -9,8 +9,9 @@
   with a registry): their blobs must be there already; the control-node-only objects come
   from the store.
 - `import_published`: a published artifact into the store: its document (verified, parsed
-  strictly, its layers matched against its objects) and the control-node-only objects; the
-  host-owned objects stay in the registry, and a restore's staging pulls them from there.
+  strictly, its layers matched against its objects), the control-node-only objects and the
+  replay plans (a restore reads them); the other host-owned objects stay in the registry,
+  and a restore's staging pulls them from there.
   A failure indexes nothing (the verified objects fetched stay, for gc to judge).
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE_MANIFEST,
     ROLE_CAPTURE_REQUEST,
+    ROLE_REPLAY_PLAN,
     Artifact,
     ArtifactObject,
     parse_artifact,
@@ -50,6 +52,9 @@ from coldsnap.store.refs import MAX_ARTIFACT_BYTES
 
 # Objects only the control node uses: a capture with a registry pushes them from the store.
 CONTROL_NODE_ROLES = frozenset({ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST})
+# Objects an import brings into the store: those, and the workers' replay plans, which a
+# restore reads on the control node too (where each payload is mounted) besides staging them.
+IMPORTED_ROLES = CONTROL_NODE_ROLES | {ROLE_REPLAY_PLAN}
 # Blobs sent at once (each a stream from the store's disk).
 PUSHING = 4
 
@@ -233,7 +238,7 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
     try:
         carried = {o.sha256 for o in published_objects(artifact, manifest.kind)}
         for obj in _unique(list(artifact.objects)):
-            if obj.role not in CONTROL_NODE_ROLES or obj.sha256 not in carried \
+            if obj.role not in IMPORTED_ROLES or obj.sha256 not in carried \
                     or store.holds(obj.sha256):
                 continue
             blob = await client.get_blob_bytes(repo, obj.sha256, max(obj.bytes, 0))
@@ -286,6 +291,6 @@ def _parse_document(config: bytes, pinned: str) -> Artifact:
                             f"{problems}") from None
 
 
-__all__ = ["CONTROL_NODE_ROLES", "PublishFailed", "PublishProgress", "import_published",
-           "import_reference", "is_registry_reference", "mount_sources", "publish_artifact",
-           "publish_document"]
+__all__ = ["CONTROL_NODE_ROLES", "IMPORTED_ROLES", "PublishFailed", "PublishProgress",
+           "import_published", "import_reference", "is_registry_reference", "mount_sources",
+           "publish_artifact", "publish_document"]

@@ -142,6 +142,7 @@ def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
     assert line.count("\n") == 1 and "blob unknown (404)" in line
     assert f"registry {registry.address}, {REPO}@{digest}" in line
     assert not (tmp_path / "obj").exists()
+    assert not (tmp_path / ("obj" + PART_SUFFIX)).exists()  # no empty partial file either
 
 
 def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,
@@ -262,3 +263,37 @@ def test_a_push_beneath_a_root_follows_no_symlink(registry: Served, tmp_path: Pa
     pushed = answer(helper("blob-push", registry.address, str(root / "real.bin"), digest,
                            "2048", str(root)))
     assert pushed["sent"] == 2048
+
+
+class _CutShort(http.server.BaseHTTPRequestHandler):
+    """Declares the whole blob, sends its first half, then closes: a registry stopped
+    mid-body."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(DATA)))
+        self.end_headers()
+        self.wfile.write(DATA[:len(DATA) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_body_cut_short_is_an_interruption_and_keeps_the_partial_file(
+        tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutShort)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        digest = "sha256:" + hashlib.sha256(DATA).hexdigest()
+        final = tmp_path / "obj"
+        res = helper("blob-pull", address, str(final), digest, str(len(DATA)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert res.returncode == EXIT_UNREACHABLE, res.stderr
+    assert "interrupted: the body ended" in res.stderr.decode()
+    assert Path(str(final) + PART_SUFFIX).read_bytes() == DATA[:len(DATA) // 2]
+    assert not final.exists()

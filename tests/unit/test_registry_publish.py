@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST
+from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, ROLE_REPLAY_PLAN
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.oci_artifact import parse_manifest
 from coldsnap.hosts.registry.access import RegistryAccess
@@ -111,7 +111,9 @@ async def test_import_round_trips_the_document_and_leaves_payloads_in_the_regist
     assert empty.publications("cap-import") == [ref]
     for obj in imported.artifact.objects:
         held = empty.has(obj.sha256)
-        assert held == (obj.role in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST)), obj.role
+        # The replay plans too: a restore reads them on the control node (payload mounts).
+        assert held == (obj.role in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST,
+                                     ROLE_REPLAY_PLAN)), obj.role
     # The payloads and CRIU objects are in the registry, not missing or corrupt:
     report = verify_store(empty)
     assert report.missing == {} and report.corrupt == []

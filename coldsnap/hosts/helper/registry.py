@@ -23,10 +23,9 @@ plain HTTP for an insecure registry. Every socket operation has the timeout.
 
 Failures exit with their own code and one stderr line naming the registry, the repository
 and the digest: 7 unauthorized (401/403), 8 blob unknown (404), 9 unreachable or interrupted
-(connection refused or reset, a timeout, a 5xx: a pull's partial file is kept for a
-resume), 4 mismatch (the bytes do not hash to DIGEST or are not SIZE: the partial file is
-removed), 10 any
-other answer of the registry.
+(connection refused or reset, a timeout, a 5xx, a body ending before its declared length:
+a pull's partial file is kept for a resume), 4 mismatch (the bytes do not hash to DIGEST or
+are not SIZE: the partial file is removed), 10 any other answer of the registry.
 
 A part of the helper program (see `coldsnap.hosts.helper`): Python 3.8, standard library only.
 """
@@ -259,8 +258,30 @@ def reg_run(args: list[str], pull: bool) -> None:
 
 def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, Any]:
     part = final + PULL_PART_SUFFIX
-    mv = memoryview(bytearray(CH))
+    resp = None
+    if not os.path.exists(part) and size > 0:
+        # Nothing to resume: the registry answers first, so that a pull refused (401, 404) or
+        # killed (its staging cancelled) before the answer leaves no empty partial file.
+        resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}")
+        if resp.status != 200:
+            raise reg_status(resp, "")
     f = open_part(part)
+    try:
+        return pull_into(reg, f, part, final, digest, size, resp)
+    except BaseException:
+        # A pull refused or cut before its first byte (401, 404, unreachable) leaves no empty
+        # partial file behind: it holds nothing to resume.
+        try:
+            if os.fstat(f.fileno()).st_size == 0:
+                os.unlink(part)
+        except OSError:
+            pass
+        raise
+
+
+def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str, size: int,
+              answered: Any) -> dict[str, Any]:
+    mv = memoryview(bytearray(CH))
     have, h = part_state(f, mv)
     if have > size:
         f.truncate(0)
@@ -269,7 +290,8 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
     received = 0
     if have < size:
         headers = {"Range": f"bytes={have}-"} if have else {}
-        resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}", headers)
+        resp = answered if answered is not None and not have else \
+            reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}", headers)
         if resp.status == 416 and have:
             resp.read()
             resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}")
@@ -302,6 +324,12 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
                 writeback.written(have)
         finally:
             writeback.join()
+        if resp.length:
+            # The body ended before the length the registry declared (it stopped, or the
+            # connection closed: http.client's readinto then returns 0, it raises nothing):
+            # an interruption, not a mismatch; the partial file stays for a resume.
+            raise RegFailed(EXIT_UNREACHABLE, f"interrupted: the body ended {resp.length} "
+                                              f"bytes short, at byte {have} of {size}")
     got = "sha256:" + h.hexdigest()
     if have != size or got != digest:
         os.unlink(part)

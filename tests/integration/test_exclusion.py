@@ -29,7 +29,9 @@ OTHER_UNITS = {"unit-0": "unit-0-b", "unit-1": "unit-1-b"}
 
 def _second_workload(ops: Ops, suffix: str) -> Path:
     """The dev TP2 capture with other unit ids, on each host's second GPU, serving on 8001 and
-    meeting on 29501: the same model, so the same payload objects as the dev request's."""
+    meeting on 29600 (the first workload's world group meets on 29500 and its tensor group on
+    29501, the test engine's next port): the same model, so the same payload objects as the
+    dev request's."""
     path = ops.request("tp2-two-hosts", suffix=suffix)
     doc = yaml.safe_load(path.read_text())
     for worker in doc["launch"]["execution"]["workers"]:
@@ -39,7 +41,7 @@ def _second_workload(ops: Ops, suffix: str) -> Path:
         unit["devices"] = ["1"]
         cmd = unit["command"]
         cmd[cmd.index("--port") + 1] = "8001"
-        cmd[cmd.index("--master-port") + 1] = "29501"
+        cmd[cmd.index("--master-port") + 1] = "29600"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 

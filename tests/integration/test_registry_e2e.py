@@ -337,7 +337,9 @@ def test_a_registry_stopped_mid_pull_fails_the_restore_and_the_retry_resumes(
         # partial one only the rest (the staging lines round to 0.05 MiB per host).
         rest = owned - sum(whole.values()) - kept
         assert moved <= rest + (1 << 20) // 5, (owned, moved, whole, parts)
-        assert moved < owned - kept
+        # Beyond that rounding (0.1 MiB at most here), at least half of what the first try
+        # kept was not pulled again: a retry that started over would move `owned`.
+        assert moved < owned - kept // 2, (owned, moved, kept)
         _, parts_after = _on_disk(ops, DESTINATIONS)
         assert not parts_after, parts_after
     finally:

@@ -164,10 +164,15 @@ async def return_to_serving(s: CapsuleSession, handle: UnitHandle) -> None:
 
 
 
+# Between two validation prompts answered 503 (see validate).
+_PROMPT_RETRY_S = 0.25
+
+
 async def validate(s: CapsuleSession, handle: UnitHandle, *,
                    timeout_s: float = 120.0) -> ValidationResult:
-    """The readiness probe answers 200, then the validation prompt gets the expected text;
-    both sent from the unit's own host to its engine's port."""
+    """The readiness probe answers 200, then the validation prompt gets the expected text
+    (asked again while the engine answers it 503, until `timeout_s`); both sent from the
+    unit's own host to its engine's port."""
     step = "validate"
     spec = handle.spec
     adapter, ep = endpoint(s, handle)
@@ -178,12 +183,21 @@ async def validate(s: CapsuleSession, handle: UnitHandle, *,
     if ans.status != 200:
         raise fail(s, handle.unit, step, f"{ep}{spec.validation.health_path} not ready: "
                    f"{ans.describe()}", ValidationFailed)
-    left = max(5.0, deadline - time.monotonic())
-    try:
-        text = await adapter.complete(ep, spec.validation.prompt, timeout=left)
-    except EngineCallFailed as exc:
-        raise fail(s, handle.unit, step, f"{ep}: validation prompt: {exc}; expected "
-                   f"{spec.validation.expected!r}", ValidationFailed) from None
+    while True:
+        left = max(5.0, deadline - time.monotonic())
+        try:
+            text = await adapter.complete(ep, spec.validation.prompt, timeout=left)
+            break
+        except EngineCallFailed as exc:
+            # The head's readiness probe speaks for its own workers only: a group formed on
+            # another unit of the service may still be reconnecting after a restore, and the
+            # engine says so with 503 (unavailable, for now). Asked again until the deadline;
+            # any other answer is final.
+            if exc.status == 503 and time.monotonic() + _PROMPT_RETRY_S < deadline:
+                await asyncio.sleep(_PROMPT_RETRY_S)
+                continue
+            raise fail(s, handle.unit, step, f"{ep}: validation prompt: {exc}; expected "
+                       f"{spec.validation.expected!r}", ValidationFailed) from None
     if text.strip() != spec.validation.expected.strip():
         raise fail(s, handle.unit, step, f"{ep}: validation prompt got {text!r}; expected "
                    f"{spec.validation.expected!r}", ValidationFailed)

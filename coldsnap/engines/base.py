@@ -22,7 +22,12 @@ from coldsnap.identity import flag_value
 
 class EngineCallFailed(Exception):
     """The engine answered a lifecycle or validation call with something other than success
-    (or did not answer); the message says which call and what came back."""
+    (or did not answer); the message says which call and what came back, `status` the HTTP
+    status it answered (None: no answer, or an answer without what the call needs)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ def requests_in_flight(metrics_text: str, names: Sequence[str]) -> int | None:
 
 def expect_ok(answer: HttpAnswer, what: str) -> None:
     if answer.status is None or not 200 <= answer.status < 300:
-        raise EngineCallFailed(f"{what}: {answer.describe()}")
+        raise EngineCallFailed(f"{what}: {answer.describe()}", answer.status)
 
 
 class HttpEngine:

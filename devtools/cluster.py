@@ -25,7 +25,9 @@ storage, and only starts what is not running. `--link-mbit R` shapes every host'
 control node's to R Mbit/s, `--registry-mbit R2` the registry's (devtools/shaping.py; absent or
 0: unshaped; the registry stays unshaped unless asked).
 Environment: COLDSNAP_DEV_CLUSTER_DIR (state, default .dev-cluster), COLDSNAP_DEV_SSH_PORT
-(default 22), COLDSNAP_DEV_NET_BASE (a second cluster's first address slot, default 0),
+(default 22), COLDSNAP_DEV_NET_BASE (a second cluster's first address slot; default 0, or,
+when another checkout's cluster holds base 0's namespaces, the first free one of 160, 168,
+... that `up` picks and records in the state's net-base file),
 COLDSNAP_DEV_LINK_MBIT / COLDSNAP_DEV_REGISTRY_MBIT (defaults of the two rate options).
 """
 
@@ -45,6 +47,7 @@ from pathlib import Path
 
 from devtools import net, procs, registry_host, services, shaping
 from devtools.layout import (
+    AUTO_NET_BASES,
     BRIDGE,
     OWNERS_DIR,
     REPO,
@@ -52,8 +55,10 @@ from devtools.layout import (
     HostPaths,
     Layout,
     UsageError,
+    fits,
     host_index,
     host_name,
+    namespaces_of,
 )
 from devtools.render import (
     ClusterShape,
@@ -206,6 +211,40 @@ def resolve_net_base(layout: Layout, for_up: bool) -> Layout:
     if for_up and env_set:
         return layout
     return replace(layout, net_base=recorded)
+
+
+def foreign_namespaces(layout: Layout, base: int, hosts: int) -> dict[str, str]:
+    """The namespaces that another cluster (or something else) made where a cluster of
+    `hosts` hosts on `base` would make its own: name -> owner."""
+    mine = str(layout.state)
+    found: dict[str, str] = {}
+    for name in namespaces_of(base, hosts):
+        if net.netns_exists(name):
+            owner = net.owner_of(name)
+            if owner != mine:
+                found[name] = owner or "unknown"
+    return found
+
+
+def choose_net_base(layout: Layout, hosts: int) -> Layout:
+    """The base `up` makes its cluster on. One the environment names, or this cluster already
+    holds namespaces on, is kept (a clash then fails naming the namespace, as before). Else,
+    when another checkout's cluster holds the default's namespaces, the first free base of
+    AUTO_NET_BASES: CI's fresh clone then runs beside a developer's cluster instead of failing
+    on it; every tool finds the base in the state's net-base file."""
+    if os.environ.get("COLDSNAP_DEV_NET_BASE") or net.owned_namespaces(layout.state):
+        return layout
+    taken = foreign_namespaces(layout, layout.net_base, hosts)
+    if not taken:
+        return layout
+    for base in AUTO_NET_BASES:
+        if fits(base, hosts) and not foreign_namespaces(layout, base, hosts):
+            name, owner = next(iter(taken.items()))
+            log(f"network base {layout.net_base} is taken ({name}: {owner}); this cluster "
+                f"uses base {base} (COLDSNAP_DEV_NET_BASE picks one)")
+            return replace(layout, net_base=base)
+    raise UsageError(f"no free network base for {hosts} hosts: {', '.join(sorted(taken))} and "
+                     "every other candidate are taken; stop another cluster first")
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -398,7 +437,8 @@ def dispatch(layout: Layout, argv: Sequence[str]) -> int:
         raise UsageError(f"unknown command {cmd!r}")
     layout = resolve_net_base(layout, for_up=cmd == "up")
     if cmd == "up":
-        return cmd_up(layout, parse_up_args(rest, layout.net_base))
+        up = parse_up_args(rest, layout.net_base)
+        return cmd_up(choose_net_base(layout, up.hosts), up)
     if cmd == "shape":
         return cmd_shape(layout, rest)
     if cmd in ("down", "status", "link-bytes"):

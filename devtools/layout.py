@@ -260,6 +260,34 @@ def check_host_count(n: int, base: int = 0) -> None:
         )
 
 
+# Where `up` looks for a network base of its own when the environment names none and the
+# default's namespaces belong to another checkout's cluster (a developer's cluster still up
+# while CI runs `scripts/test` in a fresh clone on the same machine): above the ranges the
+# benchmarks' clusters take (96-143).
+AUTO_NET_BASES = (0, *range(160, MAX_SLOT + 1, 8))
+
+
+def namespaces_of(base: int, hosts: int) -> list[str]:
+    """Every namespace name whose existence means a cluster of `hosts` hosts on `base` would
+    clash with it: its own hosts' and registry's, and the other kind's on the same slots (a
+    host slot is another base's registry slot, and the other way round)."""
+    names: list[str] = []
+    for slot in [base + i for i in range(hosts)]:
+        names.append(f"{NETNS_PREFIX}{slot}")
+        names.append(RegistryNet(MAX_SLOT - slot).netns)
+    reg = RegistryNet(base)
+    names += [reg.netns, f"{NETNS_PREFIX}{reg.slot}"]
+    return names
+
+
+def fits(base: int, hosts: int) -> bool:
+    try:
+        check_host_count(hosts, base)
+    except UsageError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one cluster keeps its state and how its hosts are reached."""
@@ -274,16 +302,13 @@ class Layout:
         state = Path(e.get("COLDSNAP_DEV_CLUSTER_DIR") or REPO / ".dev-cluster")
         try:
             port = int(e.get("COLDSNAP_DEV_SSH_PORT") or 22)
-            base = int(e.get("COLDSNAP_DEV_NET_BASE") or 0)
         except ValueError as exc:
-            raise UsageError(
-                f"COLDSNAP_DEV_SSH_PORT and COLDSNAP_DEV_NET_BASE must be integers: {exc}"
-            ) from None
+            raise UsageError(f"COLDSNAP_DEV_SSH_PORT must be an integer: {exc}") from None
         if not 1 <= port <= 65535:
             raise UsageError(f"COLDSNAP_DEV_SSH_PORT={port} is not a TCP port")
-        if not 0 <= base <= MAX_SLOT:
-            raise UsageError(f"COLDSNAP_DEV_NET_BASE={base} must be 0..{MAX_SLOT}")
-        return cls(state=state.absolute(), ssh_port=port, net_base=base)
+        # The recorded base when the environment names none: `up` may have picked another
+        # than the default (AUTO_NET_BASES), and the tests and tools must find its hosts.
+        return cls(state=state.absolute(), ssh_port=port, net_base=current_net_base(e))
 
     def net(self, index: int) -> HostNet:
         return HostNet(index, self.net_base)

@@ -123,8 +123,13 @@ def owner_file(net: Node) -> Path:
 
 
 def owner(net: Node) -> str | None:
+    return owner_of(net.netns)
+
+
+def owner_of(netns: str) -> str | None:
+    """The state directory of the cluster that made namespace `netns`, as `up` recorded it."""
     try:
-        return owner_file(net).read_text().strip()
+        return (OWNERS_DIR / netns).read_text().strip()
     except FileNotFoundError:
         return None
 

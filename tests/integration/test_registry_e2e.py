@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
-from devtools.layout import RegistryNet
+from devtools.layout import RegistryNet, current_net_base
 from devtools.registry_server import RegistryServer, start_registry
 from devtools.shaping import shape_node
 from tests.integration.ops_fixtures import Ops, Run, dev_requests, ops
@@ -31,9 +31,9 @@ from tests.integration.test_operations_e2e import _artifact, _image_sets_by_host
 pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 
-REG = RegistryNet(0)
-PLAIN = REG.plain  # 198.18.0.254:5000
-AUTH = REG.authenticated  # 198.18.0.254:5001
+REG = RegistryNet(current_net_base())
+PLAIN = REG.plain  # 198.18.0.254:5000 on the default base
+AUTH = REG.authenticated  # 198.18.0.254:5001 on the default base
 OWN_PORT = 5010  # a registry of this module's own, in the registry's namespace
 MOVED = {"unit-0": "host-2", "unit-1": "host-3"}  # the moved request's placement
 DESTINATIONS = sorted(MOVED.values())

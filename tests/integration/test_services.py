@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from coldsnap.formats.canonical import digest
+from devtools.layout import HostNet, current_net_base, host_index
 from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.ops_fixtures import LABEL_UNIT, Ops, dev_requests, ops
 from tests.integration.test_operations_e2e import _complete
@@ -30,7 +31,7 @@ SWAPPED = {"replica-a": ("host-2", "host-3"), "replica-b": ("host-0", "host-1")}
 
 
 def _address(host: str) -> str:
-    return f"198.18.0.{int(host.split('-')[1]) + 2}"
+    return HostNet(host_index(host), current_net_base()).address
 
 
 def _set_flag(command: list[str], flag: str, value: str) -> None:
@@ -155,8 +156,10 @@ def test_dp2_restored_with_the_replicas_swapped(ops: Ops, dp2: dict[str, Any]) -
             assert a["address"] == f"{_address(head)}:{PORTS[service]}", a
             assert a["reply"] == EXPECTED and a["seconds"] >= 0, a
         assert answers["replica-b"]["units"] == ["unit-2", "unit-3"]
-        assert "replica-a (unit unit-0 on host-2, 198.18.0.4:8000" in run.stderr, run.stderr
-        assert "replica-b (unit unit-2 on host-0, 198.18.0.2:8001" in run.stderr, run.stderr
+        assert (f"replica-a (unit unit-0 on host-2, {_address('host-2')}:8000"
+                in run.stderr), run.stderr
+        assert (f"replica-b (unit unit-2 on host-0, {_address('host-0')}:8001"
+                in run.stderr), run.stderr
     finally:
         _remove_all(ops)
 

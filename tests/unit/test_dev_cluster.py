@@ -27,6 +27,7 @@ from devtools.layout import (
     UsageError,
     current_net_base,
     host_index,
+    namespaces_of,
     registry_net_of_netns,
 )
 from devtools.render import (
@@ -146,7 +147,12 @@ def test_host_index() -> None:
 def test_layout_from_env(tmp_path: Path) -> None:
     default = Layout.from_env({})
     assert default.state.name == ".dev-cluster" and default.ssh_port == 22
-    assert default.net_base == 0
+    fresh = Layout.from_env({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path / "fresh")})
+    assert fresh.net_base == 0
+    # a base `up` recorded (one it picked itself, say) is found without the environment
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "net-base").write_text("160\n")
+    assert Layout.from_env({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path / "fresh")}).net_base == 160
     lay = Layout.from_env({"COLDSNAP_DEV_CLUSTER_DIR": str(tmp_path / "c"),
                            "COLDSNAP_DEV_SSH_PORT": "2222", "COLDSNAP_DEV_NET_BASE": "128"})
     assert (lay.state, lay.ssh_port, lay.net_base) == (tmp_path / "c", 2222, 128)
@@ -516,3 +522,36 @@ def test_tbf_lets_tcp_reach_the_rate_with_a_burst_that_fits_a_gso_segment() -> N
     assert shaping.LinkRates(0, 0).describe() == "links unshaped"
     assert shaping.LinkRates(1000, 0).describe() == (
         "host and control links 1000 Mbit/s, registry link unshaped")
+
+
+def test_up_moves_off_a_base_another_checkout_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's fresh clone beside a developer's cluster still up from another checkout: `up`
+    picks the first free base instead of failing on the other's namespaces."""
+    monkeypatch.delenv("COLDSNAP_DEV_NET_BASE", raising=False)
+    other = {f"csd-host-{i}": "/elsewhere/.dev-cluster" for i in range(4)}
+    other["csd-registry"] = "/elsewhere/.dev-cluster"
+    monkeypatch.setattr(cluster.net, "owned_namespaces", lambda state: [])
+    monkeypatch.setattr(cluster.net, "netns_exists", lambda name: name in other)
+    monkeypatch.setattr(cluster.net, "owner_of", lambda name: other.get(name))
+    assert cluster.choose_net_base(Layout(tmp_path), 4).net_base == 160
+    # namespaces of this very cluster are no clash: the default is kept
+    for name in list(other):
+        other[name] = str(tmp_path)
+    assert cluster.choose_net_base(Layout(tmp_path), 4).net_base == 0
+    # a base's registry slot meeting another cluster's host slot counts as a clash too
+    other.clear()
+    other["csd-host-92"] = "/elsewhere/.dev-cluster"  # the registry slot of base 160
+    other["csd-host-0"] = "/elsewhere/.dev-cluster"
+    assert cluster.choose_net_base(Layout(tmp_path), 4).net_base == 168
+    # a base the environment names is never moved: a clash there fails naming it, as before
+    monkeypatch.setenv("COLDSNAP_DEV_NET_BASE", "0")
+    assert cluster.choose_net_base(Layout(tmp_path), 4).net_base == 0
+
+
+def test_namespaces_of_a_base_name_both_kinds_on_each_slot() -> None:
+    names = namespaces_of(160, 2)
+    assert {"csd-host-160", "csd-host-161", "csd-registry-160", "csd-host-92",
+            "csd-registry-92", "csd-registry-91"} <= set(names)
+    assert "csd-registry" in namespaces_of(0, 1) and "csd-host-252" in namespaces_of(0, 1)

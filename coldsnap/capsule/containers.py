@@ -167,17 +167,26 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
 
 
+# Each PID whose /proc/PID/status says its state is anything but Z (zombie) or X (dead);
+# shell builtins only, so the probe itself forks nothing in the container.
+_RUNNING_PIDS = ('for p in "$@"; do\n'
+                 '  while read -r key state _; do\n'
+                 '    if [ "$key" = State: ]; then\n'
+                 '      case $state in Z|X) ;; *) echo "$p" ;; esac; break\n'
+                 '    fi\n'
+                 '  done 2>/dev/null < "/proc/$p/status"\n'
+                 'done; true')
+
+
 async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> list[int]:
-    """The subset of `pids` that exist in the container's PID namespace. An exec that did
-    not run (the script itself always exits 0) proves nothing: then all of them count as
-    alive, and the caller's own deadline decides."""
+    """The subset of `pids` that run in the container's PID namespace. A zombie is not
+    running: its /proc entry stays until PID 1 reaps it, and an engine that died unreaped
+    would otherwise hold a readiness wait to its deadline. An exec that did not run (the
+    script itself always exits 0) proves nothing: then all of them count as alive, and the
+    caller's own deadline decides."""
     if not pids:
         return []
-    out = await s.exec(
-        container,
-        ["sh", "-c", 'for p in "$@"; do test -d "/proc/$p" && echo "$p"; done; true', "sh",
-         *[str(p) for p in pids]],
-    )
+    out = await s.exec(container, ["sh", "-c", _RUNNING_PIDS, "sh", *[str(p) for p in pids]])
     if not out.ok:
         return list(pids)
     return [int(x) for x in out.stdout.split()]

@@ -1,0 +1,108 @@
+"""How many bytes a unit's dump will write on its host, estimated while the engine runs, so
+that a capture can refuse a host without the room before anything is frozen or written.
+
+What `criu_dump.dump` puts in the host's dump directory is, nearly all of it, the memory of
+the engine tree (each process's anonymous pages, the shared memory it maps) and the archives
+of the unit's /dev/shm and writable paths (`post_dump_action`); CRIU's own metadata images are
+small beside them. So the estimate reads, inside the container: every process of the tree
+rooted at the engine's PID, its `Anonymous` and `Pss_Shmem` from /proc/PID/smaps_rollup
+(Pss: memory shared between the tree's processes is counted once, as CRIU writes it once), and
+`du -skx` of /dev/shm and of each writable path (-x: the mounts inside a writable path, which
+the archive leaves out, are other filesystems). Pages the engine has swapped out are not
+counted: CRIU reads them back into the dump, but the test and CPU engines run unswapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.handle import UnitHandle, fail
+from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.spec import SHM_DIR
+
+# $1 the engine's PID, then the paths to measure. Only sh builtins for the process tree
+# (a capsule's rootfs need not have awk): the tree is grown from the root by PPid until no
+# process joins. Prints "memory KIB" then "path KIB" per path ("path -" when du failed).
+SIZE_SCRIPT = r"""root=$1
+shift
+pp=
+for s in /proc/[0-9]*/status; do
+  p=${s#/proc/}; p=${p%/status}
+  while read -r k v _; do
+    [ "$k" = PPid: ] && { pp="$pp $p:$v"; break; }
+  done < "$s" 2>/dev/null
+done
+tree=" $root "
+grew=1
+while [ $grew = 1 ]; do
+  grew=0
+  for e in $pp; do
+    p=${e%%:*}; q=${e#*:}
+    case "$tree" in *" $p "*) continue;; esac
+    case "$tree" in *" $q "*) tree="$tree$p "; grew=1;; esac
+  done
+done
+kib=0
+for p in $tree; do
+  while read -r k v _; do
+    case "$k" in Anonymous:|Pss_Shmem:) kib=$((kib + v));; esac
+  done < "/proc/$p/smaps_rollup" 2>/dev/null
+done
+echo "memory $kib"
+for d in "$@"; do
+  k=$(du -skx -- "$d" 2>/dev/null) && echo "$d ${k%%[!0-9]*}" || echo "$d -"
+done
+"""
+
+
+@dataclass(frozen=True)
+class DumpEstimate:
+    """The parts of a unit's dump, in bytes."""
+
+    unit_id: str
+    memory: int  # the engine tree's anonymous and shared memory
+    files: dict[str, int]  # /dev/shm and each writable path -> the bytes they hold
+
+    @property
+    def total(self) -> int:
+        return self.memory + sum(self.files.values())
+
+
+def parse_sizes(unit_id: str, stdout: str) -> DumpEstimate:
+    """SIZE_SCRIPT's answer; ValueError for anything else (a path du could not read
+    included: an estimate that leaves out a part is not one)."""
+    memory: int | None = None
+    files: dict[str, int] = {}
+    for line in stdout.splitlines():
+        path, _, kib = line.rpartition(" ")
+        if not kib.isdigit():
+            raise ValueError(f"cannot measure {path or line!r}")
+        if path == "memory" and memory is None:
+            memory = int(kib) * 1024
+        else:
+            files[path] = int(kib) * 1024
+    if memory is None:
+        raise ValueError("no memory figure in the answer")
+    return DumpEstimate(unit_id, memory, files)
+
+
+async def estimate_dump(s: CapsuleSession, handle: UnitHandle) -> DumpEstimate:
+    """The bytes `dump` will write for this running unit (see the module docstring); a
+    CapsuleError when the container cannot say."""
+    step = "space"
+    container = await s.container(handle.container_id, handle.unit, step)
+    assert handle.engine_pid is not None
+    out = await s.exec(container, ["sh", "-c", SIZE_SCRIPT, "sh", str(handle.engine_pid),
+                                   SHM_DIR, *handle.writable], timeout_s=120)
+    if not out.ok:
+        raise fail(s, handle.unit, step, f"measuring the engine's memory failed: {out.tail()}",
+                   CapsuleError)
+    try:
+        return parse_sizes(handle.unit, out.stdout)
+    except ValueError as exc:
+        raise fail(s, handle.unit, step, f"measuring the engine's memory: {exc}",
+                   CapsuleError) from None
+
+
+__all__ = ["SIZE_SCRIPT", "DumpEstimate", "estimate_dump", "parse_sizes"]

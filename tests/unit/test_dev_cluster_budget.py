@@ -1,16 +1,21 @@
-"""The dev cluster's disk: each host's cache budget in the inventory it writes, and what
-`down --purge` checks and removes (devtools/purge.py)."""
+"""The dev cluster's disk: each host's cache budget in the inventory it writes, what
+`down --purge` checks and removes (devtools/purge.py), and the sampler of the disk a
+scripts/test run uses (devtools/disk_peak.py)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from coldsnap.hosts.inventory import load_inventory
-from devtools import purge
-from devtools.layout import HostPaths, Layout, UsageError
+from devtools import disk_peak, purge
+from devtools.layout import REPO, HostPaths, Layout, UsageError
 from devtools.render import (
     DEFAULT_CACHE_BUDGET,
     InventoryHost,
@@ -75,3 +80,40 @@ def test_only_a_clusters_own_directory_is_purged(tmp_path: Path) -> None:
     assert purge.purge(state) >= 5000
     assert not state.exists()
     assert purge.purge(state) == 0  # nothing left: nothing to do
+
+
+def test_the_disk_sampler_keeps_the_peak_and_reports_what_is_left(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "big").write_bytes(b"x" * 3_000_000)
+    record = disk_peak.fold(None, disk_peak.state_bytes(state), 50_000_000_000)
+    assert record["peak_state_bytes"] >= 3_000_000
+    record = disk_peak.fold(record, 9_000_000_000, 41_000_000_000)
+    record = disk_peak.fold(record, 0, 49_500_000_000)
+    assert (record["peak_state_bytes"], record["min_free_bytes"]) == \
+        (9_000_000_000, 41_000_000_000)
+    assert record["samples"] == 3
+    line = disk_peak.report(record, 0, 49_500_000_000)
+    assert line == ("disk: the dev cluster's state peaked at 9.0 GB; the filesystem's free "
+                    "space fell by up to 9.0 GB (50.0 GB free at the start, 41.0 GB at the "
+                    "lowest); left behind: 0.0 GB of cluster state, 0.5 GB less free than at "
+                    "the start")
+
+
+def test_the_sampler_runs_until_told_to_stop(tmp_path: Path) -> None:
+    state, out = tmp_path / "state", tmp_path / "disk.json"
+    state.mkdir()
+    (state / "f").write_bytes(b"y" * 100_000)
+    proc = subprocess.Popen([sys.executable, "-m", "devtools.disk_peak", "sample", str(state),
+                             str(out), "--every", "0.2"], cwd=REPO)
+    try:
+        while not out.exists():
+            assert proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert json.loads(out.read_text())["peak_state_bytes"] >= 100_000
+    r = subprocess.run([sys.executable, "-m", "devtools.disk_peak", "report", str(out),
+                        str(state)], cwd=REPO, capture_output=True, text=True, check=True)
+    assert r.stdout.startswith("disk: the dev cluster's state peaked at 0.0 GB")

@@ -126,6 +126,7 @@ def build(docker_host: str, force: bool) -> str:
         log("inputs unchanged; image already in the registry")
         return recorded
     rootfs = CACHE / f"capsule-{key[:16]}.tar"
+    CACHE.mkdir(parents=True, exist_ok=True)
     compose(base, rootfs)
     tools.import_image(docker_host, rootfs, tag,
                        ['CMD ["/usr/local/bin/capsule-init"]',

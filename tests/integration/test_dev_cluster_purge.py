@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from devtools.layout import OWNERS_DIR, current_net_base
+from devtools.layout import MAX_SLOT, OWNERS_DIR, RegistryNet, current_net_base
 from devtools.purge import mounts_under
 from tests.integration.conftest import DEV_CLUSTER
 
@@ -22,6 +22,20 @@ pytestmark = pytest.mark.integration
 
 # Past the suite's cluster (4 hosts from its base) and below its registry host's slot.
 OFFSET = 5
+
+
+def _free_base() -> int:
+    """A network base for a 1-host cluster that no cluster on this machine uses: neither its
+    host's slot nor its registry host's is taken, as a host's or a registry's."""
+    names = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                               check=True).stdout.split())
+    for base in range(current_net_base() + OFFSET, MAX_SLOT // 2):
+        reg = MAX_SLOT - base
+        taken = {f"csd-host-{base}", f"csd-host-{reg}", RegistryNet(base).netns,
+                 RegistryNet(MAX_SLOT - base).netns}
+        if not taken & names:
+            return base
+    raise AssertionError("no free network base for a second cluster")
 
 
 def _cluster(env: dict[str, str], *args: str) -> None:
@@ -47,7 +61,7 @@ def _tiny_rootfs() -> bytes:
 
 
 def test_down_purge_leaves_nothing_on_disk() -> None:
-    base = current_net_base() + OFFSET
+    base = _free_base()
     # Short: containerd's sockets under the state must fit a unix socket path's 108 bytes.
     state = Path(tempfile.mkdtemp(prefix="csd-purge-")) / "c"
     env = dict(os.environ, COLDSNAP_DEV_CLUSTER_DIR=str(state),

@@ -10,11 +10,17 @@ rooted at the engine's PID, its `Anonymous` and `Pss_Shmem` from /proc/PID/smaps
 `du -skx` of /dev/shm and of each writable path (-x: the mounts inside a writable path, which
 the archive leaves out, are other filesystems). Pages the engine has swapped out are not
 counted: CRIU reads them back into the dump, but the test and CPU engines run unswapped.
+
+Less what the engine releases before the dump, as far as the capture knows it: a unit whose
+quiesce releases its weights (`UnitSpec.release_weights`) drops about its workers' payloads,
+whose sizes are read on the host. Its KV cache, which the quiesce drops too, has no size the
+capture knows: it stays in the estimate, which then errs high. Memory that `cuda-checkpoint`
+brings from a GPU into the process is not host memory before the dump and is not seen here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
@@ -63,10 +69,11 @@ class DumpEstimate:
     unit_id: str
     memory: int  # the engine tree's anonymous and shared memory
     files: dict[str, int]  # /dev/shm and each writable path -> the bytes they hold
+    released: int = 0  # what the quiesce releases: the weights, when it releases them
 
     @property
     def total(self) -> int:
-        return self.memory + sum(self.files.values())
+        return max(0, self.memory - self.released) + sum(self.files.values())
 
 
 def parse_sizes(unit_id: str, stdout: str) -> DumpEstimate:
@@ -99,10 +106,26 @@ async def estimate_dump(s: CapsuleSession, handle: UnitHandle) -> DumpEstimate:
         raise fail(s, handle.unit, step, f"measuring the engine's memory failed: {out.tail()}",
                    CapsuleError)
     try:
-        return parse_sizes(handle.unit, out.stdout)
+        estimate = parse_sizes(handle.unit, out.stdout)
     except ValueError as exc:
         raise fail(s, handle.unit, step, f"measuring the engine's memory: {exc}",
                    CapsuleError) from None
+    if not handle.spec.release_weights:
+        return estimate
+    return replace(estimate, released=await _payload_bytes(s, handle, step))
+
+
+async def _payload_bytes(s: CapsuleSession, handle: UnitHandle, step: str) -> int:
+    """The bytes of the unit's workers' payloads on the host (a file or a directory each)."""
+    paths = sorted({w.payload_path for w in handle.spec.workers if w.payload_path})
+    if not paths:
+        return 0
+    res = await s.target.host.run(["du", "-sbL", "--", *paths], timeout=60, check=False)
+    sizes = [ln.split("\t", 1)[0] for ln in res.stdout.decode(errors="replace").splitlines()] if res.ok else []
+    if len(sizes) != len(paths) or not all(n.isdigit() for n in sizes):
+        raise fail(s, handle.unit, step, "cannot read the size of its workers' payloads: "
+                   f"{res.stderr.decode(errors='replace').strip()[-500:]}", CapsuleError)
+    return sum(int(n) for n in sizes)
 
 
 __all__ = ["SIZE_SCRIPT", "DumpEstimate", "estimate_dump", "parse_sizes"]

@@ -70,6 +70,14 @@ def test_the_estimate_counts_the_tree_and_its_files_and_nothing_else(
     assert e.total == e.memory + e.files[str(files)]
 
 
+def test_released_weights_leave_the_estimate() -> None:
+    e = DumpEstimate("unit-0", 300 * MiB, {"/dev/shm": 2 * MiB}, released=256 * MiB)
+    assert e.total == 46 * MiB
+    # Released more than was measured (the weights were never host memory): files remain.
+    assert DumpEstimate("unit-0", 10 * MiB, {"/dev/shm": 2 * MiB}, released=256 * MiB).total \
+        == 2 * MiB
+
+
 def test_an_unreadable_path_fails_the_estimate(tmp_path: Path) -> None:
     out = subprocess.run(["sh", "-c", SIZE_SCRIPT, "sh", str(os.getpid()),
                           str(tmp_path / "absent")], capture_output=True, text=True,

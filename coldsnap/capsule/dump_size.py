@@ -121,7 +121,8 @@ async def _payload_bytes(s: CapsuleSession, handle: UnitHandle, step: str) -> in
     if not paths:
         return 0
     res = await s.target.host.run(["du", "-sbL", "--", *paths], timeout=60, check=False)
-    sizes = [ln.split("\t", 1)[0] for ln in res.stdout.decode(errors="replace").splitlines()] if res.ok else []
+    lines = res.stdout.decode(errors="replace").splitlines() if res.ok else []
+    sizes = [ln.split("\t", 1)[0] for ln in lines]
     if len(sizes) != len(paths) or not all(n.isdigit() for n in sizes):
         raise fail(s, handle.unit, step, "cannot read the size of its workers' payloads: "
                    f"{res.stderr.decode(errors='replace').strip()[-500:]}", CapsuleError)

@@ -120,7 +120,7 @@ async def _payload_bytes(s: CapsuleSession, handle: UnitHandle, step: str) -> in
     paths = sorted({w.payload_path for w in handle.spec.workers if w.payload_path})
     if not paths:
         return 0
-    res = await s.target.host.run(["du", "-sbL", "--", *paths], timeout=60, check=False)
+    res = await s.target.host.run(["du", "-sbLl", "--", *paths], timeout=60, check=False)
     lines = res.stdout.decode(errors="replace").splitlines() if res.ok else []
     sizes = [ln.split("\t", 1)[0] for ln in lines]
     if len(sizes) != len(paths) or not all(n.isdigit() for n in sizes):

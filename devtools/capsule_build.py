@@ -45,6 +45,10 @@ STATE = Path(os.environ.get("COLDSNAP_DEV_CLUSTER_DIR", REPO / ".dev-cluster"))
 SOURCES = REPO / "deploy" / "test-capsule"
 CAPSULE_SOURCES = REPO / "deploy" / "capsule"
 CACHE = STATE / "cache" / "test-capsule"
+# The Debian base, keyed by suite and packages, outside the clone with the vLLM capsule's
+# cache: `dev-cluster down --purge` (which scripts/test ends with) removes the state, and the
+# next cluster then imports the base instead of running mmdebstrap again.
+BASE_CACHE = Path(os.environ.get("COLDSNAP_CAPSULE_CACHE", "/var/cache/coldsnap/capsules"))
 REGISTRY_DIR = STATE / "registry"
 
 REPOSITORY = f"{REGISTRY_ADDR}/coldsnap/test-capsule"
@@ -80,7 +84,7 @@ def log(msg: str) -> None:
 
 
 def base_rootfs() -> Path:
-    return tools.base_rootfs(CACHE, SUITE, PACKAGES, APT_OPTIONS, PROG)
+    return tools.base_rootfs(BASE_CACHE, SUITE, PACKAGES, APT_OPTIONS, PROG)
 
 
 def sources() -> list[tuple[str, Path, int]]:
@@ -122,6 +126,7 @@ def build(docker_host: str, force: bool) -> str:
         log("inputs unchanged; image already in the registry")
         return recorded
     rootfs = CACHE / f"capsule-{key[:16]}.tar"
+    CACHE.mkdir(parents=True, exist_ok=True)
     compose(base, rootfs)
     tools.import_image(docker_host, rootfs, tag,
                        ['CMD ["/usr/local/bin/capsule-init"]',

@@ -95,9 +95,8 @@ def base_rootfs(cache: Path, suite: str, packages: Sequence[str], apt_options: S
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tar.tmp")
-    if tmp.is_dir():
-        shutil.rmtree(tmp)  # an interrupted earlier run
+    # Its own name per builder: the cache is shared by every clone on the machine.
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tar.tmp")
     log(prog, f"mmdebstrap {suite} (minbase + {', '.join(packages)}) -> {path.name}")
     # The machine's configured Debian mirror is used; no mirror address is written here.
     # --format=tar: mmdebstrap guesses the format from the name, and ".tmp" is no tarball name.

@@ -1,8 +1,9 @@
 """A local cluster of simulated coldsnap hosts (run through scripts/dev-cluster).
 
     scripts/dev-cluster up N [--no-docker] [--gpus N] [--link-mbit R] [--registry-mbit R2]
-                                                        start (or converge to) N hosts
-    scripts/dev-cluster down                            stop and remove everything it made
+                             [--cache-budget SIZE|none] start (or converge to) N hosts
+    scripts/dev-cluster down [--purge]                  stop and remove everything it made;
+                                                        --purge: and every file it wrote
     scripts/dev-cluster shape R [--registry-mbit R2]    shape the links (0 = unshaped)
     scripts/dev-cluster link-bytes                      JSON byte counters: control, registry
     scripts/dev-cluster stop-host NAME                  kill one host's sshd (a lost host)
@@ -28,7 +29,10 @@ Environment: COLDSNAP_DEV_CLUSTER_DIR (state, default .dev-cluster), COLDSNAP_DE
 (default 22), COLDSNAP_DEV_NET_BASE (a second cluster's first address slot; default 0, or,
 when another checkout's cluster holds base 0's namespaces, the first free one of 160, 168,
 ... that `up` picks and records in the state's net-base file),
-COLDSNAP_DEV_LINK_MBIT / COLDSNAP_DEV_REGISTRY_MBIT (defaults of the two rate options).
+COLDSNAP_DEV_LINK_MBIT / COLDSNAP_DEV_REGISTRY_MBIT (defaults of the two rate options),
+COLDSNAP_DEV_CACHE_BUDGET (each host's inventory `cache_budget`, default 4GiB; `none`: none).
+`down` keeps the state (keys, image stores, data_dirs) for the next `up`; `down --purge`
+removes all of it (devtools/purge.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from devtools import net, procs, registry_host, services, shaping
+from devtools import purge as purging
 from devtools.layout import (
     AUTO_NET_BASES,
     BRIDGE,
@@ -295,7 +300,8 @@ def cmd_up(layout: Layout, args: UpArgs) -> int:
         known_hosts_line(h.net.address, layout.ssh_port,
                          h.paths.host_key.with_suffix(".pub").read_text()) + "\n"
         for h in inv))
-    write_atomic(layout.inventory, inventory_yaml(layout, inv, args.docker, auth))
+    write_atomic(layout.inventory, inventory_yaml(layout, inv, args.docker, auth,
+                                                       args.cache_budget))
     if args.docker:
         # Ready-to-run requests need the capsule's digest: build (cached) and publish it first.
         run_script("build-test-capsule", layout)
@@ -310,7 +316,9 @@ def cmd_up(layout: Layout, args: UpArgs) -> int:
     return 0
 
 
-def cmd_down(layout: Layout) -> int:
+def cmd_down(layout: Layout, purge: bool = False) -> int:
+    if purge:
+        purging.check_markers(layout.state)  # before anything stops: a wrong directory
     names = layout.known_host_names()
     for name in names:
         services.stop_sshd(host_paths(layout, name))
@@ -339,6 +347,9 @@ def cmd_down(layout: Layout) -> int:
             f"({', '.join(net.bridge_ports())})")
     layout.cluster_env.unlink(missing_ok=True)
     log("down")
+    if purge:
+        freed = purging.purge(layout.state)
+        log(f"purged {layout.state} ({freed / 1e9:.1f} GB)")
     return 0
 
 
@@ -441,9 +452,12 @@ def dispatch(layout: Layout, argv: Sequence[str]) -> int:
         return cmd_up(choose_net_base(layout, up.hosts), up)
     if cmd == "shape":
         return cmd_shape(layout, rest)
+    if cmd == "down" and rest in ([], ["--purge"]):
+        return cmd_down(layout, purge=bool(rest))
     if cmd in ("down", "status", "link-bytes"):
         if rest:
-            raise UsageError(f"{cmd} takes no arguments")
+            raise UsageError(f"{cmd} takes no arguments" if cmd != "down"
+                             else "down takes only --purge")
         if cmd == "link-bytes":
             return cmd_link_bytes(layout)
         return cmd_down(layout) if cmd == "down" else cmd_status(layout)
@@ -472,8 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"error: {exc}")
         print(usage(), file=sys.stderr)
         return 2
-    except (ClusterError, net.NetError, services.ServiceError, registry_host.RegistryError,
-            subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+    except (ClusterError, purging.PurgeError, net.NetError, services.ServiceError,
+            registry_host.RegistryError, subprocess.CalledProcessError,
+            subprocess.TimeoutExpired) as exc:
         log(f"error: {exc}")
         return 1
     except BrokenPipeError:  # `status | head`: the reader left; nothing more to say

@@ -4,8 +4,11 @@ Public API:
 - `Receipt` (fields as FORMATS.md: `operation_id`, `operation`, `state`, `request_sha256`,
   `engine`, `snapshot_driver`, `replay_semantics`, `started_at`, `completed_at`,
   `duration_seconds`, `timing`, `result`, `error`), `ReceiptResult(artifact?, output?,
-  prepared?, operation_id_generated?, units?, services?)`, `ReceiptError(code, message)`.
+  prepared?, operation_id_generated?, units?, services?, space?)`, `ReceiptError(code,
+  message)`.
 - `ServiceAnswer`: one service's validation (coldsnapd's own field `result.services`).
+- `UnitSpace`: a capture's dump estimate for one unit against its host's free space, and the
+  bytes its CRIU images took (coldsnapd's own field `result.space`).
 - `reply_excerpt(text) -> str`: what a receipt keeps of an engine's reply or error.
 - `rfc3339_ns(unix_ns) -> str`: UTC with nanoseconds, e.g. `2026-11-29T10:15:00.000000001Z`.
 - `replay_semantics_for(operation, prepare_only=False) -> str`: capture
@@ -129,6 +132,19 @@ class ServiceAnswer(StrictModel):
     reply: str = Field(max_length=REPLY_EXCERPT_CHARS)
 
 
+class UnitSpace(StrictModel):
+    """A capture's space admission for one unit (coldsnapd's own field): its host's data_dir
+    (`path`) and the bytes free there before the dump, the bytes the dump was estimated to
+    write, and those its CRIU images took (absent when it did not dump)."""
+
+    unit: Id
+    host: NonEmpty
+    path: NonEmpty
+    free_bytes: int = Field(ge=0)
+    estimated_bytes: int = Field(ge=0)
+    images_bytes: int | None = Field(default=None, ge=0)
+
+
 class ReceiptResult(StrictModel):
     artifact: Id | None = None
     output: NonEmpty | None = None
@@ -141,6 +157,9 @@ class ReceiptResult(StrictModel):
     # A restore's (or wake's) validation, per service, in request order (coldsnapd's own
     # field); on a failed receipt too, once validation ran.
     services: list[ServiceAnswer] | None = None
+    # A capture's space admission, per unit in launch order (coldsnapd's own field); on a
+    # failed receipt too, once it ran.
+    space: list[UnitSpace] | None = None
 
 
 class ReceiptError(StrictModel):

@@ -3,7 +3,8 @@ committed across its hosts, and every unit's and worker's objects pulled into th
 with the inventory's `artifact_repository`, pushed there by their own hosts and the artifact
 published (`push`, `publishing`).
 
-Coordinated in phases with a barrier between them: no unit is dumped before every unit is
+Coordinated in phases with a barrier between them: no unit is quiesced before every host is
+known to have room for the dumps (`capture_space`), and no unit is dumped before every unit is
 quiesced and its GPUs checkpointed. A failure anywhere rolls every unit back (returned to
 serving, or stopped, as `lifecycle.activation_state` says), discards committed capsules, and
 writes nothing to the store's artifact index. The request's `output` is the front end's: the
@@ -55,6 +56,7 @@ from coldsnap.hosts.base import ProgressCallback
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.retry import is_transient
 from coldsnap.operations.budgets import remove_empty_operation_dirs
+from coldsnap.operations.capture_space import check_capture_space, record_dumped
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
@@ -170,10 +172,12 @@ async def _capture_units(
         r.ready = True
 
     await phase(ctx, "wait-ready", runs, ready, fail_fast=True)
+    await check_capture_space(ctx, hosts, runs)
     await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
     await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
     dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
     dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
+    record_dumped(ctx, {u: d.images_bytes for u, d in dumped.items()})
 
     async def do_commit(r: UnitRun) -> None:
         r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],

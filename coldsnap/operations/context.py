@@ -27,6 +27,7 @@ from coldsnap.formats.receipt import (
     ReceiptError,
     ReceiptResult,
     ServiceAnswer,
+    UnitSpace,
     replay_semantics_for,
     rfc3339_ns,
 )
@@ -175,6 +176,9 @@ class OperationContext:
         # Each service's validation once it ran (the receipt's `result.services`, also on a
         # failed receipt); None when no validation ran.
         self.services: list[ServiceAnswer] | None = None
+        # A capture's space admission once it ran (the receipt's `result.space`, also on a
+        # failed receipt); None before.
+        self.space: list[UnitSpace] | None = None
 
     def record_touched(self, touched: Touched) -> None:
         if self.touching is not None and touched.units:
@@ -198,9 +202,13 @@ class OperationContext:
         return "; ".join(parts)
 
     def _with_services(self, result: ReceiptResult | None) -> ReceiptResult | None:
-        if self.services is None:
+        """The result with what the operation recorded on its way (validation, space), which
+        a failed receipt carries too."""
+        update = {k: v for k, v in (("services", self.services), ("space", self.space))
+                  if v is not None}
+        if not update:
             return result
-        return (result or ReceiptResult()).model_copy(update={"services": self.services})
+        return (result or ReceiptResult()).model_copy(update=update)
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:

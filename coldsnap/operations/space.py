@@ -37,10 +37,10 @@ class SpaceNeed:
                 f"needed plus a margin of {margin_for(self.needed)}")
 
 
-def refuse_short(needs: Iterable[SpaceNeed]) -> None:
+def refuse_short(needs: Iterable[SpaceNeed], what: str = "nothing was sent") -> None:
     short = [n for n in needs if not n.enough]
     if short:
-        raise OperationFailed("no-space", "not enough free space, nothing was sent: "
+        raise OperationFailed("no-space", f"not enough free space, {what}: "
                               + "; ".join(n.describe() for n in short))
 
 

@@ -115,7 +115,11 @@ def test_capture_from_stdin_answers_with_one_receipt_on_stdout(ops: Ops,
     assert receipt["state"] == "succeeded" and receipt["operation"] == "capture"
     result = dict(receipt["result"])
     units = result.pop("units")
+    space = result.pop("space")
     assert result == {"artifact": "client-capture", "output": str(captured.output)}
+    # Each unit's dump as estimated before it ran, against what its images took
+    assert [(s["unit"], s["host"]) for s in space] == [("unit-0", "host-0"), ("unit-1", "host-1")]
+    assert all(0 < s["images_bytes"] <= s["estimated_bytes"] < s["free_bytes"] for s in space)
     # How each unit was quiesced: the test engine sleeps, releasing its weights (policy auto)
     assert [(u["unit"], u["accelerator"], u["quiesce"], u["weights_released"],
              u["gpu_checkpoint"]) for u in units] == [

@@ -219,7 +219,7 @@ def test_up_argument_errors(argv: list[str], base: int, message: str) -> None:
         ([], ""),
         (["bogus"], "unknown command 'bogus'"),
         (["status", "host-0"], "status takes no arguments"),
-        (["down", "now"], "down takes no arguments"),
+        (["down", "now"], "down takes only --purge"),
         (["stop-host"], "stop-host needs exactly one host name"),
         (["heal-host", "host-0", "host-1"], "heal-host needs exactly one host name"),
         (["partition-host", "db-1"], "bad host name 'db-1'"),

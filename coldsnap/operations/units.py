@@ -158,14 +158,12 @@ def releases_weights(weights: WeightsPolicy | None, engine: str) -> bool:
 
 
 def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
-    """policy.process.kv_discard (default true): the quiesce drops the KV cache. Keeping it
-    needs an engine whose sleep can keep it."""
+    """policy.process.kv_discard (default true): the quiesce drops the KV cache. `false`
+    keeps it where the engine's sleep can; an engine whose sleep always drops it (vLLM) drops
+    it anyway, as the reference does, and the manifest and receipt say it was dropped."""
     if process is None or process.kv_discard:
         return True
-    if not adapter_for(engine).can_keep_kv_cache:
-        raise PlacementError(f"policy.process.kv_discard: false, but {engine}'s sleep always "
-                             "drops the KV cache")
-    return False
+    return not adapter_for(engine).can_keep_kv_cache
 
 
 def staged_payload(worker: str, weights: WeightsPolicy | None) -> tuple[str, int, str] | None:

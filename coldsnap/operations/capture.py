@@ -125,7 +125,8 @@ async def capture(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
                              ctx.operation_id, weights=request.policy.weights,
-                             process=request.policy.process, workload=request.workload,
+                             process=request.policy.process, cache=request.policy.cache,
+                             workload=request.workload,
                              roots=roots)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None

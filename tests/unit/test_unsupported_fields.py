@@ -150,3 +150,18 @@ def test_the_capsule_is_pushed_to_the_requests_repository_when_it_names_one() ->
     assert push_repository("unit-0", registry=None, repository="reg:5000/caps") == \
         "reg:5000/caps/unit-0"
     assert push_repository("unit-0", registry=None, repository=None) is None
+
+
+def test_relative_user_paths_are_taken_from_the_cli_directory_and_never_reach_the_service(
+) -> None:
+    raw = minimal_request()
+    raw["output"] = "./artifacts/tp2.json"
+    assert parse_request(raw, cwd="/home/u/proj").output == "/home/u/proj/artifacts/tp2.json"
+    # The service parses without a directory: a relative output is refused there.
+    assert [i.path for i in issues_for(raw)] == ["output"]
+    restore = minimal_request()
+    _restore(restore)
+    restore["artifact"] = "../runs/a.json"
+    assert parse_request(restore, cwd="/home/u/proj").artifact == "/home/u/runs/a.json"
+    restore["artifact"] = "cap-1"
+    assert parse_request(restore, cwd="/home/u/proj").artifact == "cap-1"

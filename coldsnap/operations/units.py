@@ -96,7 +96,8 @@ def place_units(
         spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
                          labels=labels, weights=weights, workload=workload)
         spec = replace(spec, mount_roots=roots[0], log_roots=roots[1],
-                       release_weights=releases_weights(weights, launch.engine),
+                       release_weights=releases_weights(weights, launch.engine)
+                       and located_or_required(spec, weights),
                        must_release_weights=weights is not None and weights.mode == "native",
                        discard_kv=discards_kv(process, launch.engine),
                        cache_paths=tuple(cache.paths) if cache is not None and cache.seed
@@ -162,6 +163,17 @@ def releases_weights(weights: WeightsPolicy | None, engine: str) -> bool:
         raise PlacementError(f"policy.weights.mode: 'native' needs an engine that releases and "
                              f"reloads its weights; {engine} cannot")
     return adapter.can_release_weights
+
+
+def located_or_required(spec: UnitSpec, weights: WeightsPolicy | None) -> bool:
+    """Whether the unit's weights may leave its snapshot: every worker's payload is located,
+    or the mode is `native` (which refuses a worker without one at capture). In `auto` and
+    `cache-only-auto` a unit whose payloads the request does not locate (Sparkrun names the
+    model by its revision, not by files) keeps its weights in the snapshot, as the reference
+    falls back to the safetensors when no native pack is there."""
+    if weights is not None and weights.mode == "native":
+        return True
+    return all(w.payload_path for w in spec.workers)
 
 
 def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:

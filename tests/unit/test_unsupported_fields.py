@@ -165,3 +165,29 @@ def test_relative_user_paths_are_taken_from_the_cli_directory_and_never_reach_th
     assert parse_request(restore, cwd="/home/u/proj").artifact == "/home/u/runs/a.json"
     restore["artifact"] = "cap-1"
     assert parse_request(restore, cwd="/home/u/proj").artifact == "cap-1"
+
+
+def test_a_target_local_artifact_restores_only_on_the_hosts_that_captured_it() -> None:
+    from coldsnap.admission import GpuFact, HostFacts
+    from coldsnap.formats.artifact import TARGET_LOCAL, scope_requirement
+    from coldsnap.formats.request import Policy
+    from coldsnap.operations.restore import _admission
+    from tests.unit.artifact_factory import make_artifact
+
+    assert scope_requirement("target-local") == [TARGET_LOCAL]
+    assert scope_requirement("portable") == []
+    artifact = make_artifact("cap-local")
+    facts = {h: HostFacts(arch="x86_64", kernel="6.18.0", driver_version="610.43.02",
+                          gpus=[GpuFact(f"GPU-{h}", "NVIDIA GB10", "12.1")])
+             for h in ("host-0", "host-1")}
+    launch = artifact.launch
+    swapped = launch.model_copy(update={"units": [
+        u.model_copy(update={"host": h}) for u, h in zip(launch.units, ("host-1", "host-0"),
+                                                         strict=True)]})
+    # Portable: any host that passes admission.
+    assert _admission(artifact, swapped, Policy(), facts) == {}
+    local = artifact.model_copy(update={"requires": sorted([*artifact.requires, TARGET_LOCAL])})
+    assert _admission(local, launch, Policy(), facts) == {}
+    refused = _admission(local, swapped, Policy(), facts)
+    assert sorted(refused) == [u.id for u in launch.units]
+    assert all("target-local" in i.message for issues in refused.values() for i in issues)

@@ -154,4 +154,8 @@ async def collect_worker_objects(
         return WorkerObjects(w.id, HostFile(s.host, real, sha, size, found.root),
                              HostFile(s.host, plan_path, plan_sha, plan_size, out_dir), data)
 
-    return list(await asyncio.gather(*(one(w) for w in spec.workers)))
+    # A unit that keeps its weights in its snapshot needs no payload: a worker the request
+    # does not locate one for moves without one (and without a replay plan: its snapshot is
+    # the only way back). One whose weights were released cannot (`one` refuses it).
+    workers = [w for w in spec.workers if w.payload_path or spec.release_weights]
+    return list(await asyncio.gather(*(one(w) for w in workers)))

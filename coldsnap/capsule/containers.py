@@ -14,6 +14,8 @@ import docker.errors
 import docker.types
 import structlog
 
+from coldsnap.capsule.cache_seed import check_staged
+from coldsnap.capsule.cache_seed import seed as seed_cache
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.host_paths import check_host_paths
@@ -30,6 +32,7 @@ from coldsnap.capsule.spec import (
     ENGINE_PID_FLOOR,
     ENGINE_STDIN,
     LABEL_ACCELERATOR,
+    LABEL_WRITABLE,
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
@@ -71,11 +74,13 @@ async def create_container(
     """A quiet container of the unit; `images` is the host directory of its CRIU images."""
     name = name or new_container_name(spec, role)
     await check_host_paths(s, spec, step, error)
+    await check_staged(s, spec, step, error)
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
+    declared = declared_writable((await s.image_config(image)).get("Labels") or {}, spec)
     try:
-        writable = writable_paths((await s.image_config(image)).get("Labels") or {})
+        writable = writable_paths({LABEL_WRITABLE: declared})
     except ValueError as exc:
         raise fail(s, spec.unit_id, step, f"the capsule image {spec.image}: {exc}",
                    error) from None
@@ -104,6 +109,9 @@ async def create_container(
     try:
         labels = {**await _blank_workload_labels(s, image), **spec.labels,
                   LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
+        if spec.cache_paths:
+            # Committed with the container: a restore makes the same paths writable.
+            labels[LABEL_WRITABLE] = declared
         created = await s.call(
             api.create_container, image, command=list(spec.init_command), name=name,
             environment=spec.container_environment(devices), host_config=host_config,
@@ -117,6 +125,12 @@ async def create_container(
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
+
+
+def declared_writable(labels: Mapping[str, str], spec: UnitSpec) -> str:
+    """LABEL_WRITABLE of the unit's container: its image's, and its runtime cache paths."""
+    image = [p.strip() for p in (labels.get(LABEL_WRITABLE) or "").split(",") if p.strip()]
+    return ",".join(sorted({*image, *spec.cache_paths}))
 
 
 def new_container_name(spec: UnitSpec, role: str) -> str:
@@ -373,6 +387,11 @@ async def start_unit(
     except BaseException:
         if images is not None:
             await discard_dir(s.target.host, images.source)
+        raise
+    try:
+        handle.cache_seed = await seed_cache(s, handle, step)
+    except BaseException:
+        await remove_unit(s, handle)
         raise
     container = await s.container(handle.container_id, spec.unit_id, step)
     out = await s.exec(container, launch_argv(spec), timeout_s=120)

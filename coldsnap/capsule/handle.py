@@ -10,6 +10,7 @@ from typing import Literal
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import UnitSpec
+from coldsnap.formats.capsule import CacheSeed
 
 
 @dataclass
@@ -30,6 +31,8 @@ class UnitHandle:
     # The container's writable paths (coldsnap.capsule.spec.writable_paths), each a volume;
     # empty for a container found by label, whose engine no step of ours dumps or restores.
     writable: tuple[str, ...] = ()
+    # What seeded the runtime cache before the engine started (policy.cache.staged).
+    cache_seed: CacheSeed | None = None
 
     @property
     def unit(self) -> str:

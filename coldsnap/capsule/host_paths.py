@@ -38,6 +38,10 @@ async def check_host_paths(s: CapsuleSession, spec: UnitSpec, step: str,
     if spec.mount_roots is not None:
         checks += [(f"mounts[{j}].source", m.source, spec.mount_roots, "mounts.allow")
                    for j, m in enumerate(spec.mounts)]
+    if spec.mount_roots is not None and spec.cache_seed is not None:
+        # A staged cache is read from the host like a mount source: held to the same roots.
+        checks.append((f"{spec.cache_seed[0]}.path", spec.cache_seed[1], spec.mount_roots,
+                       "mounts.allow"))
     if spec.log_roots is not None and spec.log_path is not None:
         checks.append(("workload.log_path", spec.log_path, spec.log_roots, "log_paths.allow"))
     # The roots are resolved on the host too: a root that is itself a symlink (/srv/models ->

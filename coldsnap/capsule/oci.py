@@ -310,7 +310,7 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=list(handle.devices), weights_released=spec.release_weights,
         kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
-        quiesce="drain" if spec.drains else "sleep")
+        quiesce="drain" if spec.drains else "sleep", cache_seed=handle.cache_seed)
     return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 

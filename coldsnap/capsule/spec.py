@@ -272,6 +272,14 @@ class UnitSpec:
     # label is absent). A "cpu" engine is drained, not put to sleep, keeps its weights in its
     # CRIU images, and has no GPU state to checkpoint.
     accelerator: Literal["gpu", "cpu"] = "gpu"
+    # A capture's policy.cache.paths: each is writable (a volume, like WRITABLE_DEFAULT), so
+    # the snapshot carries what the engine compiled there, and the capsule declares them
+    # writable (LABEL_WRITABLE) for every restore.
+    cache_paths: tuple[str, ...] = ()
+    # The unit's policy.cache.staged entry (its field, and the host directory): copied into
+    # cache_paths[0] before the engine starts (coldsnap.capsule.cache_seed).
+    cache_seed: tuple[str, str] | None = None
+
     @property
     def drains(self) -> bool:
         """Whether quiesce drains the engine instead of putting it to sleep: an engine on the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,14 +41,16 @@ def request_label(source: str | Path) -> str:
 
 def load_request_source(source: str, expected_operation: str | None = None) -> Request:
     """The request at `source` (a path, or `-` for stdin, JSON or YAML either way); raises
-    RequestInvalid listing every problem."""
+    RequestInvalid listing every problem. Relative paths in it (a capture's `output`, an
+    artifact path) are this user's: resolved against the working directory."""
+    cwd = os.getcwd()
     if source != STDIN:
-        return load_request(Path(source), expected_operation=expected_operation)
+        return load_request(Path(source), expected_operation=expected_operation, cwd=cwd)
     # Read one byte past the limit: enough to refuse an oversized request without holding it.
     blob = sys.stdin.buffer.read(MAX_REQUEST_BYTES + 1)
     if len(blob) > MAX_REQUEST_BYTES:
         raise RequestInvalid([ValidationIssue("", "the request on stdin is larger than 16 MiB")])
-    return parse_request(blob, expected_operation=expected_operation)
+    return parse_request(blob, expected_operation=expected_operation, cwd=cwd)
 
 
 def print_issues(issues: Sequence[ValidationIssue], source: str | Path) -> None:

@@ -12,6 +12,7 @@ operation, whichever process runs it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ from coldsnap.commands.outputs import (
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, report_failure
 from coldsnap.formats.errors import RequestInvalid
 from coldsnap.formats.receipt import Operation
-from coldsnap.formats.request import Request
+from coldsnap.formats.request import Request, user_path
 from coldsnap.hosts.inventory import (
     DEFAULT_INVENTORY,
     Inventory,
@@ -120,6 +121,19 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         validation_timeout=getattr(args, "validation_timeout", None))
 
 
+def resolve_user_flags(args: argparse.Namespace) -> None:
+    """Relative paths on the command line are the user's, from their working directory:
+    made absolute before anything checks or records them (the receipt names them so)."""
+    cwd = os.getcwd()
+    for name in ("receipt_json", "timing_events"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            setattr(args, name, user_path(value, cwd))
+    artifact = getattr(args, "artifact", None)
+    if isinstance(artifact, str) and "/" in artifact and "://" not in artifact:
+        args.artifact = user_path(artifact, cwd)
+
+
 def operation_handler(
     operation: Operation,
     *,
@@ -129,6 +143,7 @@ def operation_handler(
     kind = OPERATIONS[operation]
 
     def handle(args: argparse.Namespace) -> int:
+        resolve_user_flags(args)
         problem = check_output_flags(args.receipt_json, args.timing_events) or \
             (check(args) if check else None)
         if problem:

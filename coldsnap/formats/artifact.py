@@ -125,6 +125,15 @@ class WeightsRecord(StrictModel):
     recovery: RecoveryRecord = Field(default_factory=RecoveryRecord)
 
 
+# In `requires` of an artifact captured with policy.process.artifact_scope: target-local: a
+# restore puts each unit back only on the host that captured it.
+TARGET_LOCAL: Final = "artifact-scope:target-local"
+
+
+def scope_requirement(scope: str) -> list[str]:
+    return [TARGET_LOCAL] if scope == "target-local" else []
+
+
 class Artifact(StrictModel):
     format: Literal[9] = 9
     kind: Literal["coldsnap-snapshot-artifact"] = ARTIFACT_KIND

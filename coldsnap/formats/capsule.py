@@ -134,6 +134,19 @@ class CriuImageSet(StrictModel):
         return copies
 
 
+class CacheSeed(StrictModel):
+    """What seeded a unit's runtime cache before its engine started (policy.cache.staged):
+    the staged host directory, the cache path it went to, and its regular files, their bytes
+    and the digest of its listing (`cache_seed_digest`: each file's path, mode, size and
+    content digest, sorted by path)."""
+
+    source: NonEmpty
+    path: NonEmpty
+    files: NonNegative
+    bytes: NonNegative
+    digest: Digest
+
+
 class CapsuleManifest(StrictModel):
     format: str = CAPSULE_MANIFEST_FORMAT
     unit_id: Id
@@ -157,6 +170,7 @@ class CapsuleManifest(StrictModel):
     # the weights stayed in the CRIU images.
     accelerator: Literal["gpu", "cpu"] = "gpu"
     quiesce: Literal["sleep", "drain"] = "sleep"
+    cache_seed: CacheSeed | None = None
 
     @model_validator(mode="after")
     def _format(self) -> CapsuleManifest:

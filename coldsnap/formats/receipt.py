@@ -25,7 +25,7 @@ from typing import Annotated, Final, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
-from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.capsule import CacheSeed, CapsuleManifest
 from coldsnap.formats.engines import EngineName
 from coldsnap.formats.fields import Digest, Id, NonEmpty, StrictModel
 from coldsnap.formats.timing import Seconds, Timing
@@ -84,6 +84,11 @@ class UnitQuiesce(StrictModel):
     quiesce: Literal["sleep", "drain"]
     weights_released: bool
     gpu_checkpoint: Literal["checkpointed", "not-applicable"]
+    # Whether the quiesce dropped the KV cache (an engine whose sleep always drops it does
+    # so even under policy.process.kv_discard: false).
+    kv_discarded: bool = True
+    # What seeded the unit's runtime cache before its engine started (policy.cache.staged).
+    cache_seed: CacheSeed | None = None
     note: NonEmpty
 
     @classmethod
@@ -100,6 +105,7 @@ class UnitQuiesce(StrictModel):
                     "(policy.weights.mode recovery, or an engine that cannot release them)")
         return cls(unit=manifest.unit_id, accelerator=manifest.accelerator,
                    quiesce=manifest.quiesce, weights_released=manifest.weights_released,
+                   kv_discarded=manifest.kv_discarded, cache_seed=manifest.cache_seed,
                    gpu_checkpoint=("not-applicable" if manifest.accelerator == "cpu"
                                    else "checkpointed"), note=note)
 

@@ -46,6 +46,7 @@ from coldsnap.formats.artifact import (
     criu_image_path,
     payload_path,
     replay_plan_path,
+    scope_requirement,
 )
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.capsule import CapsuleManifest
@@ -126,7 +127,8 @@ async def capture(
     try:
         placed = place_units(launch, topology, facts, hosts.entries, request.validation,
                              ctx.operation_id, weights=request.policy.weights,
-                             process=request.policy.process, workload=request.workload,
+                             process=request.policy.process, cache=request.policy.cache,
+                             workload=request.workload,
                              roots=roots)
     except PlacementError as exc:
         raise OperationFailed("placement", str(exc)) from None
@@ -240,8 +242,10 @@ async def _capture_units(
             objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
                                           path=replay_plan_path(w.worker_id), bytes=r_size,
                                           sha256=r_digest))
-            replay.append(ReplayPlanEntry(worker=w.worker_id, plan=replay_plan_path(w.worker_id),
-                                          payload=payload_path(p_digest)))
+            replay.append(ReplayPlanEntry(
+                worker=w.worker_id, plan=replay_plan_path(w.worker_id),
+                payload=payload_path(p_digest),
+                loader_backend=request.policy.weights.recovery.loader_backend))
         # The tar and plans now live in the store (or the registry); the capture host keeps
         # only its image.
         await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
@@ -277,7 +281,8 @@ async def _capture_units(
         snapshot_driver=ArtifactSnapshotDriver(id=driver.id,
                                                minimum_driver_major=driver.minimum_driver_major),
         launch=request.launch,
-        requires=sorted({"cuda-checkpoint", "criu", f"snapshot-driver:{driver.id}"}),
+        requires=sorted({"cuda-checkpoint", "criu", f"snapshot-driver:{driver.id}",
+                         *scope_requirement(request.policy.process.artifact_scope)}),
         # `runs` follow launch.units, so these lists are in unit order already.
         compatibility=Compatibility(units=compat),
         capsule=Capsule(images=images),

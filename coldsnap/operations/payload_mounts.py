@@ -10,6 +10,7 @@ from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Mount
+from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.staging import objects_dir, remote_object_path
 from coldsnap.operations.units import PlacedUnit
@@ -24,6 +25,11 @@ def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
     data_dir = hosts.entries[placed.host].data_dir
     mounts = list(placed.spec.mounts)
     for w in placed.spec.workers:
+        if not artifact.objects_with(ROLE_REPLAY_PLAN, Owner.worker(w.id)):
+            raise OperationFailed(
+                "replay", f"worker {w.id} of unit {placed.unit_id} has no payload in the "
+                "artifact (its capture located none and kept the weights in the snapshot): "
+                "it cannot be re-created natively, only restored from its snapshot")
         plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path

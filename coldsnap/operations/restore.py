@@ -46,6 +46,7 @@ from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,
+    TARGET_LOCAL,
     Artifact,
     ArtifactObject,
 )
@@ -315,6 +316,12 @@ def _admission(artifact: Artifact, launch: Launch, policy: Policy,
             enforce_captured_driver_floor=policy.compatibility.enforce_captured_driver_floor,
             kernel_policy=policy.compatibility.kernel,
             base=f"compatibility.units[{index}]")
+        captured = next(u.host for u in artifact.launch.units if u.id == unit.id)
+        if TARGET_LOCAL in artifact.requires and unit.host != captured:
+            result.refusals.append(ValidationIssue(
+                "requires", f"the artifact was captured with policy.process.artifact_scope: "
+                            f"target-local, so it restores only on {captured}, the host that "
+                            "captured this unit"))
         if result.refusals:
             refusals[unit.id] = [ValidationIssue(f"{x.path} (unit {unit.id} on {unit.host}, "
                                                  f"launch.units[{i}])", x.message)

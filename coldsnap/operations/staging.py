@@ -30,6 +30,8 @@ from coldsnap.digests import check_digest
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CRIU_IMAGE,
+    ROLE_REPLAY_PLAN,
+    ROLE_WEIGHTS,
     Artifact,
     ArtifactObject,
 )
@@ -62,9 +64,10 @@ def remote_object_path(data_dir: str, object_digest: str) -> str:
     return posixpath.join(objects_dir(data_dir), check_digest(object_digest))
 
 
-# Roles a unit may own any number of: CRIU image chunks, and no `oci-capsule` when the capsule
-# was pushed to a registry.
-_SEVERAL = (ROLE_CRIU_IMAGE, ROLE_CAPSULE)
+# Roles an owner may hold any number of: CRIU image chunks; no `oci-capsule` when the capsule
+# was pushed to a registry; no payload and replay plan for a worker whose unit kept its
+# weights in its snapshot and whose capture request located none.
+_SEVERAL = (ROLE_CRIU_IMAGE, ROLE_CAPSULE, ROLE_WEIGHTS, ROLE_REPLAY_PLAN)
 # CRIU objects in flight to one host at once, and placed at once while the next ones arrive:
 # each transfer and placement pays a fixed cost (a channel, a process on the host) that
 # overlapping hides.

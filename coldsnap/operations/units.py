@@ -16,6 +16,7 @@ from coldsnap.capsule.containers import (
 from coldsnap.capsule.spec import UnitSpec, WorkerSpec, host_path_for
 from coldsnap.engines import adapter_for
 from coldsnap.formats.request import (
+    CachePolicy,
     Launch,
     Mount,
     ProcessPolicy,
@@ -59,6 +60,7 @@ def place_units(
     weights: WeightsPolicy | None = None,
     *,
     process: ProcessPolicy | None = None,
+    cache: CachePolicy | None = None,
     workload: Workload | None = None,
     artifact: str | None = None,
     artifact_digest: str | None = None,
@@ -69,10 +71,12 @@ def place_units(
     relative to the engine's model directory (from its command line) and mapped to the host
     through the unit's mounts; a `staged` entry names the host file directly; and the mode
     says whether quiesce releases the weights (`releases_weights`). With `process`
-    (capture), `kv_discard` says whether it drops the KV cache. Containers are labelled with
-    the operation, the `workload` and the `artifact` they restore (its capture id and the
-    digest of its file). `roots` (mounts, log paths; None: unrestricted) are what the host's
-    realpath of each mount source and log path must stay under (the service's policy)."""
+    (capture), `kv_discard` says whether it drops the KV cache; with `cache` (capture), its
+    paths are the units' runtime caches, seeded from their `staged` directories. Containers
+    are labelled with the operation, the `workload` and the `artifact` they restore (its
+    capture id and the digest of its file). `roots` (mounts, log paths; None: unrestricted)
+    are what the host's realpath of each mount source and log path must stay under (the
+    service's policy)."""
     labels = {LABEL_OPERATION: operation_id, **workload_labels(workload)}
     if artifact is not None:
         labels[LABEL_ARTIFACT] = artifact
@@ -92,9 +96,13 @@ def place_units(
         spec = unit_spec(launch, i, topology, entries, validation, tuple(g.uuid for g in gpus),
                          labels=labels, weights=weights, workload=workload)
         spec = replace(spec, mount_roots=roots[0], log_roots=roots[1],
-                       release_weights=releases_weights(weights, launch.engine),
+                       release_weights=releases_weights(weights, launch.engine)
+                       and located_or_required(spec, weights),
                        must_release_weights=weights is not None and weights.mode == "native",
-                       discard_kv=discards_kv(process, launch.engine))
+                       discard_kv=discards_kv(process, launch.engine),
+                       cache_paths=tuple(cache.paths) if cache is not None and cache.seed
+                       else (),
+                       cache_seed=staged_cache(cache, unit.id))
         placed.append(PlacedUnit(unit.id, unit.host, tuple(gpus), spec))
     return placed
 
@@ -157,15 +165,34 @@ def releases_weights(weights: WeightsPolicy | None, engine: str) -> bool:
     return adapter.can_release_weights
 
 
+def located_or_required(spec: UnitSpec, weights: WeightsPolicy | None) -> bool:
+    """Whether the unit's weights may leave its snapshot: every worker's payload is located,
+    or the mode is `native` (which refuses a worker without one at capture). In `auto` and
+    `cache-only-auto` a unit whose payloads the request does not locate (Sparkrun names the
+    model by its revision, not by files) keeps its weights in the snapshot, as the reference
+    falls back to the safetensors when no native pack is there."""
+    if weights is not None and weights.mode == "native":
+        return True
+    return all(w.payload_path for w in spec.workers)
+
+
 def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
-    """policy.process.kv_discard (default true): the quiesce drops the KV cache. Keeping it
-    needs an engine whose sleep can keep it."""
+    """policy.process.kv_discard (default true): the quiesce drops the KV cache. `false`
+    keeps it where the engine's sleep can; an engine whose sleep always drops it (vLLM) drops
+    it anyway, as the reference does, and the manifest and receipt say it was dropped."""
     if process is None or process.kv_discard:
         return True
-    if not adapter_for(engine).can_keep_kv_cache:
-        raise PlacementError(f"policy.process.kv_discard: false, but {engine}'s sleep always "
-                             "drops the KV cache")
-    return False
+    return not adapter_for(engine).can_keep_kv_cache
+
+
+def staged_cache(cache: CachePolicy | None, unit: str) -> tuple[str, str] | None:
+    """The unit's policy.cache.staged entry, as (its field, the host directory)."""
+    if cache is None or not cache.seed or not cache.paths:
+        return None
+    for i, entry in enumerate(cache.staged):
+        if entry.unit == unit:
+            return f"policy.cache.staged[{i}]", entry.path
+    return None
 
 
 def staged_payload(worker: str, weights: WeightsPolicy | None) -> tuple[str, int, str] | None:

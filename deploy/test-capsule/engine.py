@@ -165,6 +165,17 @@ def start_workers(args: argparse.Namespace, manifest: dict[str, Any]) -> list[Ch
     return channels
 
 
+def read_cache(cache_dir: str, name: str) -> dict[str, Any]:
+    """{"path", "content"} of the cache file (content None when there is none)."""
+    path = os.path.join(cache_dir, name)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            content: str | None = f.read(4096)
+    except OSError:
+        content = None
+    return {"path": path, "content": content}
+
+
 def serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else DEFAULT_PORTS[args.api]
     # Opened before the workers start (they do not inherit it) and kept for the process's life.
@@ -175,6 +186,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"io_uring: {outcome}" + (f" (fd {ring})" if ring is not None else ""),
               flush=True)
     manifest = load_manifest()
+    # Read once at start, as a compiler cache is: what a seeded runtime cache held then is
+    # what the engine reports for its life (and, restored, for its snapshot's).
+    cache_seen = read_cache(args.cache_dir, args.cache_file)
     channels = start_workers(args, manifest)
     # Workers warm up in parallel; the API opens only once all of them are ready.
     for c in channels:
@@ -190,6 +204,7 @@ def serve(args: argparse.Namespace) -> int:
         c.start()
     engine = Engine(args, manifest, channels)
     engine.undumpable = undumpable
+    engine.cache_seen = cache_seen
     surface_cls = engine_http.VllmSurface if args.api == "vllm" else engine_http.SglangSurface
     surface = surface_cls(engine, args.served_model_name or args.model_dir)
     engine_http.Server.address_family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -233,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--try-io-uring", action="store_true",
                    help="ask for an io_uring instance at start and keep it, as libuv does "
                         "(the capsule's seccomp filter answers ENOSYS)")
+    s.add_argument("--cache-dir", default="/var/cache/coldsnap/runtime",
+                   help="the runtime cache whose --cache-file is read at start and reported "
+                        "at GET /coldsnap-test/cache")
+    s.add_argument("--cache-file", default="seed.txt")
     s.add_argument("--hold-undumpable", action="store_true",
                    help="keep a TCP connection open so that a CRIU dump is refused (tests)")
     w = sub.add_parser("worker", help="internal: one worker process, started by serve")

@@ -121,6 +121,8 @@ class Engine:
         self.placement_digest: str | None = None
         # the loopback TCP connection of --hold-undumpable
         self.undumpable: tuple[socket.socket, socket.socket] | None = None
+        # What the runtime cache held at start (engine.read_cache).
+        self.cache_seen: dict[str, Any] = {}
 
     def call_all(self, op: str, timeout: float, **kw: Any) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{} for _ in self.channels]

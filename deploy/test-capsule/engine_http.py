@@ -20,6 +20,7 @@ class EngineApi(Protocol):
     """What the surfaces need from engine.Engine."""
 
     sleeping: bool
+    cache_seen: dict[str, Any]
 
     @property
     def driver(self) -> object | None: ...  # the rank-0 worker's channel; None: not the driver
@@ -75,7 +76,12 @@ class Surface:
     def routes(self) -> dict[tuple[str, str], Route]:
         return {("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
                 ("POST", "/v1/completions"): self.completions,
-                ("POST", "/v1/chat/completions"): self.chat}
+                ("POST", "/v1/chat/completions"): self.chat,
+                ("GET", "/coldsnap-test/cache"): self.cache}
+
+    def cache(self, q: dict[str, list[str]], body: dict[str, Any]) -> Reply:
+        """What the engine's runtime cache held when it started (the test engine's own)."""
+        return 200, dict(self.engine.cache_seen)
 
     def health(self, q: dict[str, list[str]], body: dict[str, Any]) -> Reply:
         return (200 if self.engine.healthy() else 503), None

@@ -216,11 +216,13 @@ def test_the_sparkrun_flow_writes_the_artifact_as_the_submitting_user(
         assert taken.returncode == 2, taken.stderr[-3000:]
         assert f"output {output} already exists" in taken.stderr
         assert served.call("GET", "/v1/jobs/tp2-input-002")[0] == 404
-        # A relative output is refused by the CLI, naming the field, before it submits.
+        # A relative output is the user's path from their directory (here /, which is not
+        # theirs to write): resolved by the CLI and refused, absolute, before it submits.
         relative = as_tester("capture", "--request-json", "-", "--receipt-json", "-",
                              stdin=json.dumps(dict(request, id="tp2-input-003",
                                                    output="tp2-input-003.json")))
-        assert relative.returncode == 2 and "output" in relative.stderr
+        assert relative.returncode == 2
+        assert "output /tp2-input-003.json: its directory / is not writable" in relative.stderr
         assert served.call("GET", "/v1/jobs/tp2-input-003")[0] == 404
     finally:
         ops.remove_units()

@@ -90,10 +90,12 @@ def _capture_with(tmp_path: Path, output: str, *flags: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("output", "flags", "said"), [
-    ("artifact.json", (), "output: must be an absolute, clean path"),
     ("/srv/../etc/artifact.json", (), "output: must be an absolute, clean path"),
-    ("{tmp}/artifact.json", ("--receipt-json", "receipt.json"),
-     "--receipt-json 'receipt.json' must be '-' or an absolute, clean path"),
+    # Relative: the user's, from their working directory (the test's is {tmp}).
+    ("missing/artifact.json", (),
+     "output {tmp}/missing/artifact.json: its directory {tmp}/missing does not exist"),
+    ("./artifact.json", ("--receipt-json", "gone/receipt.json"),
+     "--receipt-json {tmp}/gone/receipt.json: its directory {tmp}/gone does not exist"),
     ("{tmp}/artifact.json", ("--receipt-json", "{tmp}/../r.json"),
      "--receipt-json '{tmp}/../r.json' must be '-' or an absolute, clean path"),
     ("{tmp}/missing/artifact.json", (),
@@ -104,8 +106,9 @@ def _capture_with(tmp_path: Path, output: str, *flags: str) -> list[str]:
      "--timing-events {tmp}/gone/t.ndjson: its directory {tmp}/gone does not exist"),
 ])
 def test_output_paths_are_checked_before_anything_runs(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], output: str,
-        flags: tuple[str, ...], said: str) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        output: str, flags: tuple[str, ...], said: str) -> None:
+    monkeypatch.chdir(tmp_path)
     tmp = str(tmp_path)
     argv = _capture_with(tmp_path, output.format(tmp=tmp), *(f.format(tmp=tmp) for f in flags))
     assert main(argv) == 2
@@ -123,6 +126,21 @@ def test_an_existing_output_is_refused_before_anything_runs(
     assert taken.read_text() == "mine\n"
     assert not (tmp_path / "store" / "operations").exists() or \
         not any((tmp_path / "store" / "operations").glob("*.json"))
+
+
+def test_a_relative_output_is_the_users_path_from_their_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolved by the CLI against its working directory: an existing file there is refused
+    by its absolute name, and `validate` takes the request as it is."""
+    (tmp_path / "artifacts").mkdir()
+    taken = tmp_path / "artifacts" / "tp2.json"
+    taken.write_text("mine\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(_capture_with(tmp_path, "./artifacts/tp2.json")) == 2
+    assert f"output {taken} already exists" in capsys.readouterr().err
+    assert taken.read_text() == "mine\n"
+    assert main(["validate", "--request", str(tmp_path / "req.yaml")]) == 0
 
 
 def test_a_directory_the_user_cannot_write_is_refused(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from coldsnap.hosts.helper.common import (
     EXIT_ABSENT,
     EXIT_MISMATCH,
     EXIT_OFFSET,
+    EXIT_REFUSED,
     EXIT_USAGE,
 )
 from coldsnap.hosts.helper.stamps import SET_STAMP_ATTR, STAMP_ATTR, set_stamp
@@ -168,3 +169,40 @@ def test_layers_keeps_what_is_above_the_base_and_carries_linked_bytes(tmp_path: 
     too_many = run("layers", str(saved), str(out), "4")
     assert too_many.returncode == EXIT_USAGE
     assert too_many.stderr == b"the image has 3 layers, fewer than its base's 4\n"
+
+
+def test_seed_copies_a_staged_cache_without_following_links_and_says_what_it_copied(
+        tmp_path: Path) -> None:
+    src, dst = tmp_path / "staged", tmp_path / "volume" / "runtime"
+    (src / "inductor").mkdir(parents=True)
+    (src / "seed.txt").write_text("warm\n")
+    (src / "inductor" / "k.py").write_bytes(b"x" * 3000)
+    os.chmod(src / "inductor" / "k.py", 0o600)
+    (tmp_path / "secret").write_text("outside\n")
+    (src / "escape").symlink_to(tmp_path / "secret")
+    (dst / "inductor").mkdir(parents=True)
+    (dst / "inductor" / "image-own.txt").write_text("kept\n")
+    res = run("seed", str(src), str(dst))
+    assert res.returncode == 0, res.stderr
+    answer = json.loads(res.stdout)
+    assert answer["files"] == 2 and answer["bytes"] == 5 + 3000
+    assert (dst / "seed.txt").read_text() == "warm\n"
+    assert (dst / "inductor" / "k.py").stat().st_mode & 0o777 == 0o600
+    assert (dst / "inductor" / "image-own.txt").read_text() == "kept\n"
+    # A link stays a link: what it names is not copied in.
+    assert (dst / "escape").is_symlink()
+    # The digest is of the tree, wherever it lies.
+    other = tmp_path / "elsewhere"
+    again = json.loads(run("seed", str(src), str(other)).stdout)
+    assert again["digest"] == answer["digest"]
+    (src / "seed.txt").write_text("cold\n")
+    assert json.loads(run("seed", str(src), str(other)).stdout)["digest"] != answer["digest"]
+
+
+def test_seed_refuses_a_missing_directory_or_a_link_to_one(tmp_path: Path) -> None:
+    res = run("seed", str(tmp_path / "gone"), str(tmp_path / "dst"))
+    assert res.returncode == EXIT_REFUSED and b"not a directory" in res.stderr
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert run("seed", str(tmp_path / "link"), str(tmp_path / "dst")).returncode == EXIT_REFUSED
+    assert not (tmp_path / "dst").exists()

@@ -39,24 +39,8 @@ def _restore(raw: Raw) -> None:
 
 
 REFUSED = [
-    ("graph-policy-other", _policy(process={"graph_policy": "preserve-exec"}),
-     "policy.process.graph_policy", "snapshot driver n610"),
-    ("shape-calibration-enabled", _policy(process={"shape_calibration": "enabled"}),
-     "policy.process.shape_calibration", "no shape calibration"),
-    ("artifact-scope-target-local", _policy(process={"artifact_scope": "target-local"}),
-     "policy.process.artifact_scope", "portable"),
     ("materialize-async", _policy(weights={"native": {"materialize": "async"}}),
-     "policy.weights.native.materialize", "before any unit starts"),
-    ("materialize-off", _policy(weights={"native": {"materialize": "off"}}),
-     "policy.weights.native.materialize", "before any unit starts"),
-    ("recovery-source", _policy(weights={"recovery": {"source": "s3://bucket/m"}}),
-     "policy.weights.recovery.source", "payload object"),
-    ("loader-backend-mmap", _policy(weights={"recovery": {"loader_backend": "mmap"}}),
-     "policy.weights.recovery.loader_backend", "its own loader"),
-    ("cache-seed-false", _policy(cache={"seed": False}), "policy.cache.seed", "always carries"),
-    ("cache-staged", _policy(cache={"staged": [{"unit": "u0", "path": "/s0"},
-                                               {"unit": "u1", "path": "/s1"}]}),
-     "policy.cache.staged", "seeds no cache"),
+     "policy.weights.native.materialize", "in the background"),
 ]
 
 
@@ -72,55 +56,72 @@ def test_a_value_coldsnapd_does_not_act_on_is_refused_naming_the_field(
                for i in issues), [str(i) for i in issues]
 
 
+# Each of these was refused once; the reference accepts them and its clients send them
+# (tests/unit/compat_corpus has the requests as they come).
 ACCEPTED = [
     ("defaults", _policy()),
     ("graph-policy-of-the-driver", _policy(process={"graph_policy": "preserve-nccl-exec"})),
+    ("graph-policy-other", _policy(process={"graph_policy": "preserve-exec"})),
+    ("graph-policy-recreate", _policy(process={"graph_policy": "recreate-from-plan"})),
+    ("graph-policy-disabled", _policy(process={"graph_policy": "disabled"})),
+    ("graph-policy-empty", _policy(process={"graph_policy": ""})),
     ("no-graphs", _policy(process={"async_graphs": False, "graph_policy": ""})),
+    ("no-graphs-disabled", _policy(process={"async_graphs": False,
+                                            "graph_policy": "disabled"})),
     ("shape-calibration-disabled", _policy(process={"shape_calibration": "disabled"})),
+    ("shape-calibration-enabled", _policy(process={"shape_calibration": "enabled"})),
     ("artifact-scope-portable", _policy(process={"artifact_scope": "portable"})),
+    ("artifact-scope-target-local", _policy(process={"artifact_scope": "target-local"})),
+    ("kv-discard-false", _policy(process={"kv_discard": False})),
     ("materialize-required", _policy(weights={"native": {"materialize": "required"}})),
+    ("materialize-off", _policy(weights={"native": {"materialize": "off"}})),
+    ("recovery-source", _policy(weights={"recovery": {"source": "s3://bucket/m"}})),
     ("loader-backend-auto", _policy(weights={"recovery": {"loader_backend": "auto"}})),
+    ("loader-backend-mmap", _policy(weights={"recovery": {"loader_backend": "mmap"}})),
     ("cache-paths", _policy(cache={"seed": True, "paths": ["/root/.cache/vllm"]})),
+    ("cache-seed-false", _policy(cache={"seed": False})),
+    ("cache-staged", _policy(cache={"staged": [{"unit": "u0", "path": "/s0"},
+                                               {"unit": "u1", "path": "/s1"}]})),
     ("capsule-repository", _policy(capsule={"repository": "reg:5000/team/capsules"})),
+    ("capsule-repository-empty", _policy(capsule={"repository": ""})),
 ]
 
 
 @pytest.mark.parametrize("change", [pytest.param(c, id=i) for i, c in ACCEPTED])
-def test_the_values_that_say_what_coldsnapd_does_are_accepted(
+def test_the_values_the_reference_accepts_are_accepted(
         change: Callable[[Raw], None]) -> None:
     raw = minimal_request()
     change(raw)
     assert issues_for(raw) == []
 
 
-def test_the_graph_policy_follows_the_driver_and_a_restore_is_checked_too() -> None:
+def test_an_empty_graph_policy_is_the_drivers_default_and_a_restore_is_checked_too() -> None:
     raw = minimal_request()
     raw["snapshot_driver"]["id"] = "n580"
-    raw["policy"] = {"process": {"graph_policy": "preserve-nccl-exec"}}
+    raw["policy"] = {"process": {"graph_policy": ""}}
+    assert parse_request(raw).policy.process.graph_policy == "recreate-from-plan"
+    raw["policy"] = {"process": {"async_graphs": False, "graph_policy": "preserve-exec"}}
     assert [i.path for i in issues_for(raw)] == ["policy.process.graph_policy"]
-    raw["policy"] = {"process": {"graph_policy": "recreate-from-plan"}}
-    assert issues_for(raw) == []
     restore = minimal_request()
     _restore(restore)
-    restore["policy"] = {"process": {"artifact_scope": "target-local"}}
-    assert [i.path for i in issues_for(restore)] == ["policy.process.artifact_scope"]
+    restore["policy"] = {"weights": {"native": {"materialize": "async"}}}
+    assert [i.path for i in issues_for(restore)] == ["policy.weights.native.materialize"]
 
 
 def test_the_cli_refuses_an_unsupported_value_with_exit_2(tmp_path: Path) -> None:
     raw = minimal_request()
-    raw["policy"] = {"weights": {"recovery": {"source": "s3://bucket/m"}}}
+    raw["policy"] = {"weights": {"native": {"materialize": "async"}}}
     path = tmp_path / "req.json"
     path.write_text(json.dumps(raw))
     proc = subprocess.run([sys.executable, "-m", "coldsnap", "validate", "--request-json",
                            str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "policy.weights.recovery.source" in proc.stderr
+    assert "policy.weights.native.materialize" in proc.stderr
     assert "not supported by this coldsnapd" in proc.stderr
 
 
 def test_seed_false_clears_the_default_cache_paths_in_the_canonical_form() -> None:
-    # The default still follows the format (request_sha256 depends on it), though coldsnapd
-    # refuses `seed: false` itself.
+    # The default follows the format (request_sha256 depends on it).
     out = apply_defaults({"policy": {"cache": {"seed": False}}})
     assert out["policy"]["cache"]["paths"] == []
 
@@ -149,3 +150,44 @@ def test_the_capsule_is_pushed_to_the_requests_repository_when_it_names_one() ->
     assert push_repository("unit-0", registry=None, repository="reg:5000/caps") == \
         "reg:5000/caps/unit-0"
     assert push_repository("unit-0", registry=None, repository=None) is None
+
+
+def test_relative_user_paths_are_taken_from_the_cli_directory_and_never_reach_the_service(
+) -> None:
+    raw = minimal_request()
+    raw["output"] = "./artifacts/tp2.json"
+    assert parse_request(raw, cwd="/home/u/proj").output == "/home/u/proj/artifacts/tp2.json"
+    # The service parses without a directory: a relative output is refused there.
+    assert [i.path for i in issues_for(raw)] == ["output"]
+    restore = minimal_request()
+    _restore(restore)
+    restore["artifact"] = "../runs/a.json"
+    assert parse_request(restore, cwd="/home/u/proj").artifact == "/home/u/runs/a.json"
+    restore["artifact"] = "cap-1"
+    assert parse_request(restore, cwd="/home/u/proj").artifact == "cap-1"
+
+
+def test_a_target_local_artifact_restores_only_on_the_hosts_that_captured_it() -> None:
+    from coldsnap.admission import GpuFact, HostFacts
+    from coldsnap.formats.artifact import TARGET_LOCAL, scope_requirement
+    from coldsnap.formats.request import Policy
+    from coldsnap.operations.restore import _admission
+    from tests.unit.artifact_factory import make_artifact
+
+    assert scope_requirement("target-local") == [TARGET_LOCAL]
+    assert scope_requirement("portable") == []
+    artifact = make_artifact("cap-local")
+    facts = {h: HostFacts(arch="x86_64", kernel="6.18.0", driver_version="610.43.02",
+                          gpus=[GpuFact(f"GPU-{h}", "NVIDIA GB10", "12.1")])
+             for h in ("host-0", "host-1")}
+    launch = artifact.launch
+    swapped = launch.model_copy(update={"units": [
+        u.model_copy(update={"host": h}) for u, h in zip(launch.units, ("host-1", "host-0"),
+                                                         strict=True)]})
+    # Portable: any host that passes admission.
+    assert _admission(artifact, swapped, Policy(), facts) == {}
+    local = artifact.model_copy(update={"requires": sorted([*artifact.requires, TARGET_LOCAL])})
+    assert _admission(local, launch, Policy(), facts) == {}
+    refused = _admission(local, swapped, Policy(), facts)
+    assert sorted(refused) == [u.id for u in launch.units]
+    assert all("target-local" in i.message for issues in refused.values() for i in issues)

@@ -68,7 +68,13 @@ from coldsnap.formats.request.models import (
     Workload,
     request_sha256,
 )
-from coldsnap.formats.request.parse import MAX_REQUEST_BYTES, load_request, parse_request
+from coldsnap.formats.request.parse import (
+    MAX_REQUEST_BYTES,
+    load_request,
+    parse_request,
+    resolve_user_paths,
+    user_path,
+)
 from coldsnap.formats.request.policy import (
     CACHE_ROOTS,
     DEFAULT_CACHE_PATHS,
@@ -142,4 +148,6 @@ __all__ = [
     "parse_request",
     "request_issues",
     "request_sha256",
+    "resolve_user_paths",
+    "user_path",
 ]

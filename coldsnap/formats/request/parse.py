@@ -3,6 +3,7 @@ defaults, type-check every field (first pass), then check the rules between fiel
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,15 +64,44 @@ def _decoded(data: bytes | str, encoding: Encoding | None) -> Any:
         raise _unreadable(exc) from None
 
 
+def user_path(path: str, cwd: str) -> str:
+    """`path` as the user who wrote it means it: a relative one is taken against their
+    working directory (`cwd`, absolute), as any command-line path is. A trailing '/' is kept,
+    so that a directory is still refused where a file is wanted."""
+    if path.startswith("/") or path == "-":
+        return path
+    joined = posixpath.normpath(posixpath.join(cwd, path))
+    return joined + "/" if path.endswith("/") and joined != "/" else joined
+
+
+def resolve_user_paths(raw: dict[str, Any], cwd: str) -> dict[str, Any]:
+    """The request with a capture's relative `output` and a relative artifact path (a
+    reference with '/' in it) taken against `cwd`: what the CLI does, since it reads and
+    writes those files as its user; the service only ever sees absolute ones. A publish's
+    `output` is a registry reference and stays as written."""
+    out = dict(raw)
+    output, artifact = out.get("output"), out.get("artifact")
+    if out.get("operation") == "capture" and isinstance(output, str) and output:
+        out["output"] = user_path(output, cwd)
+    if isinstance(artifact, str) and "/" in artifact and "://" not in artifact:
+        out["artifact"] = user_path(artifact, cwd)
+    return out
+
+
 def parse_request(
     data: bytes | str | Mapping[str, Any],
     *,
     expected_operation: str | None = None,
     encoding: Encoding | None = None,
+    cwd: str | None = None,
 ) -> Request:
+    """The validated request. With `cwd` (the CLI's working directory), relative user paths
+    are resolved against it first (`resolve_user_paths`)."""
     raw = _decoded(data, encoding) if isinstance(data, str | bytes) else data
     if not isinstance(raw, dict):
         raise RequestInvalid([ValidationIssue("", "request must be a mapping (a JSON object)")])
+    if cwd is not None:
+        raw = resolve_user_paths(raw, cwd)
     json_issues = value_issues(raw, what="request")
     if json_issues:
         raise RequestInvalid(json_issues)
@@ -97,10 +127,11 @@ def parse_request(
     return req
 
 
-def load_request(path: Path, *, expected_operation: str | None = None) -> Request:
+def load_request(path: Path, *, expected_operation: str | None = None,
+                 cwd: str | None = None) -> Request:
     try:
         blob = read_document(path, limit=MAX_REQUEST_BYTES)
     except DocumentUnreadable as exc:
         raise _unreadable(exc) from None
     return parse_request(blob, expected_operation=expected_operation,
-                         encoding=encoding_of(path))
+                         encoding=encoding_of(path), cwd=cwd)

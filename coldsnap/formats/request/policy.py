@@ -35,6 +35,9 @@ DEFAULT_GRAPH_POLICY = {"n580": "recreate-from-plan", "n610": "preserve-nccl-exe
 
 
 def _check_repository(value: str) -> str:
+    # Empty is the reference's "no repository" (Sparkrun sends a recipe's unset one so).
+    if value == "":
+        return value
     if _REPOSITORY.fullmatch(value) is None:
         raise invalid("must use only lowercase [a-z0-9._:/-]")
     if "@" in value or ":" in value.rsplit("/", 1)[-1]:
@@ -47,7 +50,8 @@ class ProcessPolicy(StrictModel):
     kv_discard: bool = True
     async_graphs: bool = True
     # The real default depends on the snapshot driver; `apply_defaults` fills it in.
-    graph_policy: Literal["", "preserve-exec", "recreate-from-plan", "preserve-nccl-exec"] = ""
+    graph_policy: Literal["", "disabled", "preserve-exec", "recreate-from-plan",
+                          "preserve-nccl-exec"] = ""
     shape_calibration: Literal["auto", "enabled", "disabled"] = "auto"
     artifact_scope: Literal["portable", "target-local"] = "portable"
 
@@ -130,15 +134,14 @@ def apply_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     out["policy"] = policy
 
     process = policy.get("process", {})
-    if isinstance(process, dict) and "graph_policy" not in process:
-        process = dict(process)
-        async_graphs = process.get("async_graphs", True)
+    # An empty graph_policy with async graphs is the reference's "the driver's default".
+    if isinstance(process, dict) and process.get("graph_policy", "") == "" \
+            and process.get("async_graphs", True) is not False:
         driver = _get(out.get("snapshot_driver"), "id")
-        if async_graphs is False:
-            process["graph_policy"] = ""
-        elif isinstance(driver, str) and driver in DEFAULT_GRAPH_POLICY:
+        if isinstance(driver, str) and driver in DEFAULT_GRAPH_POLICY:
+            process = dict(process)
             process["graph_policy"] = DEFAULT_GRAPH_POLICY[driver]
-        policy["process"] = process
+            policy["process"] = process
 
     cache = policy.get("cache", {})
     if isinstance(cache, dict) and "paths" not in cache:

@@ -9,7 +9,7 @@ import posixpath
 
 from coldsnap.formats.errors import Issues, join
 from coldsnap.formats.request.models import Request
-from coldsnap.formats.request.policy import CACHE_ROOTS, DEFAULT_GRAPH_POLICY
+from coldsnap.formats.request.policy import CACHE_ROOTS
 
 
 def policy_issues(issues: Issues, req: Request) -> None:
@@ -24,44 +24,15 @@ def _unsupported(issues: Issues, path: str, value: object, why: str) -> None:
 
 
 def unsupported_issues(issues: Issues, req: Request) -> None:
-    """Values the format allows that coldsnapd would validate and then ignore: each is
-    refused, naming its field, with what coldsnapd does instead. The defaults are what it
-    does, so a request that leaves these fields out is never refused here."""
-    process, weights, cache = req.policy.process, req.policy.weights, req.policy.cache
-    graphs = DEFAULT_GRAPH_POLICY.get(req.snapshot_driver.id, "") if process.async_graphs \
-        else ""
-    if process.graph_policy and process.graph_policy != graphs:
-        _unsupported(issues, "policy.process.graph_policy", process.graph_policy,
-                     "CUDA graphs are kept as the snapshot driver "
-                     f"{req.snapshot_driver.id} keeps them ('{graphs}', the default)")
-    if process.shape_calibration == "enabled":
-        _unsupported(issues, "policy.process.shape_calibration", "enabled",
-                     "it runs no shape calibration ('auto' and 'disabled' say so)")
-    if process.artifact_scope != "portable":
-        _unsupported(issues, "policy.process.artifact_scope", process.artifact_scope,
-                     "its artifacts are portable: any host that passes admission restores "
-                     "them ('portable', the default)")
-    native = weights.native
-    if native is not None and native.materialize not in (None, "required"):
-        _unsupported(issues, "policy.weights.native.materialize", native.materialize,
-                     "a restore stages every payload on its host before any unit starts "
-                     "('required', or leave it out)")
-    if weights.recovery.source is not None:
-        _unsupported(issues, "policy.weights.recovery.source", weights.recovery.source,
-                     "recovery replays each worker from the payload object its artifact "
-                     "holds (leave it out)")
-    if weights.recovery.loader_backend not in (None, "auto"):
-        _unsupported(issues, "policy.weights.recovery.loader_backend",
-                     weights.recovery.loader_backend,
-                     "a replayed engine loads its weights with its own loader ('auto', or "
-                     "leave it out)")
-    if not cache.seed:
-        _unsupported(issues, "policy.cache.seed", False,
-                     "the snapshot always carries what the engine wrote in its container, "
-                     "compiler caches included (true, the default)")
-    if cache.staged:
-        _unsupported(issues, "policy.cache.staged", "[...]",
-                     "it seeds no cache from a host directory (leave it empty)")
+    """Values the format allows that coldsnapd does not act on: each is refused, naming its
+    field, with what coldsnapd does instead. Only values the reference refuses too, or that
+    would need work coldsnapd does not do, belong here: tests/unit/compat_corpus holds the
+    requests that the reference's clients send, and each must stay accepted."""
+    native = req.policy.weights.native
+    if native is not None and native.materialize == "async":
+        _unsupported(issues, "policy.weights.native.materialize", "async",
+                     "nothing writes native packs in the background here ('off': none is "
+                     "written; 'required': every payload is staged before any unit starts)")
 
 
 def _inside(path: str, root: str) -> bool:
@@ -72,8 +43,6 @@ def _inside(path: str, root: str) -> bool:
 def _process_issues(issues: Issues, req: Request) -> None:
     process = req.policy.process
     if process.async_graphs:
-        if not process.graph_policy:
-            issues.add("policy.process.graph_policy", "must be set when async_graphs is true")
         for i, unit in enumerate(req.launch.units):
             for j, arg in enumerate(unit.command):
                 if "--enforce-eager" in arg:
@@ -81,8 +50,9 @@ def _process_issues(issues: Issues, req: Request) -> None:
                                "--enforce-eager is refused while policy.process.async_graphs "
                                "is true (eager mode has no CUDA graphs to capture)")
     else:
-        if process.graph_policy:
-            issues.add("policy.process.graph_policy", "must be empty when async_graphs is false")
+        if process.graph_policy not in ("", "disabled"):
+            issues.add("policy.process.graph_policy", "must be empty or 'disabled' when "
+                                                      "async_graphs is false")
         if process.shape_calibration == "enabled":
             issues.add("policy.process.shape_calibration", "'enabled' needs async_graphs")
 

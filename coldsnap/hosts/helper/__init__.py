@@ -13,6 +13,7 @@ the parts in order, without their imports of each other (`PROGRAM`).
   image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
   locks.py       hold: exclusive locks on the host (flock under <data_dir>/locks)
   registry.py    blob-pull, blob-push: a host's own objects from and to an OCI registry
+  seed.py        seed: a staged runtime cache copied into a unit's cache directory
   main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
 
 Modes:
@@ -40,6 +41,8 @@ Modes:
                             published; JSON {"received", "resumed_from", "size"}
   blob-push PATH DIGEST SIZE    the same stdin: the file as a blob, unless the repository
                             holds it; JSON {"present", "sent", "size"} (see registry.py)
+  seed SRC DST              copy the directory SRC into DST (no symlink followed); JSON
+                            {"files", "bytes", "digest"} of what was copied (see seed.py)
   hold ROOT HOLDER          locks under ROOT, taken and released by commands on stdin and
                             held until stdin ends: see locks.py
 
@@ -56,7 +59,7 @@ from importlib import resources
 
 # In the order the program needs them: each part uses only names of the parts before it.
 PARTS = ("stamps", "common", "beneath", "files", "image_sets", "locks", "registry",
-         "main")
+         "seed", "main")
 
 
 def _part(name: str) -> str:

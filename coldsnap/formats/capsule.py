@@ -175,6 +175,8 @@ class CapsuleManifest(StrictModel):
     accelerator: Literal["gpu", "cpu"] = "gpu"
     quiesce: Literal["sleep", "drain"] = "sleep"
     crossing: Literal["sessions", "reconnect"] | None = None
+    # The captured host's address, which the sockets name (None before it was recorded).
+    host_address: NonEmpty | None = None
     inet_sockets: list[InetSocketRecord] = Field(default_factory=list)
 
     @model_validator(mode="after")

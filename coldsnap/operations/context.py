@@ -27,6 +27,7 @@ from coldsnap.formats.receipt import (
     ReceiptError,
     ReceiptResult,
     ServiceAnswer,
+    UnitCrossing,
     replay_semantics_for,
     rfc3339_ns,
 )
@@ -175,6 +176,9 @@ class OperationContext:
         # Each service's validation once it ran (the receipt's `result.services`, also on a
         # failed receipt); None when no validation ran.
         self.services: list[ServiceAnswer] | None = None
+        # Per unit, how it crossed the capture or restore (the receipt's `result.crossings`,
+        # also on a failed receipt); None when no unit's sockets were looked at.
+        self.crossings: list[UnitCrossing] | None = None
 
     def record_touched(self, touched: Touched) -> None:
         if self.touching is not None and touched.units:
@@ -198,9 +202,14 @@ class OperationContext:
         return "; ".join(parts)
 
     def _with_services(self, result: ReceiptResult | None) -> ReceiptResult | None:
-        if self.services is None:
+        update: dict[str, Any] = {}
+        if self.services is not None:
+            update["services"] = self.services
+        if self.crossings is not None:
+            update["crossings"] = self.crossings
+        if not update:
             return result
-        return (result or ReceiptResult()).model_copy(update={"services": self.services})
+        return (result or ReceiptResult()).model_copy(update=update)
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: AttributeValue | None) -> Iterator[str]:

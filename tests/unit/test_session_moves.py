@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coldsnap.formats.capsule import CapsuleManifest, InetSocketRecord
+from coldsnap.hosts.ports import Listener, parse_ss_listeners
 from coldsnap.session_moves import (
     Endpoint,
     SessionMoveError,
@@ -112,3 +113,18 @@ def test_a_manifest_written_before_sockets_were_recorded_still_reads() -> None:
     fields = CapsuleManifest.model_fields
     assert fields["crossing"].default is None
     assert fields["inet_sockets"].default_factory is not None
+
+
+def test_ss_listeners_are_parsed_with_their_holders() -> None:
+    text = ('LISTEN 0 128 198.18.0.82:22 0.0.0.0:* users:(("sshd",pid=10856,fd=4))\n'
+            'LISTEN 0 4096 [::]:29500 [::]:*\n'
+            'LISTEN 0 5 *:8000 *:* users:(("python3",pid=77,fd=3),("python3",pid=78,fd=3))\n'
+            'garbage\n')
+    found = parse_ss_listeners(text)
+    assert found == [Listener("198.18.0.82", 22, "sshd (pid 10856)"),
+                     Listener("::", 29500, ""), Listener("*", 8000, "python3 (pid 77)")]
+    sshd, wild6, wild = found
+    assert sshd.covers("198.18.0.82", 22) and not sshd.covers("198.18.0.83", 22)
+    assert not sshd.covers("198.18.0.82", 23)
+    assert sshd.covers("0.0.0.0", 22), "a wildcard bind collides with every address"
+    assert wild6.covers("198.18.0.82", 29500) and wild.covers("127.0.0.1", 8000)

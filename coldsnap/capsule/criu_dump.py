@@ -26,6 +26,7 @@ from coldsnap.capsule.spec import (
     UnitSpec,
     writable_image,
 )
+from coldsnap.engines import adapter_for
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -90,8 +91,22 @@ def criu_flags(spec: UnitSpec) -> list[str]:
     it maps POSIX semaphores whose files it has deleted from /dev/shm, which CRIU takes only
     with --link-remap (linked back under /dev/shm as link_remap.N, in the tmpfs archive). A
     sleeping engine closes its cross-worker connections, so an established one there is a
-    fault that must fail the dump."""
-    return ["--tcp-established", "--link-remap"] if spec.drains else []
+    fault that must fail the dump.
+
+    An engine that keeps its sessions across a move (its adapter's crossing "sessions")
+    carries connections to other hosts: coldsnapd locks the network of every unit of the
+    workload itself before any is dumped or restored (coldsnap.capsule.netlock) and releases
+    them together, so CRIU's own lock, which holds one unit only for its own dump, is
+    skipped."""
+    flags = ["--tcp-established", "--link-remap"] if spec.drains else []
+    if keeps_sessions(spec):
+        flags += ["--network-lock", "skip"]
+    return flags
+
+
+def keeps_sessions(spec: UnitSpec) -> bool:
+    """Whether the unit's engine keeps its TCP connections across a checkpoint."""
+    return adapter_for(spec.engine).crossing(spec.accelerator) == "sessions"
 
 
 def io_uring_refusal(stdout: str) -> str:

@@ -4,6 +4,7 @@ the device map, each worker's GPU state restored and unlocked."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from coldsnap.capsule.gpu_checkpoint import CUDA_CHECKPOINT, device_map_args
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.placement import PLACEMENT_ARG_MAX, placement_bytes, seed_placement
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
+from coldsnap.capsule.socket_images import PROGRAM as REWRITE_PROGRAM
 from coldsnap.capsule.spec import (
     CRIU_IMAGES_DIR,
     CRIU_WORK_DIR,
@@ -94,6 +96,17 @@ done
 criu restore -D "$images" -W "$work" -d --lazy-pages -o restore.log $criu_flags
 set +e
 """
+# A moved restore of an engine that keeps its sessions: the image set's socket entries are
+# rewritten with the workload's address map (coldsnap.capsule.socket_images, run by the
+# capsule's python3) into a copy in the work directory, every other file a symlink to the
+# read-only original, which never changes (the same artifact restores again anywhere).
+_REWRITE_FAILED = 95
+_REWRITE = ('if [ -n "${COLDSNAP_ADDRESS_MAP:-}" ]; then\n'
+            '  python3 -c "$COLDSNAP_REWRITE_PROGRAM" rewrite "$images" "$work/images" '
+            '"$COLDSNAP_ADDRESS_MAP" >"$work/rewrite.out" 2>&1 '
+            f'|| {{ cat "$work/rewrite.out"; exit {_REWRITE_FAILED}; }}\n'
+            '  images="$work/images"\n'
+            'fi\n')
 _FULL_RESTORE = ('criu restore -D "$images" -W "$work" -d -o restore.log $criu_flags '
                  '|| exit $?\n')
 _CHECK_PIDS = """gone=
@@ -133,7 +146,9 @@ def lazy_restore_pays(images: CriuImageSet) -> bool:
 
 async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = True,
                        gpus: Mapping[str, str] | None = None,
-                       placement: Mapping[str, Any] | None = None) -> RestoreResult:
+                       placement: Mapping[str, Any] | None = None,
+                       address_map: Mapping[str, str] | None = None,
+                       leave_stopped: bool = False) -> RestoreResult:
     """CRIU restore of the engine tree inside the fresh container. Afterwards the tree runs
     with its original PIDs and its intake closed; its GPUs are still checkpointed, unless
     `gpus` (captured device -> destination device) is given: then each worker's GPU state is
@@ -142,7 +157,12 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     the same exec and before CRIU runs (`seed_placement` without a Docker call of its own).
 
     `lazy` (default) restores with userfaultfd-backed lazy pages; `criu check --feature
-    uffd-noncoop` in the capsule says whether the kernel allows it."""
+    uffd-noncoop` in the capsule says whether the kernel allows it.
+
+    `address_map` (old host address -> new, the whole workload's; empty or None: in place)
+    rewrites the image set's sockets first, on a copy. `leave_stopped`: the tree is restored
+    stopped, and runs only once `continue_tree` sends it SIGCONT (a workload whose units keep
+    their sessions is released together, once every unit exists)."""
     step = "criu-restore"
     container = await s.container(handle.container_id, handle.unit, step)
     want = [p for p in [handle.engine_pid, *handle.worker_pids.values()] if p is not None]
@@ -161,18 +181,24 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
     # Restore, the PID check and the GPU restore in one exec: each exec costs tens of ms.
     script = (_ARGS + _PREPARE + ("" if handle.spec.log_path else _PREPARE_LOG)
               + _SHM_RESTORE + _writable_restore(handle) + _SEED
+              + (_REWRITE if address_map else "")
               + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
               + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [
         "sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
         CUDA_CHECKPOINT, " ".join(map(str, workers.values())), seed,
-        " ".join(criu_flags(handle.spec)),
+        " ".join([*criu_flags(handle.spec), *(["--leave-stopped"] if leave_stopped else [])]),
         *device_map_args(gpus)],
-        timeout_s=LONG_DOCKER_CALL)
+        timeout_s=LONG_DOCKER_CALL,
+        env={"COLDSNAP_ADDRESS_MAP": json.dumps(dict(address_map), sort_keys=True),
+             "COLDSNAP_REWRITE_PROGRAM": REWRITE_PROGRAM} if address_map else None)
     seconds = time.monotonic() - t0
     if out.exit_code == _SHM_FAILED:
         raise fail(s, handle.unit, "shm", f"cannot put {SHM_DIR} or the writable paths "
                    f"{', '.join(handle.writable)} back: {out.tail(300)}", RestoreFailed)
+    if out.exit_code == _REWRITE_FAILED:
+        raise fail(s, handle.unit, "rewrite-sockets", f"cannot rewrite the image set's sockets "
+                   f"with {dict(address_map or {})}: {out.tail(600)}", RestoreFailed)
     if out.exit_code == _SEED_FAILED:
         raise fail(s, handle.unit, "placement", f"cannot write {RUNTIME_DIR}/{PLACEMENT_FILE}: "
                    f"{out.tail(300)}", RestoreFailed)
@@ -193,3 +219,19 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
              seconds=round(seconds, 3), gpus=bool(workers))
     return RestoreResult(handle.unit, seconds)
 
+
+# SIGCONT to every process of the container but this exec's own shell: the restored tree
+# (left stopped) and its init, which ignores it.
+_CONTINUE = ('for p in /proc/[0-9]*; do p=${p#/proc/}; '
+             '[ "$p" = $$ ] || kill -CONT "$p" 2>/dev/null; done\n')
+
+
+async def continue_tree(s: CapsuleSession, handle: UnitHandle, *,
+                        timeout_s: float = 30.0) -> None:
+    """Let a tree restored with `leave_stopped` run."""
+    step = "release-sessions"
+    container = await s.container(handle.container_id, handle.unit, step)
+    out = await s.exec(container, ["sh", "-c", _CONTINUE], timeout_s=timeout_s)
+    if not out.ok:
+        raise fail(s, handle.unit, step, f"SIGCONT to the restored tree: {out.tail(300)}",
+                   RestoreFailed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,9 @@ from coldsnap.capsule.images import (
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name, docker_tag
 from coldsnap.digests import is_digest
+from coldsnap.engines import adapter_for
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
-from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.capsule import CapsuleManifest, InetSocketRecord
 from coldsnap.hosts.helper import helper_argv
 
 log = structlog.get_logger("coldsnap.capsule")
@@ -240,7 +242,8 @@ def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
 
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
                  *, registry: str | None = None,
-                 repository: str | None = None) -> CommittedCapsule:
+                 repository: str | None = None,
+                 inet_sockets: Sequence[InetSocketRecord] = ()) -> CommittedCapsule:
     """The dumped unit as a capsule, all or nothing:
     - its CRIU images packed into objects on this host, under
       <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
@@ -310,7 +313,9 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=list(handle.devices), weights_released=spec.release_weights,
         kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
-        quiesce="drain" if spec.drains else "sleep", cache_seed=handle.cache_seed)
+        quiesce="drain" if spec.drains else "sleep", cache_seed=handle.cache_seed,
+        crossing=adapter_for(spec.engine).crossing(spec.accelerator),
+        host_address=spec.address, inet_sockets=list(inet_sockets))
     return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 

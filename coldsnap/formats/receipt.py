@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Field, model_validator
 from coldsnap.formats.artifact import ArtifactSnapshotDriver
 from coldsnap.formats.capsule import CacheSeed, CapsuleManifest
 from coldsnap.formats.engines import EngineName
-from coldsnap.formats.fields import Digest, Id, NonEmpty, StrictModel
+from coldsnap.formats.fields import Digest, Id, NonEmpty, NonNegative, StrictModel
 from coldsnap.formats.timing import Seconds, Timing
 
 RECEIPT_KIND: Final = "coldsnap-operation-receipt"
@@ -151,6 +151,22 @@ class UnitSpace(StrictModel):
     images_bytes: int | None = Field(default=None, ge=0)
 
 
+class UnitCrossing(StrictModel):
+    """How one unit crossed a capture or a restore (coldsnapd's own field `result.crossings`):
+    its engine's way across a move (`crossing`: "sessions", its TCP connections carried by
+    CRIU; "reconnect", its engine dials its peers again on wake), the inet sockets its dump
+    holds, the established TCP connections among them, those to another host (`carried`),
+    and how many sockets a moved restore rewrote (0 at a capture and in place)."""
+
+    unit: Id
+    host: NonEmpty
+    crossing: Literal["sessions", "reconnect"]
+    sockets: NonNegative = 0
+    established: NonNegative = 0
+    carried: NonNegative = 0
+    rewritten: NonNegative = 0
+
+
 class ReceiptResult(StrictModel):
     artifact: Id | None = None
     output: NonEmpty | None = None
@@ -166,6 +182,8 @@ class ReceiptResult(StrictModel):
     # A capture's space admission, per unit in launch order (coldsnapd's own field); on a
     # failed receipt too, once it ran.
     space: list[UnitSpace] | None = None
+    # coldsnapd's own field: per unit, how it crossed (UnitCrossing); None before it was kept.
+    crossings: list[UnitCrossing] | None = None
 
 
 class ReceiptError(StrictModel):

@@ -26,6 +26,7 @@ from coldsnap.capsule.engine_steps import quiesce, return_to_serving, wait_ready
 from coldsnap.capsule.gpu_checkpoint import checkpoint_gpus
 from coldsnap.capsule.oci import commit, discard_capsule, discard_capsule_by_name
 from coldsnap.capsule.session import CapsuleSession
+from coldsnap.engines import adapter_for
 from coldsnap.formats.artifact import (
     CAPTURE_REQUEST_PATH,
     ROLE_CAPSULE,
@@ -49,7 +50,7 @@ from coldsnap.formats.artifact import (
     scope_requirement,
 )
 from coldsnap.formats.canonical import canonical_json
-from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.capsule import CapsuleManifest, InetSocketRecord
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import HostRoots
@@ -70,6 +71,14 @@ from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.publishing import publish_capture
 from coldsnap.operations.push import Pusher, split_repository
 from coldsnap.operations.service_checks import unit_labels
+from coldsnap.operations.sessions import (
+    crossings,
+    dumped_sockets,
+    lock_for_capture,
+    release_locks,
+    session_runs,
+    unlock_all,
+)
 from coldsnap.operations.space import refuse_short, store_need
 from coldsnap.operations.unit_runs import UnitRun, explain, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, PlacementError, place_units
@@ -177,14 +186,29 @@ async def _capture_units(
     await check_capture_space(ctx, hosts, runs)
     await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
     await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
+    # The consistent cut: every unit that keeps its sessions is locked on its host before any
+    # unit is dumped, and released only once every dump is done (sessions).
+    keeping = session_runs(runs)
+    if keeping:
+        await lock_for_capture(ctx, keeping)
     dumps = await phase(ctx, "dump", runs, lambda r: dump(r.session, r.started))
     dumped = {r.placed.unit_id: d for r, d in zip(runs, dumps, strict=True)}
     record_dumped(ctx, {u: d.images_bytes for u, d in dumped.items()})
+    sockets: dict[str, list[InetSocketRecord]] = {}
+    if keeping:
+        listed = await phase(ctx, "dumped-sockets", keeping,
+                             lambda r: dumped_sockets(r.session, r.started))
+        sockets = {r.placed.unit_id: x for r, x in zip(keeping, listed, strict=True)}
+        await unlock_all(ctx, keeping)
+    ctx.crossings = crossings(runs, sockets, {}, {
+        r.placed.unit_id: adapter_for(r.started.spec.engine).crossing(r.started.spec.accelerator)
+        or "" for r in runs})
 
     async def do_commit(r: UnitRun) -> None:
         r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
                                  registry=hosts.inventory.registry,
-                                 repository=request.policy.capsule.repository)
+                                 repository=request.policy.capsule.repository,
+                                 inet_sockets=sockets.get(r.placed.unit_id, ()))
 
     await phase(ctx, "commit", runs, do_commit)
 
@@ -319,6 +343,13 @@ def _pusher(hosts: HostSet) -> Pusher | None:
 
 async def _rollback(ctx: OperationContext, hosts: HostSet, runs: Sequence[UnitRun],
                     capture_id: str, keep_serving: bool) -> None:
+    # Every lock first (the table is gone already, or never was, for most failures): a unit
+    # returned to serving behind its host's lock would serve no one.
+    keeping = session_runs(runs)
+    left = await release_locks(ctx, keeping, {r.placed.unit_id: r.placed.spec.image
+                                              for r in keeping}) if keeping else []
+    for problem in left:
+        ctx.log.warning("capture.lock-left", problem=problem)
     async def undo(r: UnitRun, s: CapsuleSession) -> Undone:
         await _discard_capsule(s, r, capture_id)
         if r.handle is None:

@@ -27,6 +27,7 @@ from coldsnap.formats.receipt import (
     ReceiptError,
     ReceiptResult,
     ServiceAnswer,
+    UnitCrossing,
     UnitSpace,
     replay_semantics_for,
     rfc3339_ns,
@@ -179,6 +180,9 @@ class OperationContext:
         # A capture's space admission once it ran (the receipt's `result.space`, also on a
         # failed receipt); None before.
         self.space: list[UnitSpace] | None = None
+        # Per unit, how it crossed the capture or restore (the receipt's `result.crossings`,
+        # also on a failed receipt); None when no unit's sockets were looked at.
+        self.crossings: list[UnitCrossing] | None = None
 
     def record_touched(self, touched: Touched) -> None:
         if self.touching is not None and touched.units:
@@ -202,10 +206,11 @@ class OperationContext:
         return "; ".join(parts)
 
     def _with_services(self, result: ReceiptResult | None) -> ReceiptResult | None:
-        """The result with what the operation recorded on its way (validation, space), which
-        a failed receipt carries too."""
-        update = {k: v for k, v in (("services", self.services), ("space", self.space))
-                  if v is not None}
+        """The result with what the operation recorded on its way (validation, space,
+        crossings), which a failed receipt carries too."""
+        update: dict[str, Any] = {
+            k: v for k, v in (("services", self.services), ("space", self.space),
+                              ("crossings", self.crossings)) if v is not None}
         if not update:
             return result
         return (result or ReceiptResult()).model_copy(update=update)

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from coldsnap.admission import HostFacts, check_admission
+from coldsnap.admission import HostFacts
 from coldsnap.capsule.containers import (
     LABEL_OPERATION,
     LABEL_UNIT,
@@ -35,7 +35,7 @@ from coldsnap.capsule.containers import (
     remove_operation_containers,
     start_unit,
 )
-from coldsnap.capsule.criu_restore import criu_restore, lazy_restore_pays
+from coldsnap.capsule.criu_restore import continue_tree, criu_restore, lazy_restore_pays
 from coldsnap.capsule.engine_steps import release, wait_ready
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import GpuRecord, device_map, write_gpu_record
@@ -46,12 +46,10 @@ from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
     ROLE_CAPSULE_MANIFEST,
-    TARGET_LOCAL,
     Artifact,
     ArtifactObject,
 )
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
-from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.request import Launch, Policy, Request, Validation
 from coldsnap.formats.service_policy import HostRoots
@@ -84,7 +82,17 @@ from coldsnap.operations.replace import (
     stop_previous,
     touched_previous,
 )
+from coldsnap.operations.restore_checks import admission_refusals, issues_text
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, unit_labels, validate_services
+from coldsnap.operations.sessions import (
+    SessionPlan,
+    check_session_ports,
+    crossings,
+    lock_for_restore,
+    plan_sessions,
+    release_locks,
+    unlock_all,
+)
 from coldsnap.operations.sources import ObjectSource, StoreSource
 from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
@@ -124,10 +132,6 @@ class RestoreOutcome:
     warm: bool = False  # lifecycle.activation_state warm: restored asleep, nothing validated
 
 
-def _issues_text(issues: Sequence[ValidationIssue]) -> str:
-    return "; ".join(f"{i.path}: {i.message}" for i in issues)
-
-
 def restore_placement(artifact: Artifact, request: Request | None,
                       captured: Request | None = None) -> tuple[Launch, Policy, Validation]:
     """The launch to place (the captured one, or the restore request's after the identity
@@ -145,7 +149,7 @@ def restore_placement(artifact: Artifact, request: Request | None,
     issues = compare_restore_identity(artifact.launch, request.launch)
     if issues:
         raise OperationFailed("identity", "the restore request changes the capture identity: "
-                              + _issues_text(issues))
+                              + issues_text(issues))
     return request.launch, request.policy, request.validation
 
 
@@ -223,13 +227,16 @@ async def restore(
         with ctx.span("restore.placement-network"):
             await check_placement_network(hosts, launch, topology, facts,
                                           rendezvous=policy.compatibility.rendezvous)
+        # Before anything is staged: a move that the engines cannot cross is refused here.
+        plan = plan_sessions(launch, {u.id: u.host for u in artifact.launch.units}, metas,
+                             hosts.entries)
         if not prepare_only:
             await locks.devices(placed)
 
-        refusals = _admission(artifact, launch, policy, facts)
+        refusals = admission_refusals(artifact, launch, policy, facts)
         replay_units = set(refusals)
         if refusals and fallback != "replay":
-            raise OperationFailed("admission", _issues_text(
+            raise OperationFailed("admission", issues_text(
                 [i for unit_issues in refusals.values() for i in unit_issues]))
 
         previous: dict[str, list[UnitContainer]] = {}
@@ -244,6 +251,11 @@ async def restore(
                                            exempt=[u for u, found in previous.items() if found],
                                            listening=early["all"])
                     await check_gpus_free(sessions, placed, previous)
+                    # Every address and port a carried socket binds on its target host:
+                    # not only the engine's own ports (an earlier instance this restore
+                    # replaces holds them, and frees them first).
+                    await check_session_ports(hosts, replace(plan, sockets={
+                        u: x for u, x in plan.sockets.items() if not previous.get(u)}), launch)
             heads = set(service_heads(topology).values())
             runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
                                previous=previous.get(p.unit_id, [])) for p in placed]
@@ -251,7 +263,7 @@ async def restore(
                 r.capsule_meta = metas[r.placed.unit_id]
                 r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
                 if r.placed.unit_id in replay_units:
-                    r.replay_reason = _issues_text(refusals[r.placed.unit_id])
+                    r.replay_reason = issues_text(refusals[r.placed.unit_id])
             with ctx.span("restore.space"):
                 # What staging will send is what the surveys found missing. A survey that
                 # failed is reported by staging, which awaits it too.
@@ -297,36 +309,11 @@ async def restore(
             try:
                 outcome.validated = await _restore_units(
                     ctx, hosts, store, artifact, launch, topology, runs, warm=warm,
-                    validate_timeout_s=validate_timeout_s)
+                    validate_timeout_s=validate_timeout_s, plan=plan)
             except BaseException:
                 await _rollback(ctx, hosts, store, runs)
                 raise
         return outcome
-
-
-def _admission(artifact: Artifact, launch: Launch, policy: Policy,
-               facts: dict[str, HostFacts]) -> dict[str, list[ValidationIssue]]:
-    refusals: dict[str, list[ValidationIssue]] = {}
-    for i, unit in enumerate(launch.units):
-        compat = artifact.compatibility_unit(unit.id)
-        index = [c.unit for c in artifact.compatibility.units].index(unit.id)
-        result = check_admission(
-            compat, facts[unit.host], devices=unit.devices,
-            snapshot_driver_min=artifact.snapshot_driver.minimum_driver_major,
-            enforce_captured_driver_floor=policy.compatibility.enforce_captured_driver_floor,
-            kernel_policy=policy.compatibility.kernel,
-            base=f"compatibility.units[{index}]")
-        captured = next(u.host for u in artifact.launch.units if u.id == unit.id)
-        if TARGET_LOCAL in artifact.requires and unit.host != captured:
-            result.refusals.append(ValidationIssue(
-                "requires", f"the artifact was captured with policy.process.artifact_scope: "
-                            f"target-local, so it restores only on {captured}, the host that "
-                            "captured this unit"))
-        if result.refusals:
-            refusals[unit.id] = [ValidationIssue(f"{x.path} (unit {unit.id} on {unit.host}, "
-                                                 f"launch.units[{i}])", x.message)
-                                 for x in result.refusals]
-    return refusals
 
 
 async def _stage(hosts: HostSet, source: ObjectSource,
@@ -396,9 +383,15 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
 async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStore,
                          artifact: Artifact, launch: Launch, topology: Topology,
                          runs: list[RestoreRun], *, warm: bool = False,
-                         validate_timeout_s: float = VALIDATE_TIMEOUT_S) -> list[str]:
+                         validate_timeout_s: float = VALIDATE_TIMEOUT_S,
+                         plan: SessionPlan | None = None) -> list[str]:
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
+    plan = plan or SessionPlan({}, {}, {})
+    # Units whose engines keep their sessions: restored stopped behind their hosts' locks,
+    # released together once every one of them exists (operations.sessions).
+    keeping = [r for r in snap if r.placed.unit_id in plan.sockets]
+    ctx.crossings = crossings(runs, plan.sockets, plan.address_map, plan.crossing)
 
     maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
             for r in snap if r.capsule_meta is not None}
@@ -417,10 +410,13 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     async def restore_engine(r: RestoreRun) -> None:
         # The placement is written by the restore's own exec: the engine reads it on wake.
         assert r.capsule_meta is not None
+        kept = r in keeping
         await criu_restore(r.session, r.started,
                            lazy=lazy_restore_pays(r.capsule_meta.criu_images),
                            gpus=None if warm else maps[r.placed.unit_id],
-                           placement=placements.get(r.placed.unit_id))
+                           placement=placements.get(r.placed.unit_id),
+                           address_map=plan.address_map if kept else None,
+                           leave_stopped=kept)
 
     captured = {u.id: u for u in artifact.launch.units}
 
@@ -440,7 +436,12 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                 phase(ctx, "start-restore", snap, start))
     # With its GPU state restored onto the destination's devices and unlocked in the same
     # exec (not for a unit held warm): no unit's GPUs wait for another unit's tree.
+    if keeping:
+        await lock_for_restore(ctx, keeping, plan.sockets, plan.address_map)
     await phase(ctx, "criu-restore", snap, restore_engine)
+    if keeping:
+        await unlock_all(ctx, keeping)
+        await phase(ctx, "continue", keeping, lambda r: continue_tree(r.session, r.started))
     if warm:
         await phase(ctx, "hold-warm", snap, hold_warm)
         await remove_previous(ctx, runs)
@@ -482,4 +483,11 @@ async def _rollback(ctx: OperationContext, hosts: HostSet, store: LocalStore,
         detail = "; ".join(text for _, text in revived)
         return (outcome if all(ok for ok, _ in revived) else "failed"), detail
 
+    # Every lock of the restore, before or without its container (a lock left behind would
+    # drop its host's later connections on those ports).
+    keeping = [r for r in runs if r.locked and r.capsule_meta is not None]
+    for problem in await release_locks(ctx, keeping, {
+            r.placed.unit_id: r.capsule_meta.image_id for r in keeping
+            if r.capsule_meta is not None}):
+        ctx.log.warning("restore.lock-left", problem=problem)
     await rollback_units(ctx, hosts, runs, undo)

@@ -41,6 +41,8 @@ class UnitRun:
     workers: list[WorkerObjects] | None = None
     # Passed wait-ready: only such a unit is worth returning to serving on rollback.
     ready: bool = False
+    # Its host's network lock was asked for (operations.sessions): released on rollback.
+    locked: bool = False
 
     @property
     def started(self) -> UnitHandle:

@@ -102,6 +102,10 @@ async def wait_ready(
             raise fail(s, handle.unit, step, "engine exited before it was healthy:\n"
                        + await engine_log_tail(s, container), EngineNotReady)
 
+    if not adapter.serves_api(spec.command):
+        handle.worker_pids = await _wait_headless(s, handle, step, deadline, interval,
+                                                  engine_alive)
+        return dict(handle.worker_pids)
     ans = await poll_ready(adapter, ep, spec.validation.health_path, deadline=deadline,
                            interval=interval, between=engine_alive)
     if ans.status != 200:
@@ -112,11 +116,29 @@ async def wait_ready(
     return dict(handle.worker_pids)
 
 
+async def _wait_headless(s: CapsuleSession, handle: UnitHandle, step: str, deadline: float,
+                         interval: float, alive: Callable[[], Awaitable[None]]
+                         ) -> dict[str, int]:
+    """A headless unit has no readiness probe: it is ready once its workers' processes are
+    found; the head's probe answers 200 only once they have joined its groups."""
+    while True:
+        try:
+            return await discover_workers(s, handle, step)
+        except EngineNotReady as exc:
+            await alive()
+            if time.monotonic() > deadline:
+                raise fail(s, handle.unit, step, f"headless unit: {exc.detail}",
+                           EngineNotReady) from None
+        await asyncio.sleep(interval)
+
+
 async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
     """Put the engine to sleep through its own surface: requests drained, cross-worker
     connections closed, the KV cache (`discard_kv`) and the weights (`release_weights`)
     released."""
     adapter, ep = endpoint(s, handle)
+    if not adapter.serves_api(handle.spec.command):
+        return  # headless: its head's quiesce stops the work its workers do
     try:
         if handle.spec.drains:
             await adapter.drain(ep)
@@ -132,9 +154,11 @@ async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume")
     new placement, rebuilds its cross-worker connections and, when its quiesce released
     them, reloads its weights from its model directory."""
     spec = handle.spec
-    if spec.drains:
-        return  # a drained engine was never put to sleep: there is nothing to wake
     adapter, ep = endpoint(s, handle)
+    if spec.drains or not adapter.serves_api(spec.command):
+        # A drained engine was never put to sleep, and a headless unit is woken through its
+        # head: there is nothing to wake.
+        return
     model_dir = adapter.model_dir(spec.command) if spec.release_weights else None
     try:
         await adapter.resume(ep, model_dir=model_dir, discard_kv=spec.discard_kv)

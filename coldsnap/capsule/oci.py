@@ -33,6 +33,7 @@ from coldsnap.capsule.images import (
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import docker_name, docker_tag
 from coldsnap.digests import is_digest
+from coldsnap.engines import adapter_for
 from coldsnap.formats.artifact import ROLE_CAPSULE, ROLE_CRIU_IMAGE, CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.hosts.helper import helper_argv
@@ -310,7 +311,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=list(handle.devices), weights_released=spec.release_weights,
         kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
-        quiesce="drain" if spec.drains else "sleep")
+        quiesce="drain" if spec.drains else "sleep",
+        crossing=adapter_for(spec.engine).crossing(spec.accelerator))
     return CommittedCapsule(manifest, tuple(objects), capture_id)
 
 

@@ -13,11 +13,17 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from coldsnap.hosts.base import Host
 from coldsnap.hosts.http import HttpAnswer, http_request
 from coldsnap.identity import flag_value
+
+# How a unit's engine crosses a restore onto other addresses: "sessions" (its established
+# connections between hosts are carried by CRIU, with every socket's addresses rewritten to
+# the new hosts'), "reconnect" (it closes them before the checkpoint and dials its peers again
+# on wake, from the placement), or None (neither: it cannot be restored onto other addresses).
+Crossing = Literal["sessions", "reconnect"]
 
 
 class EngineCallFailed(Exception):
@@ -121,6 +127,11 @@ class HttpEngine:
     def serving_port(self, command: Sequence[str]) -> int:
         return port_flag(command, self.default_port)
 
+    def serves_api(self, command: Sequence[str]) -> bool:
+        """Whether the unit's engine serves the HTTP surface (every unit, unless the engine
+        has a headless mode that runs only workers)."""
+        return True
+
     def api_key(self, command: Sequence[str], environment: Mapping[str, str]) -> str | None:
         """The key the engine demands of its clients: `--api-key KEY` or `--api-key=KEY` in
         its command (the engine's own precedence), else its environment variable."""
@@ -132,7 +143,7 @@ class HttpEngine:
 
     def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,
                      holds_rank0: bool) -> list[int]:
-        ports = {self.serving_port(command)}
+        ports = {self.serving_port(command)} if self.serves_api(command) else set()
         rendezvous = master_port(command, environment)
         if holds_rank0 and rendezvous is not None:
             ports.add(rendezvous)
@@ -188,6 +199,16 @@ class EngineAdapter(Protocol):
 
     def api_key(self, command: Sequence[str], environment: Mapping[str, str]) -> str | None:
         """The API key the engine was started with (None: it demands none)."""
+        ...
+
+    def serves_api(self, command: Sequence[str]) -> bool:
+        """Whether the unit's engine serves the HTTP surface; a headless unit runs workers
+        only: no readiness probe, no quiesce or resume call, no serving port."""
+        ...
+
+    def crossing(self, accelerator: str) -> Crossing | None:
+        """How the engine on `accelerator` ("gpu", "cpu") crosses a restore onto other
+        addresses (Crossing)."""
         ...
 
     def listen_ports(self, command: Sequence[str], environment: dict[str, str], *,

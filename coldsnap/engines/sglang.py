@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coldsnap.engines.base import (
+    Crossing,
     EngineCallFailed,
     EngineEndpoint,
     HttpEngine,
@@ -35,6 +36,12 @@ class SglangAdapter(HttpEngine):
     # has run under coldsnapd (only vLLM's, docs/engines.md).
     in_flight_metrics = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
     cpu_worker_titles = ("sglang::scheduler",)
+
+    def crossing(self, accelerator: str) -> Crossing | None:
+        # Its memory release closes the GPU communicators and the resume dials them again;
+        # on the CPU nothing closes or rebuilds its connections, and no SGLang CPU build has
+        # run under coldsnapd to show that CRIU carries them (docs/engines.md).
+        return "reconnect" if accelerator == "gpu" else None
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         return flag_value(command, ("--model-path", "--model", "--model-dir"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coldsnap.engines.base import (
+    Crossing,
     EngineCallFailed,
     EngineEndpoint,
     HttpEngine,
@@ -52,6 +53,16 @@ class VllmAdapter(HttpEngine):
         except (ValueError, KeyError, TypeError):
             raise EngineCallFailed(f"GET /load: unexpected answer {load.describe()}") from None
         return max(scheduled, taken)
+
+    def serves_api(self, command: Sequence[str]) -> bool:
+        # `vllm serve ... --headless`: a follower node of a multi-node engine, only workers.
+        return "--headless" not in command
+
+    def crossing(self, accelerator: str) -> Crossing | None:
+        # On the CPU no sleep closes the workers' gloo and ZMQ connections and no hook
+        # rebuilds them: CRIU carries them. On a GPU its sleep closes its communicators and
+        # its wake dials the placement's peers again (the coldsnap test engine does the same).
+        return "sessions" if accelerator == "cpu" else "reconnect"
 
     def model_dir(self, command: Sequence[str]) -> str | None:
         found = flag_value(command, ("--model", "--model-dir"))

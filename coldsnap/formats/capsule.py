@@ -9,6 +9,10 @@ restore needs to know about one unit's capture besides the artifact's own fields
   fixed-size chunks, small files are packed together. Its `digest` names the directory once
   it is reassembled on a host.
 - the engine and worker PIDs and the captured GPU UUIDs (the `--device-map` at restore).
+- `crossing` and `inet_sockets`: how the unit's engine crosses a restore onto other addresses
+  ("sessions": its TCP connections are carried by CRIU, "reconnect": it dials its peers again
+  on wake; None in manifests written before it was recorded), and, for "sessions", every inet
+  socket its dump holds (what a moved restore rewrites and probes before anything starts).
 
 Decoding is strict, like every format here: `parse_capsule_manifest` raises ArtifactInvalid
 naming each bad path.
@@ -134,6 +138,19 @@ class CriuImageSet(StrictModel):
         return copies
 
 
+class InetSocketRecord(StrictModel):
+    """One inet socket of a unit's dump (the socket entries of CRIU's files.img), addresses
+    as text (an IPv4-mapped IPv6 address kept as `::ffff:a.b.c.d`)."""
+
+    family: Literal[4, 6]
+    proto: NonEmpty  # "tcp", "udp", or the protocol's number as text
+    state: NonEmpty  # "listen", "established", or another TCP state's name
+    src: NonEmpty
+    sport: int = Field(ge=0, le=65535)
+    dst: NonEmpty
+    dport: int = Field(ge=0, le=65535)
+
+
 class CapsuleManifest(StrictModel):
     format: str = CAPSULE_MANIFEST_FORMAT
     unit_id: Id
@@ -157,6 +174,8 @@ class CapsuleManifest(StrictModel):
     # the weights stayed in the CRIU images.
     accelerator: Literal["gpu", "cpu"] = "gpu"
     quiesce: Literal["sleep", "drain"] = "sleep"
+    crossing: Literal["sessions", "reconnect"] | None = None
+    inet_sockets: list[InetSocketRecord] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _format(self) -> CapsuleManifest:

@@ -61,6 +61,25 @@ def test_adapters_know_their_ports_and_model_dirs() -> None:
         adapter_for("tgi")
 
 
+def test_a_headless_vllm_unit_serves_no_api_and_listens_only_for_its_rendezvous() -> None:
+    vllm, sglang = VllmAdapter(), SglangAdapter()
+    head = ["vllm", "serve", "/m", "--nnodes", "2", "--node-rank", "0",
+            "--master-port", "29500"]
+    follower = [*head[:-4], "--node-rank", "1", "--master-port", "29500", "--headless"]
+    assert vllm.serves_api(head) and not vllm.serves_api(follower)
+    assert sglang.serves_api(["python", "-m", "sglang.launch_server", "--headless"])
+    assert vllm.listen_ports(head, {}, holds_rank0=True) == [8000, 29500]
+    assert vllm.listen_ports(follower, {}, holds_rank0=False) == []
+
+
+def test_each_engine_says_how_it_crosses_a_move() -> None:
+    """vLLM on the CPU keeps its connections (CRIU carries them); on a GPU (the test engine
+    too) it reconnects on wake; SGLang reconnects on a GPU and declares neither on the CPU."""
+    vllm, sglang = VllmAdapter(), SglangAdapter()
+    assert (vllm.crossing("cpu"), vllm.crossing("gpu")) == ("sessions", "reconnect")
+    assert (sglang.crossing("cpu"), sglang.crossing("gpu")) == (None, "reconnect")
+
+
 def test_listening_ports_come_from_listen_sockets_only() -> None:
     table = (
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
@@ -147,9 +166,10 @@ def test_unit_ports_and_the_placement_document() -> None:
     topology = resolve(request)
     ports = unit_ports(request.launch, topology)
     assert [(p.unit, p.host, p.ports) for p in ports] == [
-        ("unit-0", "host-0", (8000, 29500)), ("unit-1", "host-1", (8000,))]
+        # unit-1 runs headless (`--headless`): no serving port.
+        ("unit-0", "host-0", (8000, 29500)), ("unit-1", "host-1", ())]
     assert clashes_within(ports) == []
-    same_host = [p.__class__(p.unit, "host-0", p.index, p.ports) for p in ports]
+    same_host = [p.__class__(p.unit, "host-0", p.index, (8000,)) for p in ports]
     assert "both listen on port 8000 of host host-0" in clashes_within(same_host)[0]
 
     docs = placement_documents(request.launch, topology, _entries(),

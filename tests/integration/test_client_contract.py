@@ -116,7 +116,11 @@ def test_capture_from_stdin_answers_with_one_receipt_on_stdout(ops: Ops,
     result = dict(receipt["result"])
     units = result.pop("units")
     space = result.pop("space")
+    crossings = result.pop("crossings")
     assert result == {"artifact": "client-capture", "output": str(captured.output)}
+    # The test engine dials its peers again on wake: nothing of its sessions is carried
+    assert [(c["unit"], c["host"], c["crossing"], c["carried"]) for c in crossings] == [
+        ("unit-0", "host-0", "reconnect", 0), ("unit-1", "host-1", "reconnect", 0)]
     # Each unit's dump as estimated before it ran, against what its images took
     assert [(s["unit"], s["host"]) for s in space] == [("unit-0", "host-0"), ("unit-1", "host-1")]
     assert all(0 < s["images_bytes"] <= s["estimated_bytes"] < s["free_bytes"] for s in space)
@@ -193,8 +197,11 @@ def test_restore_through_a_current_json_symlink(ops: Ops, captured: Captured) ->
         receipt = the_receipt(proc)
         assert receipt["operation_id"] == "client-restore"
         result = receipt["result"]
-        assert {k: v for k, v in result.items() if k != "services"} == {
+        assert {k: v for k, v in result.items() if k not in ("services", "crossings")} == {
             "artifact": "client-capture", "prepared": False}
+        assert [(c["unit"], c["host"], c["crossing"], c["rewritten"])
+                for c in result["crossings"]] == [("unit-0", "host-2", "reconnect", 0),
+                                                  ("unit-1", "host-3", "reconnect", 0)]
         assert [(s["service"], s["host"], s["answered"]) for s in result["services"]] == [
             ("engine", "host-2", True)]
         assert complete(ops, "host-2") == EXPECTED

@@ -114,12 +114,14 @@ def staged_files_imgs(ops: Ops, host: str) -> list[bytes]:
 
 
 def wait_for_container(ops: Ops, host: str, deadline: float) -> Any:
+    """The unit's container once it runs: one only created cannot be killed (Docker answers
+    409), and the restore is mid-way only once its container has started."""
     while time.monotonic() < deadline:
-        found = ops.unit_containers(host)
-        if found:
-            return found[0]
+        running = [c for c in ops.unit_containers(host) if c.status == "running"]
+        if running:
+            return running[0]
         time.sleep(0.05)
-    raise AssertionError(f"no unit container appeared on {host}")
+    raise AssertionError(f"no unit container ran on {host}")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,17 @@ def story(ops: Ops) -> Iterator[Story]:
         doc["launch"] = captured
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
+    try:
+        yield _story(ops, capture_req, moved_req, in_place, addresses)
+    finally:
+        # Whatever step failed, no unit of this module is left holding the hosts' ports for
+        # the modules after it.
+        ops.remove_units()
+
+
+def _story(ops: Ops, capture_req: Path, moved_req: Path, in_place: list[Path],
+           addresses: dict[str, str]) -> Story:
+    capture_id = yaml.safe_load(capture_req.read_text())["id"]
     capture = ops.coldsnapd("capture", "--request-json", str(capture_req), timeout=1500).ok()
     s = Story(addresses, capture_id, capture, answers(addresses["host-0"]))
     ops.remove_units()
@@ -196,8 +209,7 @@ def story(ops: Ops) -> Iterator[Story]:
     s.in_place = ops.coldsnapd("restore", "--request-json", str(in_place[2]), timeout=1200)
     if s.in_place.status == 0:
         s.in_place_answers = answers(addresses["host-0"])
-    ops.remove_units()
-    yield s
+    return s
 
 
 def _manifest(ops: Ops, capture_id: str, unit: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from coldsnap.commands.outputs import (
 )
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, report_failure
 from coldsnap.formats.errors import RequestInvalid
+from coldsnap.formats.fields import is_relative_artifact_path
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, user_path
 from coldsnap.hosts.inventory import (
@@ -130,7 +131,7 @@ def resolve_user_flags(args: argparse.Namespace) -> None:
         if isinstance(value, str) and value:
             setattr(args, name, user_path(value, cwd))
     artifact = getattr(args, "artifact", None)
-    if isinstance(artifact, str) and "/" in artifact and "://" not in artifact:
+    if isinstance(artifact, str) and is_relative_artifact_path(artifact):
         args.artifact = user_path(artifact, cwd)
 
 

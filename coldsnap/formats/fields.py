@@ -42,6 +42,19 @@ def is_id(value: str) -> bool:
     return _ID.fullmatch(value) is not None
 
 
+def is_registry_reference(text: str) -> bool:
+    """Whether an artifact reference names a published artifact, `REGISTRY/REPOSITORY@DIGEST`
+    (a file path starts with `/`; capture ids and digest prefixes hold no `/`)."""
+    return not text.startswith("/") and "/" in text and "@sha256:" in text
+
+
+def is_relative_artifact_path(text: str) -> bool:
+    """An artifact reference that is a file path relative to its writer's working directory:
+    it holds a '/', and is neither absolute, a URL, nor a registry reference."""
+    return ("/" in text and not text.startswith("/") and "://" not in text
+            and not is_registry_reference(text))
+
+
 def is_clean_absolute(value: str) -> bool:
     # normpath keeps a leading '//' (POSIX allows it a meaning), so refuse it explicitly.
     return (

@@ -34,6 +34,7 @@ from coldsnap.formats.artifact import (
 )
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.fields import is_registry_reference
 from coldsnap.formats.oci_artifact import (
     MANIFEST_MEDIA_TYPE,
     ManifestInvalid,
@@ -250,12 +251,6 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
         if stored is not None:
             store.remove_artifact(artifact.capture_id)
         raise
-
-
-def is_registry_reference(text: str) -> bool:
-    """Whether an artifact reference names a published artifact, `REGISTRY/REPOSITORY@DIGEST`
-    (a file path starts with `/`; capture ids and digest prefixes hold no `/`)."""
-    return not text.startswith("/") and "/" in text and "@sha256:" in text
 
 
 def import_reference(store: LocalStore, text: str, inventory: Inventory) -> StoredArtifact:

@@ -165,13 +165,17 @@ def test_relative_user_paths_are_taken_from_the_cli_directory_and_never_reach_th
     assert parse_request(restore, cwd="/home/u/proj").artifact == "/home/u/runs/a.json"
     restore["artifact"] = "cap-1"
     assert parse_request(restore, cwd="/home/u/proj").artifact == "cap-1"
+    # A published artifact's registry reference holds '/' too, and is no path.
+    published = "198.18.0.254:5000/coldsnap/tp2@sha256:" + "a" * 64
+    restore["artifact"] = published
+    assert parse_request(restore, cwd="/home/u/proj").artifact == published
 
 
 def test_a_target_local_artifact_restores_only_on_the_hosts_that_captured_it() -> None:
     from coldsnap.admission import GpuFact, HostFacts
     from coldsnap.formats.artifact import TARGET_LOCAL, scope_requirement
     from coldsnap.formats.request import Policy
-    from coldsnap.operations.restore import _admission
+    from coldsnap.operations.restore_checks import admission_refusals as _admission
     from tests.unit.artifact_factory import make_artifact
 
     assert scope_requirement("target-local") == [TARGET_LOCAL]

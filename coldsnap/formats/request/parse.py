@@ -20,6 +20,7 @@ from coldsnap.formats.documents import (
     value_issues,
 )
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue, format_path
+from coldsnap.formats.fields import is_relative_artifact_path
 from coldsnap.formats.request.launch import Launch
 from coldsnap.formats.request.launch_rules import launch_issues
 from coldsnap.formats.request.models import Request
@@ -83,7 +84,7 @@ def resolve_user_paths(raw: dict[str, Any], cwd: str) -> dict[str, Any]:
     output, artifact = out.get("output"), out.get("artifact")
     if out.get("operation") == "capture" and isinstance(output, str) and output:
         out["output"] = user_path(output, cwd)
-    if isinstance(artifact, str) and "/" in artifact and "://" not in artifact:
+    if isinstance(artifact, str) and is_relative_artifact_path(artifact):
         out["artifact"] = user_path(artifact, cwd)
     return out
 

@@ -114,10 +114,12 @@ def staged_files_imgs(ops: Ops, host: str) -> list[bytes]:
 
 
 def wait_for_container(ops: Ops, host: str, deadline: float) -> Any:
-    """The unit's container once it runs: one only created cannot be killed (Docker answers
-    409), and the restore is mid-way only once its container has started."""
+    """The unit's restore container once it runs: one only created cannot be killed (Docker
+    answers 409), and the restore is mid-way only once its container has started (the CRIU
+    probe's container at admission carries the unit's label too, with another role)."""
     while time.monotonic() < deadline:
-        running = [c for c in ops.unit_containers(host) if c.status == "running"]
+        running = [c for c in ops.unit_containers(host) if c.status == "running"
+                   and c.labels.get("org.coldsnap.role") == "restore"]
         if running:
             return running[0]
         time.sleep(0.05)
@@ -280,6 +282,9 @@ def test_a_follower_killed_mid_restore_rolls_back_both_hosts_and_their_locks(
         story: Story) -> None:
     run = story.killed
     assert run is not None and run.status != 0, "the restore succeeded without its follower"
+    # Killed mid-restore, past admission: the units' containers had started.
+    assert run.receipt is not None
+    assert "restore.start-restore" in {s["name"] for s in run.receipt["timing"]["spans"]}
     assert story.killed_left == {}, f"units left: {story.killed_left}"
     assert story.locks_left == [], f"locks left: {story.locks_left}"
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from coldsnap.admission import HostFacts, port_conflicts
 from coldsnap.engines import adapter_for, master_addr, master_port
 from coldsnap.formats.request import Launch, Unit
-from coldsnap.hosts.base import HostError
+from coldsnap.hosts.base import Host, HostError
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.netcheck import resolve_name, tcp_refusal
 from coldsnap.hosts.ports import listening_ports
@@ -35,6 +35,8 @@ from coldsnap.placement_rules import (
     rendezvous_values,
 )
 from coldsnap.topology import Topology
+
+T = TypeVar("T")
 
 PLACEMENT_FORMAT = "coldsnap-placement/1"
 
@@ -78,21 +80,27 @@ def clashes_within(units: Sequence[UnitPorts]) -> list[str]:
     return problems
 
 
-async def listening_by_host(hosts: HostSet, names: Iterable[str]) -> dict[str, set[int]]:
-    """The TCP ports each host listens on now, all hosts at once; a host that cannot be
-    asked refuses the operation (OperationFailed "host-unreachable")."""
-    names = sorted(set(names))
-    results = await asyncio.gather(*(listening_ports(hosts.host(n)) for n in names),
+async def ask_every_host(hosts: HostSet, names: Iterable[str],
+                         ask: Callable[[Host], Awaitable[T]], what: str) -> dict[str, T]:
+    """`ask` of each named host, all hosts at once; a host that cannot be asked refuses the
+    operation (OperationFailed "host-unreachable", saying it could not read `what`)."""
+    ordered = sorted(set(names))
+    results = await asyncio.gather(*(ask(hosts.host(n)) for n in ordered),
                                    return_exceptions=True)
-    taken: dict[str, set[int]] = {}
-    for name, res in zip(names, results, strict=True):
+    answers: dict[str, T] = {}
+    for name, res in zip(ordered, results, strict=True):
         if isinstance(res, BaseException):
             if not isinstance(res, HostError):
                 raise res
-            raise OperationFailed("host-unreachable", f"host {name}: cannot read its listening "
-                                                       f"ports: {res.message}")
-        taken[name] = res
-    return taken
+            raise OperationFailed("host-unreachable",
+                                  f"host {name}: cannot read its {what}: {res.message}")
+        answers[name] = res
+    return answers
+
+
+async def listening_by_host(hosts: HostSet, names: Iterable[str]) -> dict[str, set[int]]:
+    """The TCP ports each host listens on now (ask_every_host)."""
+    return await ask_every_host(hosts, names, listening_ports, "listening ports")
 
 
 async def check_ports_free(hosts: HostSet, units: Sequence[UnitPorts], *,

@@ -32,11 +32,11 @@ from coldsnap.engines import adapter_for
 from coldsnap.formats.capsule import CapsuleManifest, InetSocketRecord
 from coldsnap.formats.receipt import UnitCrossing
 from coldsnap.formats.request import Launch
-from coldsnap.hosts.base import HostError
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.ports import Listener, listeners
 from coldsnap.operations.context import OperationContext, OperationFailed, OperationRefused
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.network import ask_every_host
 from coldsnap.operations.unit_runs import R, phase
 from coldsnap.session_moves import (
     Endpoint,
@@ -249,17 +249,9 @@ async def check_session_ports(hosts: HostSet, plan: SessionPlan, launch: Launch)
     """OperationFailed "port-in-use" when a restored socket's address and port are taken."""
     if not plan.sockets:
         return
-    names = sorted({u.host for u in launch.units if u.id in plan.sockets})
-    found = await asyncio.gather(*(listeners(hosts.host(n)) for n in names),
-                                 return_exceptions=True)
-    listening: dict[str, list[Listener]] = {}
-    for name, res in zip(names, found, strict=True):
-        if isinstance(res, BaseException):
-            if not isinstance(res, HostError):
-                raise res
-            raise OperationFailed("host-unreachable", f"host {name}: cannot read its "
-                                  f"listening sockets: {res.message}")
-        listening[name] = res
+    listening = await ask_every_host(
+        hosts, {u.host for u in launch.units if u.id in plan.sockets}, listeners,
+        "listening sockets")
     problems = port_clashes(plan, launch, listening)
     if problems:
         raise OperationFailed("port-in-use", "; ".join(problems))

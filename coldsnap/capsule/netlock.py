@@ -86,18 +86,21 @@ async def lock_unit(s: CapsuleSession, handle: UnitHandle, table: str,
                     timeout_s: float = LOCK_TIMEOUT_S) -> None:
     """Hold every TCP packet of the unit's endpoints on its host (again: the table is made
     anew, in one transaction)."""
-    out = await _run(s, handle, lock_argv(table, endpoints), "network lock", timeout_s)
-    if not out.ok:
-        raise NetworkLockFailed(s.host, handle.unit, "network lock",
-                                f"exit {out.exit_code}: {out.tail(500)}")
+    await _run_checked(s, handle, lock_argv(table, endpoints), "network lock", timeout_s)
 
 
 async def unlock_unit(s: CapsuleSession, handle: UnitHandle, table: str, *,
                       timeout_s: float = LOCK_TIMEOUT_S) -> None:
     """Release the unit's lock; a lock that is not there is already released."""
-    out = await _run(s, handle, unlock_argv(table), "network unlock", timeout_s)
+    await _run_checked(s, handle, unlock_argv(table), "network unlock", timeout_s)
+
+
+async def _run_checked(s: CapsuleSession, handle: UnitHandle, argv: list[str], step: str,
+                       timeout_s: float) -> None:
+    """_run, with a nonzero exit a NetworkLockFailed naming the step."""
+    out = await _run(s, handle, argv, step, timeout_s)
     if not out.ok:
-        raise NetworkLockFailed(s.host, handle.unit, "network unlock",
+        raise NetworkLockFailed(s.host, handle.unit, step,
                                 f"exit {out.exit_code}: {out.tail(500)}")
 
 

@@ -18,7 +18,12 @@ from coldsnap.capsule.cache_seed import check_staged
 from coldsnap.capsule.cache_seed import seed as seed_cache
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
-from coldsnap.capsule.host_paths import check_host_paths
+from coldsnap.capsule.host_paths import (
+    check_host_paths,
+    checked_binds,
+    hold_for_test,
+    verify_binds,
+)
 from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
 from coldsnap.capsule.oci import ensure_image
 from coldsnap.capsule.seccomp import engine_filter_b64
@@ -73,11 +78,15 @@ async def create_container(
 ) -> UnitHandle:
     """A quiet container of the unit; `images` is the host directory of its CRIU images."""
     name = name or new_container_name(spec, role)
-    await check_host_paths(s, spec, step, error)
+    checked = await check_host_paths(s, spec, step, error)
     await check_staged(s, spec, step, error)
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
+    # Docker resolves each source again at start (for a restore, after staging): what is
+    # checked here is verified in the running container before the engine (start_container).
+    binds = await checked_binds(s, spec, mounts, checked, step, error)
+    await hold_for_test(spec.unit_id)
     declared = declared_writable((await s.image_config(image)).get("Labels") or {}, spec)
     try:
         writable = writable_paths({LABEL_WRITABLE: declared})
@@ -121,7 +130,7 @@ async def create_container(
     s.created(str(created["Id"]))
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices),
                         images_dir=images.source if images is not None else None,
-                        writable=writable)
+                        writable=writable, binds=binds)
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
@@ -179,6 +188,13 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
     except docker.errors.DockerException as exc:
         await remove_container(s, handle.container_id)
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
+    try:
+        container = await s.container(handle.container_id, handle.unit, step)
+        await verify_binds(s, container, handle.spec, handle.binds, step, error)
+    except BaseException:
+        # A bind that is not what was checked: nothing of the engine has run in it yet.
+        await remove_container(s, handle.container_id)
+        raise
 
 
 # Each PID whose /proc/PID/status says its state is anything but Z (zombie) or X (dead);

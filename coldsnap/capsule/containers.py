@@ -431,12 +431,34 @@ async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> Uni
                    f"{LABEL_ACCELERATOR}={value!r}; coldsnapd knows 'gpu' and 'cpu'")
     if value == "gpu":
         return spec
+    if dev_mode_refusal(spec) is not None:
+        raise fail(s, spec.unit_id, "start", str(dev_mode_refusal(spec)))
     if spec.must_release_weights:
         raise fail(s, spec.unit_id, "start", "policy.weights.mode: 'native' releases the "
                    "weights before the checkpoint, but this unit's capsule is a CPU build "
                    f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
                    "release them; use 'auto' or 'recovery'")
     return replace(spec, accelerator="cpu", release_weights=False)
+
+
+# vLLM registers its dev-mode routes (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache,
+# /server_info, ...) with this variable set; they answer without the API key in the versions
+# the capsules pin, on the host's network, to any process of the host (docs/engines.md).
+VLLM_DEV_MODE = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode_refusal(spec: UnitSpec) -> str | None:
+    """Why a CPU unit may not turn on vLLM's dev mode: coldsnapd drains a CPU engine and calls
+    none of its dev-mode routes, so they would only serve another unit's engine (or any other
+    process on the host) that wants to drive this one. None: nothing to refuse."""
+    value = spec.environment.get(VLLM_DEV_MODE)
+    if spec.engine != "vllm" or value is None or value.strip() in ("", "0"):
+        return None
+    return (f"environment.{VLLM_DEV_MODE}: {value!r} turns on vLLM's dev-mode routes "
+            "(/sleep, /collective_rpc, /reset_prefix_cache, ...), which answer any process on "
+            "the host, another unit's engine included; this unit's capsule is a CPU build "
+            f"({LABEL_ACCELERATOR}=cpu), which coldsnapd drains and never puts to sleep, so "
+            "it needs none of them: remove the variable")
 
 
 async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:

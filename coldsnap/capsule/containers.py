@@ -19,6 +19,8 @@ from coldsnap.capsule.cache_seed import seed as seed_cache
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.host_paths import (
+    binds_from_label,
+    binds_label,
     check_host_paths,
     checked_binds,
     hold_for_test,
@@ -57,6 +59,8 @@ LABEL_ARTIFACT_DIGEST = "org.coldsnap.artifact-digest"
 # Request `workload` fields, one label each: org.coldsnap.workload.cluster-id, ...
 LABEL_WORKLOAD = "org.coldsnap.workload."
 LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
+# The container's binds as they were checked when it was created (host_paths.binds_label).
+LABEL_BINDS = "org.coldsnap.binds"
 
 # The roles of the containers a restore leaves serving (from a snapshot, or natively with
 # --fallback replay): what lifecycle operations act on and what a later restore replaces.
@@ -117,7 +121,7 @@ async def create_container(
     )
     try:
         labels = {**await _blank_workload_labels(s, image), **spec.labels,
-                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
+                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role, LABEL_BINDS: binds_label(binds)}
         if spec.cache_paths:
             # Committed with the container: a restore makes the same paths writable.
             labels[LABEL_WRITABLE] = declared
@@ -190,7 +194,7 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
     try:
         container = await s.container(handle.container_id, handle.unit, step)
-        await verify_binds(s, container, handle.spec, handle.binds, step, error)
+        await verify_binds(s, container, handle.unit, handle.binds, step, error)
     except BaseException:
         # A bind that is not what was checked: nothing of the engine has run in it yet.
         await remove_container(s, handle.container_id)
@@ -348,6 +352,16 @@ async def start_stopped_container(s: CapsuleSession, container_id: str, *, unit:
         await s.call(container.start)
     except docker.errors.DockerException as exc:
         raise fail(s, unit, step, f"cannot start container {container_id[:12]}: {exc}") from exc
+    # Docker binds the sources anew at this start: they are verified against what was checked
+    # when the container was created. One made before that label was kept is not verifiable,
+    # and is started as before.
+    binds = binds_from_label((container.labels or {}).get(LABEL_BINDS))
+    if binds:
+        try:
+            await verify_binds(s, await s.container(container_id, unit, step), unit, binds, step)
+        except BaseException:
+            await stop_container(s, container_id, unit=unit, step=step, grace_s=0)
+            raise
 
 
 # Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the

@@ -171,9 +171,25 @@ async def checked_binds(s: CapsuleSession, spec: UnitSpec, mounts: Sequence[Moun
     return tuple(binds)
 
 
-async def verify_binds(s: CapsuleSession, container: Any, spec: UnitSpec,
+def binds_label(binds: Sequence[CheckedBind]) -> str:
+    """The binds as the container's label LABEL_BINDS keeps them: Docker binds the sources
+    anew at every start, so a container stopped and started again (a restore's revive) is
+    verified against what was checked when it was created."""
+    return json.dumps([[b.field_name, b.source, b.target, b.real, b.identity] for b in binds])
+
+
+def binds_from_label(text: str | None) -> tuple[CheckedBind, ...] | None:
+    """`binds_label`'s binds back; None: no label (a container made before it), or not ours."""
+    try:
+        rows = json.loads(text) if text else None
+        return None if rows is None else tuple(CheckedBind(*(str(x) for x in r)) for r in rows)
+    except (ValueError, TypeError):
+        return None
+
+
+async def verify_binds(s: CapsuleSession, container: Any, unit: str,
                        binds: Sequence[CheckedBind], step: str,
-                       error: type[CapsuleError]) -> None:
+                       error: type[CapsuleError] = CapsuleError) -> None:
     """Raise `error` naming the field when a bind of the running `container` is not the
     directory or file that was checked: its target's identity inside the container, and its
     real path's on the host now, must both be the one taken at creation."""
@@ -189,12 +205,12 @@ async def verify_binds(s: CapsuleSession, container: Any, spec: UnitSpec,
     except ValueError:
         inside = []
     if len(inside) != len(binds):
-        raise fail(s, spec.unit_id, step, "cannot stat the bind mounts inside the container: "
+        raise fail(s, unit, step, "cannot stat the bind mounts inside the container: "
                    f"{out.tail()}", error)
     for k, b in enumerate(binds):
         host_now = now[k] if res.exit_status == 0 and k < len(now) else "gone"
         if inside[k] != b.identity or host_now != b.identity:
-            raise fail(s, spec.unit_id, step,
+            raise fail(s, unit, step,
                        f"{b.field_name}: {b.source} is not what was checked: it resolved to "
                        f"{b.real} (inode {b.identity}), which is now {host_now} on the host, "
                        f"and the container's {b.target} is {inside[k]}; a path swapped (for a "

@@ -18,7 +18,14 @@ from coldsnap.capsule.cache_seed import check_staged
 from coldsnap.capsule.cache_seed import seed as seed_cache
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
-from coldsnap.capsule.host_paths import check_host_paths
+from coldsnap.capsule.host_paths import (
+    binds_from_label,
+    binds_label,
+    check_host_paths,
+    checked_binds,
+    hold_for_test,
+    verify_binds,
+)
 from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
 from coldsnap.capsule.oci import ensure_image
 from coldsnap.capsule.seccomp import engine_filter_b64
@@ -52,6 +59,8 @@ LABEL_ARTIFACT_DIGEST = "org.coldsnap.artifact-digest"
 # Request `workload` fields, one label each: org.coldsnap.workload.cluster-id, ...
 LABEL_WORKLOAD = "org.coldsnap.workload."
 LABEL_CLUSTER_ID = f"{LABEL_WORKLOAD}cluster-id"
+# The container's binds as they were checked when it was created (host_paths.binds_label).
+LABEL_BINDS = "org.coldsnap.binds"
 
 # The roles of the containers a restore leaves serving (from a snapshot, or natively with
 # --fallback replay): what lifecycle operations act on and what a later restore replaces.
@@ -73,11 +82,15 @@ async def create_container(
 ) -> UnitHandle:
     """A quiet container of the unit; `images` is the host directory of its CRIU images."""
     name = name or new_container_name(spec, role)
-    await check_host_paths(s, spec, step, error)
+    checked = await check_host_paths(s, spec, step, error)
     await check_staged(s, spec, step, error)
     if spec.log_path is not None:
         await ensure_host_file(s, spec.unit_id, step, spec.log_path, error)
     mounts = [*spec.container_mounts(), *([images] if images is not None else [])]
+    # Docker resolves each source again at start (for a restore, after staging): what is
+    # checked here is verified in the running container before the engine (start_container).
+    binds = await checked_binds(s, spec, mounts, checked, step, error)
+    await hold_for_test(spec.unit_id)
     declared = declared_writable((await s.image_config(image)).get("Labels") or {}, spec)
     try:
         writable = writable_paths({LABEL_WRITABLE: declared})
@@ -108,7 +121,7 @@ async def create_container(
     )
     try:
         labels = {**await _blank_workload_labels(s, image), **spec.labels,
-                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role}
+                  LABEL_UNIT: spec.unit_id, LABEL_ROLE: role, LABEL_BINDS: binds_label(binds)}
         if spec.cache_paths:
             # Committed with the container: a restore makes the same paths writable.
             labels[LABEL_WRITABLE] = declared
@@ -121,7 +134,7 @@ async def create_container(
     s.created(str(created["Id"]))
     handle = UnitHandle(spec, s.host, created["Id"], name, role, tuple(devices),
                         images_dir=images.source if images is not None else None,
-                        writable=writable)
+                        writable=writable, binds=binds)
     if start:
         await start_container(s, handle, step=step, error=error)
     return handle
@@ -179,6 +192,13 @@ async def start_container(s: CapsuleSession, handle: UnitHandle, *, step: str,
     except docker.errors.DockerException as exc:
         await remove_container(s, handle.container_id)
         raise fail(s, handle.unit, step, f"cannot start container: {exc}", error) from exc
+    try:
+        container = await s.container(handle.container_id, handle.unit, step)
+        await verify_binds(s, container, handle.unit, handle.binds, step, error)
+    except BaseException:
+        # A bind that is not what was checked: nothing of the engine has run in it yet.
+        await remove_container(s, handle.container_id)
+        raise
 
 
 # Each PID whose /proc/PID/status says its state is anything but Z (zombie) or X (dead);
@@ -332,6 +352,16 @@ async def start_stopped_container(s: CapsuleSession, container_id: str, *, unit:
         await s.call(container.start)
     except docker.errors.DockerException as exc:
         raise fail(s, unit, step, f"cannot start container {container_id[:12]}: {exc}") from exc
+    # Docker binds the sources anew at this start: they are verified against what was checked
+    # when the container was created. One made before that label was kept is not verifiable,
+    # and is started as before.
+    binds = binds_from_label((container.labels or {}).get(LABEL_BINDS))
+    if binds:
+        try:
+            await verify_binds(s, await s.container(container_id, unit, step), unit, binds, step)
+        except BaseException:
+            await stop_container(s, container_id, unit=unit, step=step, grace_s=0)
+            raise
 
 
 # Started with `docker exec`; the capsule's launcher (UnitSpec.launcher) then detaches the
@@ -415,12 +445,34 @@ async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> Uni
                    f"{LABEL_ACCELERATOR}={value!r}; coldsnapd knows 'gpu' and 'cpu'")
     if value == "gpu":
         return spec
+    if dev_mode_refusal(spec) is not None:
+        raise fail(s, spec.unit_id, "start", str(dev_mode_refusal(spec)))
     if spec.must_release_weights:
         raise fail(s, spec.unit_id, "start", "policy.weights.mode: 'native' releases the "
                    "weights before the checkpoint, but this unit's capsule is a CPU build "
                    f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
                    "release them; use 'auto' or 'recovery'")
     return replace(spec, accelerator="cpu", release_weights=False)
+
+
+# vLLM registers its dev-mode routes (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache,
+# /server_info, ...) with this variable set; they answer without the API key in the versions
+# the capsules pin, on the host's network, to any process of the host (docs/engines.md).
+VLLM_DEV_MODE = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode_refusal(spec: UnitSpec) -> str | None:
+    """Why a CPU unit may not turn on vLLM's dev mode: coldsnapd drains a CPU engine and calls
+    none of its dev-mode routes, so they would only serve another unit's engine (or any other
+    process on the host) that wants to drive this one. None: nothing to refuse."""
+    value = spec.environment.get(VLLM_DEV_MODE)
+    if spec.engine != "vllm" or value is None or value.strip() in ("", "0"):
+        return None
+    return (f"environment.{VLLM_DEV_MODE}: {value!r} turns on vLLM's dev-mode routes "
+            "(/sleep, /collective_rpc, /reset_prefix_cache, ...), which answer any process on "
+            "the host, another unit's engine included; this unit's capsule is a CPU build "
+            f"({LABEL_ACCELERATOR}=cpu), which coldsnapd drains and never puts to sleep, so "
+            "it needs none of them: remove the variable")
 
 
 async def remove_unit(s: CapsuleSession, handle: UnitHandle) -> bool:

@@ -13,6 +13,17 @@ from coldsnap.capsule.spec import UnitSpec
 from coldsnap.formats.capsule import CacheSeed
 
 
+@dataclass(frozen=True)
+class CheckedBind:
+    """One bind of a unit's container as it was checked on its host."""
+
+    field_name: str  # the request's field it comes from, or what coldsnapd binds
+    source: str  # as the request (or coldsnapd) names it
+    target: str  # inside the container
+    real: str  # `source` resolved on the host when the container was created
+    identity: str  # st_dev:st_ino of `real`, no symlink followed
+
+
 @dataclass
 class UnitHandle:
     """A unit's container on one host, as the steps hand it to each other."""
@@ -33,6 +44,9 @@ class UnitHandle:
     writable: tuple[str, ...] = ()
     # What seeded the runtime cache before the engine started (policy.cache.staged).
     cache_seed: CacheSeed | None = None
+    # Its binds as they were checked on the host (host_paths.checked_binds); verified once
+    # the container runs, before anything is exec'd in it (host_paths.verify_binds).
+    binds: tuple[CheckedBind, ...] = ()
 
     @property
     def unit(self) -> str:

@@ -155,3 +155,21 @@ def _image_set(total: int) -> CriuImageSet:
 ])
 def test_only_large_criu_images_are_restored_lazily(total: int, lazy: bool) -> None:
     assert lazy_restore_pays(_image_set(total)) is lazy
+
+
+def test_the_checked_binds_survive_in_the_containers_label() -> None:
+    # A container stopped and started again is verified against what its creation checked
+    # (Docker binds the sources anew at each start): the label keeps it, whole.
+    from coldsnap.capsule.handle import CheckedBind
+    from coldsnap.capsule.host_paths import bind_field, binds_from_label, binds_label
+
+    binds = (CheckedBind("mounts[0].source", "/srv/m", "/models", "/mnt/m", "2049:131"),
+             CheckedBind("workload.log_path", "/var/log/u.log", "/var/log/coldsnap/engine.log",
+                         "/var/log/u.log", "2049:77"))
+    assert binds_from_label(binds_label(binds)) == binds
+    assert binds_from_label(None) is None and binds_from_label("not json") is None
+    spec = UnitSpec(unit_id="u", image="r/x@sha256:" + "a" * 64, image_digest="sha256:" + "a" * 64,
+                    command=("e",), devices=(), workers=(), validation=Validation(),
+                    mounts=(Mount(source="/srv/m", target="/models"),), log_path="/l.log")
+    fields = [bind_field(spec, j, m) for j, m in enumerate(spec.container_mounts())]
+    assert fields == ["mounts[0].source", "workload.log_path"]

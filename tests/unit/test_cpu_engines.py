@@ -203,3 +203,22 @@ def test_the_receipt_says_how_each_unit_was_quiesced() -> None:
     # a manifest written before these fields existed reads as a GPU engine put to sleep
     old = _manifest()
     assert (old.accelerator, old.quiesce) == ("gpu", "sleep")
+
+
+@pytest.mark.parametrize(("engine", "value", "refused"), [
+    ("vllm", "1", True), ("vllm", "true", True), ("vllm", "0", False), ("vllm", None, False),
+    ("sglang", "1", False),
+])
+def test_a_cpu_vllm_unit_may_not_open_the_dev_mode_routes(engine: str, value: str | None,
+                                                          refused: bool) -> None:
+    # Issue 35, build 7: on the CPU coldsnapd drains vLLM and calls no dev-mode route, so a
+    # unit that turns them on only lets another unit's engine on its host drive it.
+    from coldsnap.capsule.containers import dev_mode_refusal
+
+    env = {} if value is None else {"VLLM_SERVER_DEV_MODE": value}
+    spec = replace(_spec("cpu"), engine=engine, environment=env)
+    why = dev_mode_refusal(spec)
+    assert (why is not None) == refused
+    if why is not None:
+        assert why.startswith("environment.VLLM_SERVER_DEV_MODE: ")
+        assert "org.coldsnap.accelerator=cpu" in why and "/collective_rpc" in why

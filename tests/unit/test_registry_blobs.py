@@ -297,3 +297,101 @@ def test_a_body_cut_short_is_an_interruption_and_keeps_the_partial_file(
     assert "interrupted: the body ended" in res.stderr.decode()
     assert Path(str(final) + PART_SUFFIX).read_bytes() == DATA[:len(DATA) // 2]
     assert not final.exists()
+
+
+class _Elsewhere(http.server.BaseHTTPRequestHandler):
+    """Another origin an upload `Location` names: records the Authorization it was sent and
+    takes the blob."""
+
+    seen: list[str | None] = []
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+    def do_PUT(self) -> None:
+        type(self).seen.append(self.headers.get("Authorization"))
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+class _Redirecting(http.server.BaseHTTPRequestHandler):
+    """A registry that wants basic credentials alice:pw, and answers an upload's POST with
+    a `Location` of its class's choosing (another port, another scheme, or its own)."""
+
+    location = ""
+    seen: list[str | None] = []
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == \
+                "Basic " + base64.b64encode(b"alice:pw-s3cret").decode():
+            return True
+        self._answer(401, {"WWW-Authenticate": 'Basic realm="reg"'})
+        return False
+
+    def do_HEAD(self) -> None:
+        if self._authorized():
+            self._answer(404)
+
+    def do_POST(self) -> None:
+        if self._authorized():
+            port = self.server.server_address[1]
+            self._answer(202, {"Location": type(self).location.format(port=port)})
+
+    def do_PUT(self) -> None:
+        type(self).seen.append(self.headers.get("Authorization"))
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._answer(201)
+
+    def _answer(self, status: int, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.mark.parametrize(("location", "own"), [
+    ("http://127.0.0.1:{other}/upload/1", False),  # another port
+    ("http://localhost:{port}/upload/1", False),  # another host name
+    ("https://127.0.0.1:{port}/upload/1", False),  # another scheme
+    ("/v2/coldsnap/test/blobs/uploads/1", True),  # relative: the registry itself
+    ("http://127.0.0.1:{port}/v2/coldsnap/test/blobs/uploads/1", True),
+])
+def test_a_push_sends_the_credentials_only_to_the_registrys_origin(
+        tmp_path: Path, location: str, own: bool) -> None:
+    # An upload Location is the registry's answer: one naming another origin must not
+    # carry the registry's credentials there.
+    registry = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
+    elsewhere = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Elsewhere)
+    for server in (registry, elsewhere):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Redirecting.location = location.replace("{other}", str(elsewhere.server_address[1]))
+    _Redirecting.seen, _Elsewhere.seen = [], []
+    try:
+        address = f"127.0.0.1:{registry.server_address[1]}"
+        access = RegistryAccess(address, insecure=True, username="alice", password="pw-s3cret")
+        src, digest = blob(tmp_path, DATA[:4096])
+        res = subprocess.run(
+            helper_argv("blob-push", str(src), digest, "4096"), capture_output=True,
+            input=json.dumps({"access": access.to_helper(), "repository": REPO,
+                              "timeout": 10}).encode(), timeout=60, check=False)
+    finally:
+        for server in (registry, elsewhere):
+            server.shutdown()
+            server.server_close()
+    sent = _Redirecting.seen + _Elsewhere.seen
+    if own:
+        assert res.returncode == 0, res.stderr
+        assert _Redirecting.seen == ["Basic " + base64.b64encode(b"alice:pw-s3cret").decode()]
+    elif location.startswith("https"):
+        # Nothing listens for TLS there: the push fails, and no PUT carried the credentials.
+        assert res.returncode != 0 and all(a is None for a in sent)
+    else:
+        assert res.returncode == 0, res.stderr
+        assert sent == [None]  # the other origin took the bytes, never the credentials
+    assert b"s3cret" not in res.stderr + res.stdout

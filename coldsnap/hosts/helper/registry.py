@@ -19,7 +19,8 @@ plain HTTP for an insecure registry. Every socket operation has the timeout.
   blob-push PATH DIGEST SIZE [ROOT]   HEAD first: a blob the repository holds is not sent
       again; with ROOT, PATH is opened beneath it, no symlink followed (exit 6 otherwise);
       else one upload session, the file streamed in one PUT ?digest= (the registry checks the
-      digest). stdout: {"present", "sent", "size"}.
+      digest); the PUT carries the credentials only when the upload's `Location` is on the
+      registry's own origin (scheme, host, port). stdout: {"present", "sent", "size"}.
 
 Failures exit with their own code and one stderr line naming the registry, the repository
 and the digest: 7 unauthorized (401/403), 8 blob unknown (404), 9 unreachable or interrupted
@@ -110,6 +111,13 @@ class Registry:
     def url(self, path: str) -> str:
         return ("http" if self.insecure else "https") + "://" + self.registry + path
 
+    def own(self, url: str) -> bool:
+        """Whether `url` is on the registry's own origin (scheme, host and port): only there
+        do its credentials go. A redirect or an upload `Location` may name any other place
+        (a storage backend, or a host the registry's answer was made to name): that place
+        gets the request without them."""
+        return origin(url) == origin(self.url("/"))
+
     def send(self, method: str, url: str, headers: dict[str, str], body: Any = None) -> Any:
         """One request; the response is returned unread (the caller reads or drains it)."""
         parts = urllib.parse.urlsplit(url)
@@ -147,8 +155,7 @@ class Registry:
                     raise RegFailed(EXIT_REGISTRY, "too many redirects")
                 target = urllib.parse.urljoin(url, location)
                 plain = {k: v for k, v in hdrs.items() if k != "Authorization"}
-                same = urllib.parse.urlsplit(target).netloc == self.registry
-                resp = self.send(method, target, hdrs if same else plain)
+                resp = self.send(method, target, hdrs if self.own(target) else plain)
                 url = target
             if resp.status != 401 or attempt == 2:
                 return resp
@@ -192,6 +199,19 @@ class Registry:
             return str(doc.get("token") or doc["access_token"])
         except (ValueError, KeyError, AttributeError):
             raise RegFailed(EXIT_REGISTRY, "the token service's answer has no token") from None
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of `url`, the port defaulted by the scheme, so that
+    `https://r:443` and `https://r` are one origin and `http://r` another."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # a port that is no number is no origin of ours
+        return (scheme, "", -1)
+    return (scheme, (parts.hostname or "").lower(),
+            port if port is not None else {"http": 80, "https": 443}.get(scheme, -1))
 
 
 def reg_params(text: str) -> dict[str, str]:
@@ -361,7 +381,10 @@ def blob_push(reg: Registry, path: str, digest: str, size: int,
         sep = "&" if "?" in target else "?"
         target += sep + urllib.parse.urlencode({"digest": digest})
         hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
-        if reg.auth:
+        # The Location comes from the registry's answer: on another origin (a storage
+        # backend's signed URL, or a place an answer was forged to name) the bytes go
+        # without the credentials, which belong to the registry alone.
+        if reg.auth and reg.own(target):
             hdrs["Authorization"] = reg.auth
         resp = reg.send("PUT", target, hdrs, f)
         body = resp.read(4096)

@@ -262,6 +262,38 @@ def env_reset_changes(container_env: Sequence[str], base_env: Sequence[str]) -> 
     return changes
 
 
+async def _commit_without_env(s: CapsuleSession, container: Any, base_image: str, repo: str,
+                              tag: str, message: str) -> str:
+    """`docker commit` of `container` as `repo:tag`, its image's configs holding no variable
+    of the container's environment but its base image's; returns the image id.
+
+    Two commits: the first resets `Env` (`env_reset_changes`), but Docker before 25 also
+    writes the container's whole config, environment included, into the image's
+    `container_config`. The second commits a container created from the first image (never
+    started: an empty layer), whose config is that image's, already reset. The first image
+    stays on this host only, untagged under the second (removing the capsule prunes it)."""
+    base_env = (await s.image_config(base_image)).get("Env") or []
+    # Inspected now: a container object may carry a sparse listing's attrs, without Config.
+    attrs = await s.call(s.client.api.inspect_container, container.id)
+    own_env = (attrs.get("Config") or {}).get("Env") or []
+    first = await s.call(container.commit, message=message,
+                         changes=env_reset_changes(own_env, base_env),
+                         timeout_s=LONG_DOCKER_CALL)
+    blank: Any = None
+    image: Any = None
+    try:
+        blank = await s.call(s.client.containers.create, first.id, network_mode="none")
+        image = await s.call(blank.commit, repository=repo, tag=tag, message=message,
+                             timeout_s=LONG_DOCKER_CALL)
+    finally:
+        with contextlib.suppress(docker.errors.DockerException):
+            if blank is not None:
+                await s.call(blank.remove, force=True)
+            if image is None:  # failed: the first image is no one's parent
+                await s.call(s.client.images.remove, first.id, force=True)
+    return str(image.id)
+
+
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
                  *, registry: str | None = None,
                  repository: str | None = None,
@@ -270,7 +302,7 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
     - its CRIU images packed into objects on this host, under
       <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
     - `docker commit` of its container: the rootfs diff over the base image only, with the
-      base image's environment (`env_reset_changes`);
+      base image's environment (`_commit_without_env`);
     - with a `registry` or a `repository` (`push_repository`), that image pushed there (the
       manifest names it by digest); without either, its layers above the base exported to
       .../capsule.tar (the `oci-capsule` object).
@@ -296,13 +328,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
                     for p in packed]
         await clear_dump(s.target.host, handle.images_dir)
         marks.append(time.monotonic())
-        base_env = (await s.image_config(spec.image)).get("Env") or []
-        own_env = (container.attrs.get("Config") or {}).get("Env") or []
-        image = await s.call(container.commit, repository=repo, tag=tag,
-                             message=f"coldsnap capsule of unit {spec.unit_id}",
-                             changes=env_reset_changes(own_env, base_env),
-                             timeout_s=LONG_DOCKER_CALL)
-        image_id = str(image.id)
+        image_id = await _commit_without_env(s, container, spec.image, repo, tag,
+                                             f"coldsnap capsule of unit {spec.unit_id}")
         base = await rootfs_layers(s, spec.image)
         layers = await rootfs_layers(s, image_id)
         if layers[:len(base)] != base:

@@ -2,7 +2,8 @@
 
 What is published is the artifact's published form (coldsnap.formats.publication): its
 documents with every environment value and secret flag value withheld, the redacted
-documents being objects of their own (written to the store, pushed from there). A registry
+documents being objects of their own (pushed from memory: the store keeps only what its
+artifacts name). A registry
 never receives a secret of the artifact's documents, whoever captured or publishes it.
 
 - `publish_artifact`: every object's blob from the local store (digest-verified: the store's
@@ -110,12 +111,15 @@ def mount_sources(store: LocalStore, target: RegistryRef) -> dict[str, list[str]
 
 async def _push_object(client: RegistryClient, store: LocalStore, repo: str,
                        artifact: Artifact, obj: ArtifactObject, mounts: list[str],
-                       progress: PublishProgress | None) -> None:
+                       progress: PublishProgress | None, documents: dict[str, bytes]) -> None:
     if await client.has_blob(repo, obj.sha256):
         return
     for other in mounts:
         if await client.mount_blob(repo, obj.sha256, other):
             return
+    if obj.sha256 in documents:  # a redacted document: small, and not in the store
+        await client.push_blob_bytes(repo, documents[obj.sha256])
+        return
     what = f"artifact {artifact.capture_id}: {obj.role} of {obj.owner} ({obj.sha256})"
     try:
         path = store.verify(obj.sha256)
@@ -131,14 +135,15 @@ async def _push_object(client: RegistryClient, store: LocalStore, repo: str,
 
 async def _push_all(client: RegistryClient, store: LocalStore, target: RegistryRef,
                     artifact: Artifact, objects: list[ArtifactObject],
-                    progress: PublishProgress | None) -> None:
+                    progress: PublishProgress | None,
+                    documents: dict[str, bytes] | None = None) -> None:
     sources = mount_sources(store, target)
     gate = asyncio.Semaphore(PUSHING)
 
     async def one(obj: ArtifactObject) -> None:
         async with gate:
             await _push_object(client, store, target.repository, artifact, obj,
-                               sources.get(obj.sha256, []), progress)
+                               sources.get(obj.sha256, []), progress, documents or {})
 
     # Largest first: they set the pace. The first failure cancels the others and is raised
     # as itself (it names the registry and the object).
@@ -182,7 +187,7 @@ async def publish_artifact(store: LocalStore, stored: StoredArtifact, target: Re
     async with contextlib.AsyncExitStack() as stack:
         if client is None:
             client = await stack.enter_async_context(RegistryClient(access))
-        await _push_all(client, store, target, artifact, objects, progress)
+        await _push_all(client, store, target, artifact, objects, progress, form.documents)
         return await _finish(client, store, target, artifact, document, kind)
     raise AssertionError("unreachable")  # pragma: no cover (mypy: the with may swallow)
 
@@ -205,21 +210,17 @@ async def publish_document(client: RegistryClient, target: RegistryRef, artifact
                                 f"({obj.sha256}) is not in {target.registry}/{repo}: its "
                                 "host did not push it")
     ours = [o for o in objects if o.role in IMPORTED_ROLES]
-    await _push_all(client, store, target, artifact, ours, None)
+    await _push_all(client, store, target, artifact, ours, None, form.documents)
     return await _finish(client, store, target, artifact, form.document, "full")
 
 
 def _published(store: LocalStore, artifact: Artifact) -> PublishedForm:
-    """The artifact's published form, its redacted documents written to the store (where
-    the pushes read every object from)."""
+    """The artifact's published form (PublishFailed when a document cannot be read)."""
     try:
-        form = published_form(artifact, store.read_bytes)
+        return published_form(artifact, store.read_bytes)
     except (StoreError, ValueError, ArtifactInvalid) as exc:
         raise PublishFailed(f"artifact {artifact.capture_id}: its documents cannot be "
                             f"redacted for publishing: {exc}") from None
-    for data in form.documents.values():
-        store.add_bytes(data)
-    return form
 
 
 async def import_published(store: LocalStore, ref: RegistryRef, access: RegistryAccess,

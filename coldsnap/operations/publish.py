@@ -3,8 +3,8 @@
 What is published is the artifact's published form (coldsnap.formats.publication): its
 documents with every environment value and secret flag value withheld, the redacted
 documents being objects of their own (pushed from memory: the store keeps only what its
-artifacts name). A registry
-never receives a secret of the artifact's documents, whoever captured or publishes it.
+artifacts name). A registry never receives a secret of the artifact's documents, whoever
+captured or publishes it.
 
 - `publish_artifact`: every object's blob from the local store (digest-verified: the store's
   stamp, and the registry checks what it receives), skipping blobs the repository holds and
@@ -64,8 +64,8 @@ from coldsnap.store.refs import MAX_ARTIFACT_BYTES
 CONTROL_NODE_ROLES = frozenset({ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST})
 # Objects an import brings into the store: those, and the workers' replay plans, which a
 # restore reads on the control node too (where each payload is mounted) besides staging them.
-# They are also the documents a publication redacts, so the control node pushes them (from
-# the store, redacted), never their hosts.
+# They are also the documents a publication redacts, so the control node pushes them
+# (redacted), never their hosts.
 IMPORTED_ROLES = CONTROL_NODE_ROLES | {ROLE_REPLAY_PLAN}
 # Blobs sent at once (each a stream from the store's disk).
 PUSHING = 4
@@ -196,8 +196,9 @@ async def publish_document(client: RegistryClient, target: RegistryRef, artifact
                            store: LocalStore) -> str:
     """Publish `artifact` (full) whose host-owned objects the hosts pushed to `target`
     already: each is checked (HEAD; PublishFailed names the first missing one), the
-    control-node-only objects are pushed from the store, then the document and the
-    manifest. Returns the pinned reference, recorded in the store's publications."""
+    control-node objects and the replay plans are pushed from here, redacted, then the
+    published document and the manifest. Returns the pinned reference, recorded in the
+    store's publications."""
     repo = target.repository
     form = _published(store, artifact)
     artifact = form.artifact

@@ -2,7 +2,9 @@
 
 Pure. Implements FORMATS.md "Restore identity in detail": identity must match, placement may
 change (hosts, device selector values, mount sources, transport variables, and the image where
-the capsule pins the captured one).
+the capsule pins the captured one). A value the captured launch withholds (an artifact
+imported from a registry publication, coldsnap.formats.publication) is the restore's to give:
+any value matches it, as long as the restore gives one.
 
 Public API:
 - `compare_restore_identity(captured, restore, *, capsule_pins_image=True)
@@ -20,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from coldsnap.formats.errors import ValidationIssue, join
+from coldsnap.formats.publication import is_withheld
+from coldsnap.formats.redaction import REDACTED
 from coldsnap.formats.request import Launch, Unit
 
 TRANSPORT_VARIABLES = frozenset({
@@ -74,6 +78,17 @@ def flag_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
     return found
 
 
+def _gives_withheld(captured: str, restore: str) -> bool:
+    """Whether `restore` gives the value that the captured `captured` withholds: any value
+    for a withheld one, the same flag with any value for a withheld `--flag=value`."""
+    if not is_withheld(captured) or is_withheld(restore):
+        return False
+    if captured == REDACTED:
+        return True
+    flag = captured[:-len(REDACTED)]
+    return restore.startswith(flag)
+
+
 def _same(issues: list[ValidationIssue], path: str, captured: Any, restore: Any) -> None:
     if captured != restore:
         issues.append(ValidationIssue(path, f"is {restore!r} but the capture has {captured!r}"))
@@ -107,7 +122,7 @@ def _compare_unit(issues: list[ValidationIssue], path: str, old: Unit, new: Unit
                                       f"capture has {len(old_cmd)}"))
     else:
         for j, (a, b) in enumerate(zip(old_cmd, new_cmd, strict=True)):
-            if a != b:
+            if a != b and not _gives_withheld(a, b):
                 issues.append(ValidationIssue(f"{path}.command[{j}]",
                                               f"is {new.command[j]!r} but the capture has "
                                               f"{old.command[j]!r}"))
@@ -120,7 +135,7 @@ def _compare_unit(issues: list[ValidationIssue], path: str, old: Unit, new: Unit
             issues.append(ValidationIssue(where, "is missing but the capture sets it"))
         elif name not in old_env:
             issues.append(ValidationIssue(where, "is set but the capture does not set it"))
-        else:
+        elif not _gives_withheld(old_env[name], new_env[name]):
             _same(issues, where, old_env[name], new_env[name])
 
     old_mounts = {m.target: m.read_only for m in old.mounts}

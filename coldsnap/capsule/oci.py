@@ -240,6 +240,60 @@ def capsule_reference(unit_id: str, capture_id: str) -> tuple[str, str]:
     return capsule_repository(unit_id), docker_tag(f"{capture_id}/{unit_id}")
 
 
+def env_reset_changes(container_env: Sequence[str], base_env: Sequence[str]) -> list[str]:
+    """The `docker commit` changes that give the capsule its base image's environment back.
+
+    A commit copies the container's `Env` (the request's environment: tokens, keys) into the
+    capsule's image config, which a registry then serves to anyone who may pull it. A commit
+    cannot drop a variable, so each one the container set over its base is set back to the
+    base's value, or to an empty value when the base has none. A restore loses nothing: its
+    container is created with the restore's own environment, never the image's."""
+    base = dict(str(item).partition("=")[::2] for item in base_env)
+    changes = []
+    for item in container_env:
+        name, _, value = str(item).partition("=")
+        if base.get(name) == value:
+            continue
+        # Dockerfile ENV: a quoted value, its `\`, `"` and `$` escaped (no expansion).
+        kept = base.get(name, "")
+        for ch in ("\\", '"', "$"):
+            kept = kept.replace(ch, "\\" + ch)
+        changes.append(f'ENV {name}="{kept}"')
+    return changes
+
+
+async def _commit_without_env(s: CapsuleSession, container: Any, base_image: str, repo: str,
+                              tag: str, message: str) -> str:
+    """`docker commit` of `container` as `repo:tag`, its image's configs holding no variable
+    of the container's environment but its base image's; returns the image id.
+
+    Two commits: the first resets `Env` (`env_reset_changes`), but Docker before 25 also
+    writes the container's whole config, environment included, into the image's
+    `container_config`. The second commits a container created from the first image (never
+    started: an empty layer), whose config is that image's, already reset. The first image
+    stays on this host only, untagged under the second (removing the capsule prunes it)."""
+    base_env = (await s.image_config(base_image)).get("Env") or []
+    # Inspected now: a container object may carry a sparse listing's attrs, without Config.
+    attrs = await s.call(s.client.api.inspect_container, container.id)
+    own_env = (attrs.get("Config") or {}).get("Env") or []
+    first = await s.call(container.commit, message=message,
+                         changes=env_reset_changes(own_env, base_env),
+                         timeout_s=LONG_DOCKER_CALL)
+    blank: Any = None
+    image: Any = None
+    try:
+        blank = await s.call(s.client.containers.create, first.id, network_mode="none")
+        image = await s.call(blank.commit, repository=repo, tag=tag, message=message,
+                             timeout_s=LONG_DOCKER_CALL)
+    finally:
+        with contextlib.suppress(docker.errors.DockerException):
+            if blank is not None:
+                await s.call(blank.remove, force=True)
+            if image is None:  # failed: the first image is no one's parent
+                await s.call(s.client.images.remove, first.id, force=True)
+    return str(image.id)
+
+
 async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped: DumpResult,
                  *, registry: str | None = None,
                  repository: str | None = None,
@@ -247,7 +301,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
     """The dumped unit as a capsule, all or nothing:
     - its CRIU images packed into objects on this host, under
       <data_dir>/capsules/<capture>/<unit>/criu/, and the dump directory emptied;
-    - `docker commit` of its container: the rootfs diff over the base image only;
+    - `docker commit` of its container: the rootfs diff over the base image only, with the
+      base image's environment (`_commit_without_env`);
     - with a `registry` or a `repository` (`push_repository`), that image pushed there (the
       manifest names it by digest); without either, its layers above the base exported to
       .../capsule.tar (the `oci-capsule` object).
@@ -273,10 +328,8 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
                     for p in packed]
         await clear_dump(s.target.host, handle.images_dir)
         marks.append(time.monotonic())
-        image = await s.call(container.commit, repository=repo, tag=tag,
-                             message=f"coldsnap capsule of unit {spec.unit_id}",
-                             timeout_s=LONG_DOCKER_CALL)
-        image_id = str(image.id)
+        image_id = await _commit_without_env(s, container, spec.image, repo, tag,
+                                             f"coldsnap capsule of unit {spec.unit_id}")
         base = await rootfs_layers(s, spec.image)
         layers = await rootfs_layers(s, image_id)
         if layers[:len(base)] != base:
@@ -348,6 +401,7 @@ __all__ = [
     "discard_capsule",
     "discard_capsule_by_name",
     "ensure_image",
+    "env_reset_changes",
     "export_layers",
     "load_capsule",
     "push",

@@ -11,6 +11,9 @@ Redacted, each replaced by `REDACTED`:
 
 Only strings are replaced, so a redacted document keeps its shape and types: a receipt stays a
 valid receipt. A request's sha256 is always that of the full request, computed before this.
+
+A publication to a registry withholds the same secrets from every document it carries
+(`coldsnap.formats.publication`), with this module's `redact` and `redact_argv`.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ def _walk(value: Any, *, secret: bool) -> Any:
     if isinstance(value, list):
         if secret:
             return [_walk(v, secret=True) for v in value]
-        return _argv(value)
+        return redact_argv(value)
     return value
 
 
-def _argv(items: list[Any]) -> list[Any]:
+def redact_argv(items: list[Any]) -> list[Any]:
     """A list's items, with the values of secret-looking flags redacted."""
     out: list[Any] = []
     after_flag = False

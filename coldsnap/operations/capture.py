@@ -236,11 +236,9 @@ async def _capture_units(
                           f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
                    for w in r.workers]
         if pusher is not None:
-            # The host pushes its replay plans too: a restore's hosts pull them with the
-            # payloads they own.
-            wanted += [Wanted(w.replay_plan.path, w.replay_plan.sha256, w.replay_plan.bytes,
-                              f"replay plan of {Owner.worker(w.worker_id)}", w.replay_plan.root)
-                       for w in r.workers]
+            # Not its replay plans: they name the unit's environment, and the registry gets
+            # them redacted, from the control node (`publish_document`); a restore's hosts
+            # get them from the store, which holds them (below).
             sizes = await pusher.push_all(host, wanted)
         else:
             sizes = await fetcher.pull_all(host, wanted, progress)
@@ -261,7 +259,7 @@ async def _capture_units(
                                           path=payload_path(p_digest), bytes=sizes[p_digest],
                                           sha256=p_digest))
             # Kept here in any case: a restore reads it on the control node (the payload's
-            # mount); with a registry the host pushed the same bytes for the units' hosts.
+            # mount) and stages it from here, a registry holding only its redacted form.
             r_digest, r_size = store.add_bytes(w.replay_plan_json)
             objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
                                           path=replay_plan_path(w.worker_id), bytes=r_size,

@@ -1,5 +1,11 @@
 """Artifacts to and from an OCI registry, as OCI artifacts (coldsnap.formats.oci_artifact).
 
+What is published is the artifact's published form (coldsnap.formats.publication): its
+documents with every environment value and secret flag value withheld, the redacted
+documents being objects of their own (pushed from memory: the store keeps only what its
+artifacts name). A registry never receives a secret of the artifact's documents, whoever
+captured or publishes it.
+
 - `publish_artifact`: every object's blob from the local store (digest-verified: the store's
   stamp, and the registry checks what it receives), skipping blobs the repository holds and
   mounting those another repository of the registry holds (from the repositories this
@@ -11,7 +17,9 @@
 - `import_published`: a published artifact into the store: its document (verified, parsed
   strictly, its layers matched against its objects), the control-node-only objects and the
   replay plans (a restore reads them); the other host-owned objects stay in the registry,
-  and a restore's staging pulls them from there.
+  and a restore's staging pulls them from there. When the store holds the full artifact
+  that the publication is the published form of (this control node captured it), that one
+  is kept and returned: its secrets are here, and a restore needs no request to give them.
   A failure indexes nothing (the verified objects fetched stay, for gc to judge).
 """
 
@@ -44,6 +52,7 @@ from coldsnap.formats.oci_artifact import (
     parse_manifest,
     published_objects,
 )
+from coldsnap.formats.publication import PublishedForm, published_form
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.registry.access import RegistryAccess, access_for
 from coldsnap.hosts.registry.client import RegistryClient
@@ -55,6 +64,8 @@ from coldsnap.store.refs import MAX_ARTIFACT_BYTES
 CONTROL_NODE_ROLES = frozenset({ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST})
 # Objects an import brings into the store: those, and the workers' replay plans, which a
 # restore reads on the control node too (where each payload is mounted) besides staging them.
+# They are also the documents a publication redacts, so the control node pushes them
+# (redacted), never their hosts.
 IMPORTED_ROLES = CONTROL_NODE_ROLES | {ROLE_REPLAY_PLAN}
 # Blobs sent at once (each a stream from the store's disk).
 PUSHING = 4
@@ -100,12 +111,15 @@ def mount_sources(store: LocalStore, target: RegistryRef) -> dict[str, list[str]
 
 async def _push_object(client: RegistryClient, store: LocalStore, repo: str,
                        artifact: Artifact, obj: ArtifactObject, mounts: list[str],
-                       progress: PublishProgress | None) -> None:
+                       progress: PublishProgress | None, documents: dict[str, bytes]) -> None:
     if await client.has_blob(repo, obj.sha256):
         return
     for other in mounts:
         if await client.mount_blob(repo, obj.sha256, other):
             return
+    if obj.sha256 in documents:  # a redacted document: small, and not in the store
+        await client.push_blob_bytes(repo, documents[obj.sha256])
+        return
     what = f"artifact {artifact.capture_id}: {obj.role} of {obj.owner} ({obj.sha256})"
     try:
         path = store.verify(obj.sha256)
@@ -121,14 +135,15 @@ async def _push_object(client: RegistryClient, store: LocalStore, repo: str,
 
 async def _push_all(client: RegistryClient, store: LocalStore, target: RegistryRef,
                     artifact: Artifact, objects: list[ArtifactObject],
-                    progress: PublishProgress | None) -> None:
+                    progress: PublishProgress | None,
+                    documents: dict[str, bytes] | None = None) -> None:
     sources = mount_sources(store, target)
     gate = asyncio.Semaphore(PUSHING)
 
     async def one(obj: ArtifactObject) -> None:
         async with gate:
             await _push_object(client, store, target.repository, artifact, obj,
-                               sources.get(obj.sha256, []), progress)
+                               sources.get(obj.sha256, []), progress, documents or {})
 
     # Largest first: they set the pace. The first failure cancels the others and is raised
     # as itself (it names the registry and the object).
@@ -166,13 +181,13 @@ async def publish_artifact(store: LocalStore, stored: StoredArtifact, target: Re
     if access.registry != target.registry:
         raise PublishFailed(f"publish target {target}: access is for {access.registry}")
     kind = "native" if native_only else "full"
-    artifact = stored.artifact
-    document = canonical_json(artifact.to_json())
+    form = _published(store, stored.artifact)
+    artifact, document = form.artifact, form.document
     objects = _unique(published_objects(artifact, kind))
     async with contextlib.AsyncExitStack() as stack:
         if client is None:
             client = await stack.enter_async_context(RegistryClient(access))
-        await _push_all(client, store, target, artifact, objects, progress)
+        await _push_all(client, store, target, artifact, objects, progress, form.documents)
         return await _finish(client, store, target, artifact, document, kind)
     raise AssertionError("unreachable")  # pragma: no cover (mypy: the with may swallow)
 
@@ -181,21 +196,32 @@ async def publish_document(client: RegistryClient, target: RegistryRef, artifact
                            store: LocalStore) -> str:
     """Publish `artifact` (full) whose host-owned objects the hosts pushed to `target`
     already: each is checked (HEAD; PublishFailed names the first missing one), the
-    control-node-only objects are pushed from the store, then the document and the
-    manifest. Returns the pinned reference, recorded in the store's publications."""
+    control-node objects and the replay plans are pushed from here, redacted, then the
+    published document and the manifest. Returns the pinned reference, recorded in the
+    store's publications."""
     repo = target.repository
+    form = _published(store, artifact)
+    artifact = form.artifact
     objects = _unique(list(artifact.objects))
-    hosts_pushed = [o for o in objects if o.role not in CONTROL_NODE_ROLES]
+    hosts_pushed = [o for o in objects if o.role not in IMPORTED_ROLES]
     present = await asyncio.gather(*(client.has_blob(repo, o.sha256) for o in hosts_pushed))
     for obj, there in zip(hosts_pushed, present, strict=True):
         if not there:
             raise PublishFailed(f"artifact {artifact.capture_id}: {obj.role} of {obj.owner} "
                                 f"({obj.sha256}) is not in {target.registry}/{repo}: its "
                                 "host did not push it")
-    ours = [o for o in objects if o.role in CONTROL_NODE_ROLES]
-    await _push_all(client, store, target, artifact, ours, None)
-    return await _finish(client, store, target, artifact, canonical_json(artifact.to_json()),
-                         "full")
+    ours = [o for o in objects if o.role in IMPORTED_ROLES]
+    await _push_all(client, store, target, artifact, ours, None, form.documents)
+    return await _finish(client, store, target, artifact, form.document, "full")
+
+
+def _published(store: LocalStore, artifact: Artifact) -> PublishedForm:
+    """The artifact's published form (PublishFailed when a document cannot be read)."""
+    try:
+        return published_form(artifact, store.read_bytes)
+    except (StoreError, ValueError, ArtifactInvalid) as exc:
+        raise PublishFailed(f"artifact {artifact.capture_id}: its documents cannot be "
+                            f"redacted for publishing: {exc}") from None
 
 
 async def import_published(store: LocalStore, ref: RegistryRef, access: RegistryAccess,
@@ -227,7 +253,13 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
     document_digest = manifest.config.digest
     indexed = store.indexed(artifact.capture_id)
     if indexed is not None:
-        if canonical_json(indexed.artifact.to_json()) != canonical_json(artifact.to_json()):
+        # The same publication imported before, or the full artifact it was published from
+        # (redacting a published form again changes nothing).
+        try:
+            ours = published_form(indexed.artifact, store.read_bytes).document
+        except (StoreError, ValueError, ArtifactInvalid):
+            ours = canonical_json(indexed.artifact.to_json())
+        if ours != canonical_json(artifact.to_json()):
             raise PublishFailed(f"{pinned}: the store {store.root} holds another artifact "
                                 f"under capture id {artifact.capture_id} "
                                 f"({indexed.digest[:19]}, not {document_digest[:19]})")

@@ -82,7 +82,7 @@ from coldsnap.operations.replace import (
     stop_previous,
     touched_previous,
 )
-from coldsnap.operations.restore_checks import admission_refusals, issues_text
+from coldsnap.operations.restore_checks import admission_refusals, check_withheld, issues_text
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, unit_labels, validate_services
 from coldsnap.operations.sessions import (
     SessionPlan,
@@ -137,7 +137,10 @@ def restore_placement(artifact: Artifact, request: Request | None,
     """The launch to place (the captured one, or the restore request's after the identity
     check), the policy and the validation to use: the restore request's, else those of the
     request the artifact was `captured` from, else the defaults (an artifact that predates
-    keeping its capture request)."""
+    keeping its capture request). An artifact imported from a publication withholds its
+    environment values and secret flag values: a restore request must give each of them
+    (OperationRefused naming every one it lacks)."""
+    check_withheld(artifact, request.launch if request else None)
     if request is None:
         if captured is None:
             return artifact.launch, Policy(), Validation()

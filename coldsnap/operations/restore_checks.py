@@ -1,5 +1,6 @@
 """The restore's admission per unit (architecture, GPUs, driver floors, kernel policy),
-as refusals by unit, and how a list of refusals reads."""
+as refusals by unit, and how a list of refusals reads; the values a published artifact
+withholds, which the restore must give."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Sequence
 from coldsnap.admission import HostFacts, check_admission
 from coldsnap.formats.artifact import TARGET_LOCAL, Artifact
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.formats.publication import not_given
 from coldsnap.formats.request import Launch, Policy
+from coldsnap.operations.context import OperationRefused
 
 
 def issues_text(issues: Sequence[ValidationIssue]) -> str:
@@ -38,3 +41,14 @@ def admission_refusals(artifact: Artifact, launch: Launch, policy: Policy,
                                                  f"launch.units[{i}])", x.message)
                                  for x in result.refusals]
     return refusals
+
+
+def check_withheld(artifact: Artifact, restore: Launch | None) -> None:
+    """Refuse (exit 2) a restore that leaves a value the artifact's launch withholds without
+    one: a restore without a request, or a request that lacks it or withholds it too."""
+    missing = not_given(artifact.launch, restore)
+    if missing:
+        raise OperationRefused(
+            "secrets", f"artifact {artifact.capture_id} was imported from a registry "
+            "publication, which withholds its environment values and secret flag values: a "
+            f"restore request must give {', '.join(missing)}")

@@ -5,7 +5,8 @@ path, verified against the object's digest and stamped, so the survey, the skip 
 held and the CRIU assembly around it stay the same.
 
 `--stage-from` (`StageFrom`) chooses: `store`, `registry`, or `auto` (the registry when the
-artifact records a publication, else the store).
+artifact records a publication, else the store). From a registry, the replay plans still come
+from the store: the registry holds only their redacted form (coldsnap.formats.publication).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from coldsnap.formats.artifact import ArtifactObject
+from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ArtifactObject
 from coldsnap.hosts.base import Host, ProgressCallback
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import pull_blob, transfer_timeout
@@ -89,13 +90,21 @@ class RegistrySource:
     repository: str
     kind: str = "registry"
     keeps_partials: bool = True
+    # Where the replay plans come from: the registry holds them redacted (their environment
+    # withheld), and the store holds the ones the artifact names (a capture or an import
+    # brought them here).
+    store: LocalStore | None = None
 
     def check(self, objects: list[ArtifactObject]) -> None:
-        """Nothing to check here: the registry answers for its blobs, and each pull verifies
-        what lands."""
+        """The replay plans must be in the store; the registry answers for its blobs, and
+        each pull verifies what lands."""
+        if self.store is not None:
+            StoreSource(self.store).check([o for o in objects if o.role == ROLE_REPLAY_PLAN])
 
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:
+        if obj.role == ROLE_REPLAY_PLAN and self.store is not None:
+            return await StoreSource(self.store).deliver(host, remote, obj, progress)
         pulled = await pull_blob(host, self.access, self.repository, obj.sha256, obj.bytes,
                                  remote, timeout=transfer_timeout(obj.bytes))
         return pulled.received
@@ -140,7 +149,7 @@ def choose_source(stage_from: StageFrom, store: LocalStore,
     if publication is None:
         raise ValueError("--stage-from registry: the artifact is not published to a registry "
                          "(`coldsnapd publish`)")
-    return RegistrySource(access(publication.registry), publication.repository)
+    return RegistrySource(access(publication.registry), publication.repository, store=store)
 
 
 __all__ = [

@@ -27,8 +27,10 @@ def stored_artifact(store: LocalStore, capture_id: str, weights: bytes = b"weigh
         objects.append(obj.model_copy(update={"sha256": digest, "bytes": size}))
 
     for obj in base.objects:
+        # Replay plans are JSON documents (a publication redacts them); the rest any bytes.
         data = weights if obj.role == "model-weight-payload" else \
-            f"{capture_id} {obj.role} {obj.owner}".encode()
+            f'{{"of": "{capture_id} {obj.role} {obj.owner}"}}'.encode() \
+            if obj.role == "replay-plan" else f"{capture_id} {obj.role} {obj.owner}".encode()
         add(obj, data)
     units = [u.id for u in base.launch.units]
     for unit in units:

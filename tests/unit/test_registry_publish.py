@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, ROLE_REPLAY_PLAN
-from coldsnap.formats.canonical import canonical_json
+from coldsnap.formats.canonical import canonical_json, digest_bytes
 from coldsnap.formats.oci_artifact import parse_manifest
+from coldsnap.formats.publication import PublishedForm, published_form
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
@@ -20,12 +21,17 @@ from coldsnap.operations.publish import (
     publish_artifact,
     publish_document,
 )
-from coldsnap.store import LocalStore
+from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.refs import resolve_reference
 from coldsnap.store.verify import verify_store
 from devtools.registry_server import RegistryServer
 from tests.unit.registry_artifacts import access_of, stored_artifact
 from tests.unit.registry_fixtures import new_repository
+
+
+def _published(store: LocalStore, stored: StoredArtifact) -> PublishedForm:
+    """What a publication of `stored` carries: its documents with the secrets withheld."""
+    return published_form(stored.artifact, store.read_bytes)
 
 
 def _target(server: RegistryServer, tag: str | None = None) -> RegistryRef:
@@ -41,8 +47,9 @@ async def test_publishing_again_sends_nothing_and_a_second_artifact_only_what_is
     async with RegistryClient(access) as client:
         ref = await publish_artifact(store, first, target, access, native_only=False,
                                      client=client)
-        distinct = {o.sha256 for o in first.artifact.objects}
-        assert set(client.uploaded) == distinct | {first.digest}
+        form = _published(store, first)
+        distinct = {o.sha256 for o in form.artifact.objects}
+        assert set(client.uploaded) == distinct | {digest_bytes(form.document)}
         assert ref == f"{target.registry}/{target.repository}@{parse_ref(ref).digest}"
     async with RegistryClient(access) as client:
         again = await publish_artifact(store, first, target, access, native_only=False,
@@ -57,7 +64,9 @@ async def test_publishing_again_sends_nothing_and_a_second_artifact_only_what_is
                                client=client)
         sent = set(client.uploaded)
     assert not sent & weights
-    assert sent == {o.sha256 for o in second.artifact.objects} - weights | {second.digest}
+    form = _published(store, second)
+    assert sent == {o.sha256 for o in form.artifact.objects} - weights \
+        | {digest_bytes(form.document)}
     assert store.publications("cap-one") == [ref]
 
 
@@ -70,8 +79,10 @@ async def test_a_payload_published_to_another_repository_is_mounted_not_sent(
     async with RegistryClient(access) as client:
         await publish_artifact(store, stored, _target(plain_registry), access,
                                native_only=False, client=client)
-        assert set(client.mounted) == {o.sha256 for o in stored.artifact.objects}
-        assert client.uploaded == [stored.digest]  # only the document went again
+        form = _published(store, stored)
+        assert set(client.mounted) == {o.sha256 for o in form.artifact.objects}
+        # only the document went again
+        assert client.uploaded == [digest_bytes(form.document)]
 
 
 async def test_the_manifest_names_each_object_and_native_carries_only_payloads(
@@ -90,11 +101,12 @@ async def test_the_manifest_names_each_object_and_native_carries_only_payloads(
         manifest = parse_manifest(data)
         assert manifest.kind == "native" and manifest.capture_id == "cap-native"
         assert {la.role for la in manifest.layers} == {"model-weight-payload", "replay-plan"}
-        assert manifest.config.digest == stored.digest
+        form = _published(store, stored)
+        assert manifest.config.digest == digest_bytes(form.document)
         full_manifest = parse_manifest((await client.get_manifest(
             target.repository, full.digest or ""))[0])
         assert [(la.digest, la.role, la.owner, la.path) for la in full_manifest.layers] == \
-            [(o.sha256, o.role, o.owner, o.path) for o in stored.artifact.objects]
+            [(o.sha256, o.role, o.owner, o.path) for o in form.artifact.objects]
 
 
 async def test_import_round_trips_the_document_and_leaves_payloads_in_the_registry(
@@ -106,8 +118,12 @@ async def test_import_round_trips_the_document_and_leaves_payloads_in_the_regist
                                  native_only=False)
     empty = LocalStore(tmp_path / "empty")
     imported = await import_published(empty, parse_ref(ref), access)
-    assert imported.digest == stored.digest
-    assert canonical_json(imported.artifact.to_json()) == canonical_json(stored.artifact.to_json())
+    form = _published(source, stored)
+    # Elsewhere the published form is what there is: its environment withheld.
+    assert imported.digest == digest_bytes(form.document) != stored.digest
+    assert canonical_json(imported.artifact.to_json()) == form.document
+    # The store that holds the artifact whole keeps it, secrets and all.
+    assert (await import_published(source, parse_ref(ref), access)).digest == stored.digest
     assert empty.publications("cap-import") == [ref]
     for obj in imported.artifact.objects:
         held = empty.has(obj.sha256)
@@ -118,9 +134,9 @@ async def test_import_round_trips_the_document_and_leaves_payloads_in_the_regist
     report = verify_store(empty)
     assert report.missing == {} and report.corrupt == []
     assert set(report.in_registry.values()) == {ref}
-    assert resolve_reference(empty, "cap-import").digest == stored.digest
+    assert resolve_reference(empty, "cap-import").digest == imported.digest
     # Importing again is the same artifact.
-    assert (await import_published(empty, parse_ref(ref), access)).digest == stored.digest
+    assert (await import_published(empty, parse_ref(ref), access)).digest == imported.digest
 
 
 async def test_without_a_publication_absent_objects_are_missing(tmp_path: Path) -> None:
@@ -145,14 +161,16 @@ async def test_publish_document_requires_the_hosts_blobs_and_pushes_the_control_
                                                 "push it"):
             await publish_document(client, target, stored.artifact, store)
         for obj in stored.artifact.objects:  # what the hosts would have pushed
-            if obj.role not in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST):
+            if obj.role not in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, ROLE_REPLAY_PLAN):
                 await client.push_blob_file(target.repository, store.verify(obj.sha256),
                                             obj.sha256, obj.bytes)
         client.uploaded.clear()
         ref = await publish_document(client, target, stored.artifact, store)
-        control = {o.sha256 for o in stored.artifact.objects
-                   if o.role in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST)}
-        assert set(client.uploaded) == control | {stored.digest}
+        # The control node pushes the documents, the replay plans redacted among them.
+        form = _published(store, stored)
+        control = {o.sha256 for o in form.artifact.objects
+                   if o.role in (ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST, ROLE_REPLAY_PLAN)}
+        assert set(client.uploaded) == control | {digest_bytes(form.document)}
     assert store.publications("cap-doc") == [ref]
 
 
@@ -164,7 +182,7 @@ async def test_the_token_registry_with_the_right_credentials(
     ref = await publish_artifact(store, stored, _target(auth_registry, "latest"), access,
                                  native_only=False)
     imported = await import_published(LocalStore(tmp_path / "other"), parse_ref(ref), access)
-    assert imported.digest == stored.digest
+    assert imported.digest == digest_bytes(_published(store, stored).document)
 
 
 async def test_a_wrong_password_fails_naming_the_registry_and_where_credentials_are(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import Issues, ValidationIssue
+from coldsnap.formats.redaction import REDACTED
 from coldsnap.formats.request.launch import Launch, Unit, Worker
 
 
@@ -272,7 +273,8 @@ def rank_issues(issues: Issues, launch: Launch) -> None:
             rank_of.update({member: i for i, member in enumerate(group.members)})
     for i, unit in enumerate(launch.units):
         value = unit.environment.get("RANK")
-        if value is None:
+        # A published artifact withholds every environment value: the restore gives it back.
+        if value is None or value == REDACTED:
             continue
         path = f"launch.units[{i}].environment.RANK"
         workers = [w.id for w in launch.execution.workers if w.unit == unit.id]

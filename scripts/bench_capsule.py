@@ -73,6 +73,7 @@ from coldsnap.formats.artifact import ROLE_CAPSULE, ArtifactObject, criu_image_p
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
 from coldsnap.logs import configure as configure_logs
+from coldsnap.operations.fetch import fetch_into_store
 from coldsnap.operations.staging import remote_object_path, stage_host
 from coldsnap.store import LocalStore
 
@@ -147,10 +148,11 @@ async def fetch(src: CapsuleSession, capsule: CommittedCapsule,
 
     async def one(obj: CapsuleObject) -> ArtifactObject:
         async with slots:
-            with store.incoming() as tmp:
-                await src.target.host.get(obj.file.path, tmp)
-                digest, size = await asyncio.to_thread(store.commit_incoming, tmp,
-                                                       obj.file.sha256)
+            # Capture's own pull: bounded by the size the host reported at commit and
+            # digest-verified (a bare get without a size is refused).
+            digest, size = await fetch_into_store(
+                src.target.host, obj.file.path, store, obj.file.sha256, None,
+                size=obj.file.bytes, beneath=obj.file.root or None)
         path = "capsule.tar" if obj.role == ROLE_CAPSULE else criu_image_path(digest)
         return ArtifactObject(role=obj.role, owner=f"unit/{capsule.unit_id}", path=path,
                               bytes=size, sha256=digest)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, cluster_inventory, emit, log
+from bench_common import REPO, cluster_inventory, emit, log, sized
 
 from coldsnap.capsule import (
     CapsuleHost,
@@ -347,14 +347,15 @@ async def main_async(args: argparse.Namespace, inv_path: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(prog="scripts/bench capsule", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gib", type=float, default=1.0, help="warm state (weight shard) in GiB")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--gib", type=float, default=sized(1.0, 4 / 1024),
+                   help="warm state (weight shard) in GiB")
+    p.add_argument("--rounds", type=int, default=sized(3, 1))
     p.add_argument("--src", default="host-0")
     p.add_argument("--dst", default="host-1")
     p.add_argument("--no-registry", action="store_true",
                    help="ship the capsule's layers as an object even when the inventory names "
                         "a registry")
-    p.add_argument("--warmup-rounds", type=int, default=None,
+    p.add_argument("--warmup-rounds", type=int, default=sized(None, 1),
                    help="the test engine's warm-up cost (digest rounds per chunk; engine "
                         "default 4)")
     args = p.parse_args()

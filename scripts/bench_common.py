@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -23,6 +23,25 @@ from devtools.session import ClusterUnfit, dev_cluster  # noqa: E402
 # stdout carries exactly one JSON line; logs go to stderr.
 _configure_logging(stream=sys.stderr)
 
+# COLDSNAP_BENCH_SMOKE=1 (or `scripts/bench NAME --smoke`): every benchmark runs one round of
+# MiB of state in seconds, so that the test suite can check each still runs and prints every
+# figure (tests/integration/test_bench_smoke.py); the real sizes stay the defaults.
+SMOKE = os.environ.get("COLDSNAP_BENCH_SMOKE", "") not in ("", "0")
+# Where emit() appends its line: bench-results/ in the repository unless
+# COLDSNAP_BENCH_RESULTS names another directory (the smoke tests' tmp path: their lines are
+# no measurement and must not land among the real ones).
+RESULTS_ENV = "COLDSNAP_BENCH_RESULTS"
+T = TypeVar("T")
+
+
+def sized(real: T, smoke: T) -> T:
+    """A benchmark's default: `smoke` in a smoke run, else `real`."""
+    return smoke if SMOKE else real
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get(RESULTS_ENV) or REPO / "bench-results")
+
 
 def git_rev() -> str | None:
     r = subprocess.run(
@@ -32,17 +51,19 @@ def git_rev() -> str | None:
 
 
 def emit(name: str, doc: dict[str, Any]) -> None:
-    """One JSON line on stdout, appended to bench-results/<name>.jsonl as well."""
+    """One JSON line on stdout, appended to <results_dir()>/<name>.jsonl as well
+    (bench-results/ unless COLDSNAP_BENCH_RESULTS says otherwise)."""
     doc = {
         "bench": name,
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git": git_rev(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu",
+        **({"smoke": True} if SMOKE else {}),
         **doc,
     }
     line = json.dumps(doc, sort_keys=False)
-    out = REPO / "bench-results"
-    out.mkdir(exist_ok=True)
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{name}.jsonl", "a") as f:
         f.write(line + "\n")
     print(line, flush=True)

@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, sized
 
 from devtools import shaping
 from devtools.layout import Layout
@@ -380,10 +380,13 @@ def table(doc: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=0.25, help="GiB of weights (one worker)")
-    ap.add_argument("--link-mbit", type=int, default=200,
-                    help="host and control node link rate, Mbit/s")
-    ap.add_argument("--replicas", default="1,2,4,8", help="comma-separated N values")
+    ap.add_argument("--gib", type=float, default=sized(0.25, 4 / 1024),
+                    help="GiB of weights (one worker)")
+    # The smoke size leaves the links unshaped (0): the control node's link is the machine's,
+    # shared with the clusters the test suite runs on.
+    ap.add_argument("--link-mbit", type=int, default=sized(200, 0),
+                    help="host and control node link rate, Mbit/s (0: unshaped)")
+    ap.add_argument("--replicas", default=sized("1,2,4,8", "1,2"), help="comma-separated N values")
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     args = ap.parse_args()
     try:
@@ -392,13 +395,14 @@ def main() -> None:
         raise SystemExit(f"--replicas: not a list of integers: {args.replicas!r}") from None
     if not replicas or replicas[0] < 1:
         raise SystemExit("--replicas: each N must be at least 1")
-    if args.gib <= 0 or args.link_mbit <= 0:
-        raise SystemExit("--gib and --link-mbit must be positive")
+    if args.gib <= 0 or args.link_mbit < 0:
+        raise SystemExit("--gib must be positive and --link-mbit not negative")
     seed_base_rootfs()
     load_start = list(os.getloadavg())
     layout = Layout.from_env(cluster_env())
+    shape = ("--link-mbit", str(args.link_mbit)) if args.link_mbit else ()
     inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", str(replicas[-1]),
-                          "--link-mbit", str(args.link_mbit)]).strip().splitlines()[-1])
+                          *shape]).strip().splitlines()[-1])
     work = Path(tempfile.mkdtemp(prefix="bench-fanout-", dir=BENCH_DIR))
     ours = [layout.net(i).address for i in range(replicas[-1])] + [layout.registry.address]
     accounting(ours, add=True)
@@ -413,9 +417,9 @@ def main() -> None:
             run([str(REPO / "scripts" / "dev-cluster"), "down"])
         # The control node's link is the machine's (csd-br0): never leave it shaped for the
         # other clusters here.
-        if shaping.link(shaping.BRIDGE) is not None:
+        if args.link_mbit and shaping.link(shaping.BRIDGE) is not None:
             shaping.shape_control(0)
-    doc = {"gib": args.gib, "link_mbit": args.link_mbit, "registry_link": "unshaped",
+    doc = {"gib": args.gib, "link_mbit": args.link_mbit or None, "registry_link": "unshaped",
            "hosts": replicas[-1], "replicas": replicas, "engine": "TP1 test engine",
            "load_avg_start": [round(x, 2) for x in load_start],
            "load_avg_end": [round(x, 2) for x in os.getloadavg()], **figures}

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from bench_common import REPO, cluster_inventory, emit, log
+from bench_common import REPO, cluster_inventory, emit, log, sized
 
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
@@ -121,8 +121,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inventory", type=Path)
     ap.add_argument("--host", action="append", dest="hosts")
-    ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size-mib", type=int, default=sized(1024, 4))
+    ap.add_argument("--rounds", type=int, default=sized(3, 1))
     args = ap.parse_args()
     names = args.hosts or ["host-0", "host-1"]
     with cluster_inventory(args.inventory, names, docker=False) as path:

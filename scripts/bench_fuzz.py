@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, sized
 
 FUZZERS = {
     "requests": "test_requests_are_refused_with_exit_2_naming_a_path",
@@ -31,7 +31,7 @@ def _children_cpu() -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench fuzz")
-    parser.add_argument("--cases", type=int, default=10_000, help="cases per fuzzer")
+    parser.add_argument("--cases", type=int, default=sized(10_000, 5), help="cases per fuzzer")
     args = parser.parse_args()
     doc: dict[str, object] = {"cases_per_fuzzer": args.cases}
     for name, test in FUZZERS.items():

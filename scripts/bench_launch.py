@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import yaml
-from bench_common import REPO, cluster_inventory, emit, log
+from bench_common import cluster_inventory, emit, log, sized
 
 from coldsnap.capsule.seccomp import engine_filter_b64
 from coldsnap.capsule.spec import CRIU_CAPABILITIES, CRIU_SECURITY_OPT, ENGINE_PID_FLOOR
@@ -57,10 +57,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--inventory", type=Path)
     ap.add_argument("--host", default="host-0")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=sized(3, 1))
     args = ap.parse_args()
-    image = (REPO / ".dev-cluster" / "test-capsule.ref").read_text().strip()
     with cluster_inventory(args.inventory, [args.host], docker=True) as inv:
+        # `up` records the test capsule's reference beside the inventory.
+        image = (inv.parent / "test-capsule.ref").read_text().strip()
         hosts = {h["name"]: h for h in yaml.safe_load(inv.read_text())["hosts"]}
         sock = hosts[args.host]["docker_socket"]
         _docker(sock, "pull", image)

@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, sized
 
 from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.pool import HostPool
@@ -33,8 +33,9 @@ from coldsnap.hosts.transfer.openssh_client import openssh_argv
 BENCH_DIR = REPO / ".cache" / "bench-cluster"
 BENCH_PORT = "2222"
 # host-N of the bench cluster is network slot 128 + N (namespace csd-host-{128+N}, address
-# 198.18.0.{130+N}): clear of the shared dev cluster's slots 0, 1, 2, ...
-BENCH_NET_BASE = "128"
+# 198.18.0.{130+N}): clear of the shared dev cluster's slots 0, 1, 2, ...; another base
+# (COLDSNAP_BENCH_NET_BASE, as bench restore and fanout) lets two runs go at once.
+BENCH_NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "128")
 
 
 def cluster(*args: str) -> str:
@@ -112,8 +113,8 @@ def openssh(inventory: Inventory, names: list[str],
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hosts", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hosts", type=int, default=sized(16, 2))
+    ap.add_argument("--rounds", type=int, default=sized(5, 1))
     ap.add_argument("--inventory", type=Path)
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     args = ap.parse_args()

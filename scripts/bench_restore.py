@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, sized
 
 BENCH_DIR = REPO / ".cache" / "bench-restore"
 # Another slot range (COLDSNAP_BENCH_NET_BASE) lets two checkouts benchmark at once.
@@ -445,7 +445,8 @@ def measure(b: Bench, gib: float, *, cold_caches: bool) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0, help="GiB of weights per worker")
+    ap.add_argument("--gib", type=float, default=sized(1.0, 4 / 1024),
+                    help="GiB of weights per worker")
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
     ap.add_argument("--keep-caches", action="store_true",
                     help="do not drop the page cache before the capture, the cold-host "

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, sized
 
 from devtools.served import Served  # bench_common put the repository on the path
 
-DEV = REPO / ".dev-cluster"
+# The dev cluster's state, as scripts/dev-cluster has it (COLDSNAP_DEV_CLUSTER_DIR).
+DEV = Path(os.environ.get("COLDSNAP_DEV_CLUSTER_DIR") or REPO / ".dev-cluster")
 
 
 def _capture_request(work: Path, tag: str, moved: bool) -> Path:
@@ -64,9 +65,11 @@ def _timed(served: Served, *runs: tuple[str, ...]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shard-bytes", type=int, default=256 << 20,
+    # The smoke size is what scripts/test has dev-requests write (8 MiB): the benchmark
+    # rewrites the cluster's requests, which the test suite shares.
+    parser.add_argument("--shard-bytes", type=int, default=sized(256 << 20, 8 << 20),
                         help="weight bytes per worker (default 256 MiB)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=sized(3, 1))
     args = parser.parse_args()
     if not (DEV / "inventory.yaml").is_file() or not (DEV / "test-capsule.ref").is_file():
         raise SystemExit("bench: start the dev cluster (scripts/dev-cluster up 4) and build "

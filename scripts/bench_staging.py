@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_common import REPO, cluster_inventory, emit, log
+from bench_common import REPO, cluster_inventory, emit, log, sized
 
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
@@ -139,8 +139,8 @@ def main() -> None:
         help="hosts to use as they are (default: the dev cluster, started when not running)",
     )
     ap.add_argument("--host", default="host-0")
-    ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--size-mib", type=int, default=sized(1024, 4))
+    ap.add_argument("--rounds", type=int, default=sized(5, 1))
     ap.add_argument("--no-scp-aes", action="store_true", help="skip the scp -c aes128-gcm runs")
     ap.add_argument(
         "--transport",

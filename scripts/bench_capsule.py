@@ -15,7 +15,8 @@ and then stopped again at the end; a running one is used as it is):
   restore     on DST: container start -> CRIU restore -> GPU restore + unlock -> release ->
               validation prompt answered (coldsnap's own steps)
   raw         on DST: the same images restored by a hand-typed `docker exec C criu restore`
-              in a fresh container of the same capsule
+              in a fresh container of the same capsule (its writable paths, engine log and
+              /dev/shm put back first, as CRIU needs them: raw_restore_script)
 Prints one JSON line of medians (and per-round figures), appended to bench-results/capsule.jsonl.
 """
 
@@ -28,6 +29,7 @@ import importlib.util
 import os
 import posixpath
 import secrets
+import shlex
 import shutil
 import statistics
 import sys
@@ -67,8 +69,16 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import capsule_dir
+from coldsnap.capsule.handle import UnitHandle
 from coldsnap.capsule.images import image_set_dir
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.capsule.spec import (
+    CRIU_IMAGES_DIR,
+    ENGINE_LOG,
+    ENGINE_LOG_MODE,
+    SHM_DIR,
+    SHM_IMAGE,
+    writable_image,
+)
 from coldsnap.formats.artifact import ROLE_CAPSULE, ArtifactObject, criu_image_path
 from coldsnap.hosts.inventory import HostEntry, load_inventory
 from coldsnap.hosts.ssh import SSHHost
@@ -160,6 +170,23 @@ async def fetch(src: CapsuleSession, capsule: CommittedCapsule,
     return list(await asyncio.gather(*(one(o) for o in capsule.objects)))
 
 
+def raw_restore_script(handle: UnitHandle) -> str:
+    """What one types by hand to restore the images in a fresh container of the capsule: the
+    container's writable paths (volumes: the engine's stdin and log files live there) and
+    /dev/shm put back as the dump archived them, then one `criu restore`; CRIU reopens those
+    files by path and fails without them, and the engine's log with the mode it was dumped
+    with (what coldsnap.capsule.criu_restore prepares the same way)."""
+    images = CRIU_IMAGES_DIR
+    put_back = "".join(
+        f'[ ! -f {images}/{writable_image(p)} ] || tar -C {shlex.quote(p)} --numeric-owner '
+        f'-xSpf {images}/{writable_image(p)} && ' for p in handle.writable)
+    log_file = (f"mkdir -p {posixpath.dirname(ENGINE_LOG)}; : >> {ENGINE_LOG}; "
+                f"chmod {ENGINE_LOG_MODE} {ENGINE_LOG}; ")
+    return (f"set -e; {put_back}{log_file}[ ! -f {images}/{SHM_IMAGE} ] || tar -C {SHM_DIR} "
+            f"--numeric-owner -xSpf {images}/{SHM_IMAGE}; "
+            f"criu restore -D {images} -W /tmp -d -o raw-restore.log")
+
+
 async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entry: HostEntry,
                     dst_entry: HostEntry, models: tuple[str, str], tmp: Path,
                     warmup_rounds: int | None, registry: str | None) -> dict[str, Any]:
@@ -247,10 +274,13 @@ async def one_round(src: CapsuleSession, dst: CapsuleSession, ref: str, src_entr
         sock = f"unix://{dst.target.docker_socket}"
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            "docker", "-H", sock, "exec", rh.container_name, "criu", "restore",
-            "-D", CRIU_IMAGES_DIR, "-W", "/tmp", "-d", "-o", "raw-restore.log")
+            "docker", "-H", sock, "exec", rh.container_name, "sh", "-c", raw_restore_script(rh))
         if await proc.wait() != 0:
-            raise RuntimeError("hand-typed criu restore failed")
+            log_tail = await asyncio.create_subprocess_exec(
+                "docker", "-H", sock, "exec", rh.container_name, "tail", "-n", "15",
+                "/tmp/raw-restore.log", stdout=asyncio.subprocess.PIPE)
+            why, _ = await log_tail.communicate()
+            raise RuntimeError(f"hand-typed criu restore failed:\n{why.decode(errors='replace')}")
         r["raw_criu_restore_seconds"] = time.monotonic() - t0
         await remove_unit(dst, rh)
     finally:

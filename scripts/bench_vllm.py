@@ -53,6 +53,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,34 @@ def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
     raw_lazy, raw_lazy_answer = raw_restore_to_answer(b, "host-1", manifest, prompt, expected,
                                                       lazy=True)
     b.make_cold([])
-    rtt = statistics.median(rtts)
+    return tp1_figures(Recorded(cold_s=cold_s, health_s=health_s, capture=cap, ready=ready,
+                                cold=cold, warm=warm, rtts=rtts, cold_caches=cold_caches),
+                       manifest, raw=raw, raw_answer=raw_answer, raw_lazy=raw_lazy,
+                       raw_lazy_answer=raw_lazy_answer)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a vLLM benchmark run recorded before its figures are worked out: seconds by
+    hand and the coldsnapd receipts of the capture and the two restores."""
+
+    cold_s: float  # the engine's own cold start, to its first answer
+    health_s: float  # the same, to /health
+    capture: dict[str, Any]  # receipts (`coldsnapd ... --receipt-json`)
+    ready: float  # the capture's start + wait-ready spans
+    cold: dict[str, Any]
+    warm: dict[str, Any]
+    rtts: list[float]  # validation round trips against the restored engine
+    cold_caches: bool
+
+
+def tp1_figures(r: Recorded, manifest: dict[str, Any], *, raw: float, raw_answer: float,
+                raw_lazy: float, raw_lazy_answer: float) -> dict[str, Any]:
+    """The tp1 line's figures from what the run recorded and the captured unit's capsule
+    manifest (no vLLM needed: tests/unit/test_bench_vllm.py)."""
+    cold_s, health_s, cap, cold, warm = r.cold_s, r.health_s, r.capture, r.cold, r.warm
+    ready, cold_caches = r.ready, r.cold_caches
+    rtt = statistics.median(r.rtts)
     criu_bytes = sum(f["size"] for f in manifest["criu_images"]["files"])
     return {
         "cold_start_seconds": round(cold_s, 3),
@@ -249,7 +277,7 @@ def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", action="store_true", help="leave the bench cluster running")
@@ -259,8 +287,24 @@ def main() -> None:
     ap.add_argument("--layout", choices=("tp1", "tp2"), default="tp1",
                     help="tp1: one unit on one host (default); tp2: tensor parallel 2 split "
                          "across two hosts, its connections carried (4-host cluster)")
-    args = ap.parse_args()
-    hosts = 4 if args.layout == "tp2" else 2
+    return ap.parse_args(argv)
+
+
+def layout_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The line's description of the cluster and the engine's split."""
+    if args.layout == "tp2":
+        return {"layout": "tp2", "hosts": 4, "units": 2, "workers": 2}
+    return {"hosts": 2, "workers": 1}
+
+
+def document(args: argparse.Namespace, figures: dict[str, Any]) -> dict[str, Any]:
+    """The JSON line (less emit's own fields) from the arguments and the measured figures."""
+    return {**layout_figures(args), "model": "tiny-llama (devtools/tiny_model.py)", **figures}
+
+
+def main() -> None:
+    args = parse_args()
+    hosts = layout_figures(args)["hosts"]
     inventory = Path(run([str(REPO / "scripts" / "dev-cluster"), "up", str(hosts)]).strip()
                      .splitlines()[-1])
     try:
@@ -279,9 +323,7 @@ def main() -> None:
     finally:
         if not args.keep:
             run([str(REPO / "scripts" / "dev-cluster"), "down"])
-    layout = {"layout": "tp2", "hosts": 4, "units": 2, "workers": 2} if args.layout == "tp2" \
-        else {"hosts": 2, "workers": 1}
-    emit("vllm", {**layout, "model": "tiny-llama (devtools/tiny_model.py)", **figures})
+    emit("vllm", document(args, figures))
 
 
 if __name__ == "__main__":

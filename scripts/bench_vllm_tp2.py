@@ -47,7 +47,7 @@ from typing import Any
 import yaml
 from bench_common import REPO, log
 from bench_restore import Bench, drop_caches, phases, side_by_side, span_max, timed
-from bench_vllm import BENCH_DIR, RAW_WORK, run
+from bench_vllm import BENCH_DIR, RAW_WORK, Recorded, run
 
 from devtools.demo_common import native_start, post, wait_healthy
 
@@ -194,7 +194,19 @@ def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
         raw_error = str(exc)[-1500:]
         log(f"the raw restore failed: {raw_error}")
     b.make_cold([])
-    rtt = statistics.median(rtts)
+    return tp2_figures(Recorded(cold_s=cold_s, health_s=health_s, capture=cap, ready=ready,
+                                cold=cold, warm=warm, rtts=rtts, cold_caches=cold_caches),
+                       manifests, raw=raw, raw_answer=raw_answer, raw_error=raw_error)
+
+
+def tp2_figures(r: Recorded, manifests: dict[str, dict[str, Any]], *, raw: float | None,
+                raw_answer: float | None, raw_error: str | None) -> dict[str, Any]:
+    """The tp2 line's figures from what the run recorded and each unit's capsule manifest;
+    the raw restore's figures are null when it failed (its error is recorded instead). No
+    vLLM needed: tests/unit/test_bench_vllm.py."""
+    cold_s, health_s, cap, cold, warm = r.cold_s, r.health_s, r.capture, r.cold, r.warm
+    ready, cold_caches = r.ready, r.cold_caches
+    rtt = statistics.median(r.rtts)
     criu_bytes = sum(f["size"] for m in manifests.values() for f in m["criu_images"]["files"])
     return {
         "cold_start_seconds": round(cold_s, 3),

@@ -24,6 +24,8 @@ from coldsnap.formats.capsule import parse_capsule_manifest
 from tests.integration.conftest import REPO
 from tests.integration.ops_fixtures import Ops, dev_requests, edited_inventory, ops
 
+pytestmark = pytest.mark.integration
+
 __all__ = ["dev_requests", "ops"]  # fixtures used by name
 
 HOST = "host-0"

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 import yaml
 
 from coldsnap.capsule.docker_exec import exec_in_container
@@ -29,6 +30,8 @@ from tests.integration.test_operations_e2e import (
     _image_sets_by_host,
     _owned_by_host,
 )
+
+pytestmark = pytest.mark.integration
 
 __all__ = ["dev_requests", "ops"]  # fixtures
 

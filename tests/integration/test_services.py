@@ -21,6 +21,8 @@ from tests.integration.capsule_fixtures import EXPECTED
 from tests.integration.ops_fixtures import LABEL_UNIT, Ops, dev_requests, ops
 from tests.integration.test_operations_e2e import _complete
 
+pytestmark = pytest.mark.integration
+
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 
 UNITS = ("unit-0", "unit-1", "unit-2", "unit-3")

@@ -6,6 +6,7 @@ Python 3 standard library only: it runs inside the capsule.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -67,10 +68,9 @@ def weight_buffer(size: int) -> mmap.mmap:
 def free_weights(weights: mmap.mmap | None) -> None:
     if weights is None:
         return
-    try:
+    # A view still out (a completion in flight) keeps it mapped: unmapped when it goes.
+    with contextlib.suppress(BufferError):
         weights.close()
-    except BufferError:
-        pass  # a view is still out (a completion in flight): unmapped when it goes
 
 
 def state_dir() -> str:

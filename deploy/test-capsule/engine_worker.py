@@ -103,8 +103,9 @@ class Worker:
             crcs = chunk_crcs(view[:int(header["payload_bytes"])])
         if crcs != self.crcs:
             free_weights(weights)
-            bad = next(i for i, (a, b) in enumerate(zip([*crcs, -1], [*self.crcs, -2]))
-                       if a != b)
+            # The sentinels differ: a shorter list ends in a difference (the lengths may).
+            bad = next(i for i, (a, b) in enumerate(zip([*crcs, -1], [*self.crcs, -2],
+                                                        strict=False)) if a != b)
             raise RuntimeError(f"{path}: weights do not match the ones loaded at warm-up "
                                f"(first difference in MiB {bad})")
         with self.lock:

@@ -1,18 +1,47 @@
-"""Shared helpers for the format, topology and CLI tests: example requests and a builder."""
+"""Shared helpers of the unit tests: example requests and a builder, an artifact built from
+the TP2 example (with its objects' bytes in a store, for the registry tests), and the
+registries the registry tests push to and pull from (devtools.registry_server, plain and with
+TLS and tokens, once per session; a plain docker-registry per test)."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import itertools
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from coldsnap.formats.artifact import (
+    CAPTURE_REQUEST_PATH,
+    ROLE_CAPSULE_MANIFEST,
+    ROLE_CAPTURE_REQUEST,
+    Artifact,
+    ArtifactObject,
+    ArtifactSnapshotDriver,
+    Capsule,
+    CapsuleImage,
+    Compatibility,
+    CompatibilityDevice,
+    CompatibilityUnit,
+    payload_path,
+    replay_plan_path,
+)
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
-from coldsnap.formats.request import parse_request
+from coldsnap.formats.request import load_request, parse_request
+from coldsnap.hosts.registry.access import RegistryAccess
+from coldsnap.store import LocalStore, StoredArtifact
+from devtools.registry_server import RegistryServer, start_registry
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "configs" / "examples"
@@ -115,5 +144,171 @@ def mutate() -> Callable[[Callable[[dict[str, Any]], object]], dict[str, Any]]:
     return apply
 
 
-# Real registries for the publish tests (session-scoped: started once).
-from tests.unit.registry_fixtures import auth_registry, plain_registry  # noqa: E402, F401
+# --- A valid format-9 artifact built from the TP2 example request, for store and restore tests.
+
+def make_artifact(capture_id: str, example: str = "tp2-two-hosts.yaml") -> Artifact:
+    request = load_request(EXAMPLES / example)
+    launch = request.launch
+    objects: list[ArtifactObject] = []
+    for n, unit in enumerate(launch.units):
+        objects.append(ArtifactObject(role="oci-capsule", owner=f"unit/{unit.id}",
+                                      path=f"capsules/{unit.id}.tar", bytes=100 + n,
+                                      sha256="sha256:" + f"{n + 1:064x}"))
+    for n, worker in enumerate(launch.execution.workers):
+        digest = "sha256:" + f"{n + 100:064x}"
+        objects.append(ArtifactObject(role="model-weight-payload", owner=f"worker/{worker.id}",
+                                      path=payload_path(digest), bytes=10, sha256=digest))
+        objects.append(ArtifactObject(role="replay-plan", owner=f"worker/{worker.id}",
+                                      path=replay_plan_path(worker.id), bytes=5,
+                                      sha256="sha256:" + f"{n + 200:064x}"))
+    return Artifact(
+        capture_id=capture_id,
+        request_sha256=request.request_sha256,
+        snapshot_driver=ArtifactSnapshotDriver(id="n610", minimum_driver_major=610),
+        launch=launch,
+        compatibility=Compatibility(units=[
+            CompatibilityUnit(unit=u.id, architecture="x86_64", kernel="6.18.0",
+                              nvidia_driver_captured="610.43.02", nvidia_driver_min=610,
+                              cuda_userspace="13.0",
+                              devices=[CompatibilityDevice(slot=i, gpu_name="NVIDIA GB10",
+                                                           compute_capability="12.1")
+                                       for i in range(len(u.devices))])
+            for u in launch.units]),
+        capsule=Capsule(images=[CapsuleImage(unit=u.id, reference=f"r/{u.id}",
+                                             digest="sha256:" + f"{i + 1:064x}")
+                                for i, u in enumerate(launch.units)]),
+        objects=objects,
+    )
+
+
+# --- Artifacts whose objects are real bytes in a store, for the registry tests.
+
+def stored_artifact(store: LocalStore, capture_id: str, weights: bytes = b"weights-1" * 100
+                    ) -> StoredArtifact:
+    """The TP2 example artifact with every object's bytes in `store`: the workers share the
+    payload `weights` (give two artifacts the same to share it), everything else is the
+    artifact's own. Each unit also has a capsule manifest and the capture request."""
+    base = make_artifact(capture_id)
+    objects: list[ArtifactObject] = []
+
+    def add(obj: ArtifactObject, data: bytes) -> None:
+        digest, size = store.add_bytes(data)
+        objects.append(obj.model_copy(update={"sha256": digest, "bytes": size}))
+
+    for obj in base.objects:
+        # Replay plans are JSON documents (a publication redacts them); the rest any bytes.
+        data = weights if obj.role == "model-weight-payload" else \
+            f'{{"of": "{capture_id} {obj.role} {obj.owner}"}}'.encode() \
+            if obj.role == "replay-plan" else f"{capture_id} {obj.role} {obj.owner}".encode()
+        add(obj, data)
+    units = [u.id for u in base.launch.units]
+    for unit in units:
+        add(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=f"unit/{unit}",
+                           path=f"capsules/{unit}.json", bytes=0, sha256="sha256:" + "0" * 64),
+            f'{{"manifest of": "{capture_id} {unit}"}}'.encode())
+        add(ArtifactObject(role=ROLE_CAPTURE_REQUEST, owner=f"unit/{unit}",
+                           path=CAPTURE_REQUEST_PATH, bytes=0, sha256="sha256:" + "0" * 64),
+            f'{{"request of": "{capture_id}"}}'.encode())
+    return store.put_artifact(base.model_copy(update={"objects": objects}))
+
+
+def access_of(server: RegistryServer, *, password: str | None = None) -> RegistryAccess:
+    if not server.auth:
+        return RegistryAccess(server.registry, insecure=True)
+    assert server.ca_file is not None
+    return RegistryAccess(server.registry, ca_pem=server.ca_file.read_text(),
+                          username=server.username,
+                          password=password if password is not None else server.password)
+
+
+# --- Real test registries (devtools.registry_server) on 127.0.0.1 free ports, one plain and one
+# with TLS and token authentication, each started once per test session. Tests use distinct
+# repositories so that they do not see each other's blobs.
+
+_repos = itertools.count()
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free (the token server takes P + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
+def new_repository(prefix: str = "coldsnap/test") -> str:
+    return f"{prefix}{next(_repos)}"
+
+
+def _start(tmp: Path, auth: bool) -> Iterator[RegistryServer]:
+    server = start_registry(tmp, "127.0.0.1", free_port_pair(), auth=auth)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    yield from _start(tmp_path_factory.mktemp("registry-plain"), False)
+
+
+@pytest.fixture(scope="session")
+def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    yield from _start(tmp_path_factory.mktemp("registry-auth"), True)
+
+
+# --- A plain-HTTP docker-registry (CNCF distribution) on 127.0.0.1 for the tests of the registry
+# modes: anonymous push and pull, its storage under the test's tmp_path.
+
+@dataclass
+class PlainRegistry:
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_registry(tmp_path: Path) -> Iterator[PlainRegistry]:
+    """A plain-HTTP docker-registry with its storage under tmp_path, anonymous push and pull."""
+    port = _free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(json.dumps({
+        "version": 0.1, "log": {"level": "error", "accesslog": {"disabled": True}},
+        "storage": {"filesystem": {"rootdirectory": str(tmp_path / "registry")}},
+        "http": {"addr": f"127.0.0.1:{port}"}}))
+    log = (tmp_path / "registry.log").open("wb")
+    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    served = PlainRegistry(f"127.0.0.1:{port}", proc)
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"http://{served.address}/v2/", timeout=5):
+                break
+        except OSError:
+            assert proc.poll() is None, (tmp_path / "registry.log").read_text()
+            time.sleep(0.05)
+    try:
+        yield served
+    finally:
+        if proc.poll() is None:
+            served.stop()
+        log.close()

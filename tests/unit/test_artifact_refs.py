@@ -22,7 +22,7 @@ from coldsnap.store import (
     StoreError,
 )
 from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

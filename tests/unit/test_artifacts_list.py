@@ -10,7 +10,7 @@ import pytest
 
 from coldsnap.cli import main
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[]", b'{"capture_id": "x"}', b"\xff\xfe"])

@@ -22,8 +22,7 @@ from coldsnap.formats.timing import TimingEvent, check_event_stream
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.runner.ledger import Ledger
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import make_artifact
-from tests.unit.conftest import minimal_request
+from tests.unit.conftest import make_artifact, minimal_request
 from tests.unit.test_artifact_refs import with_objects, write_output
 
 

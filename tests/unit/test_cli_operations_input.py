@@ -12,7 +12,7 @@ import yaml
 
 from coldsnap.cli import main
 from devtools.as_user import python_for_others
-from tests.unit.artifact_factory import EXAMPLES
+from tests.unit.conftest import EXAMPLES
 
 
 def _inventory(tmp_path: Path) -> Path:

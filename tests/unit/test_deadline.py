@@ -16,7 +16,7 @@ from coldsnap.runner.deadline import (
     default_deadline,
     within_deadline,
 )
-from tests.unit.artifact_factory import EXAMPLES
+from tests.unit.conftest import EXAMPLES
 
 
 def test_default_deadline_grows_with_the_bytes_to_move() -> None:

@@ -13,7 +13,7 @@ from coldsnap.formats.budget import CacheBudget
 from coldsnap.store import LocalStore, StoreError
 from coldsnap.store.eviction import Held, plan_eviction
 from coldsnap.store.usage import evict_store, record_restored, restored_at, store_budget
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 BUDGET = CacheBudget(size=1000, high_percent=80, low_percent=50)  # past 800, down to 500
 

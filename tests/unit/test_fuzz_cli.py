@@ -31,7 +31,7 @@ from coldsnap import cli
 from coldsnap.commands import operation as operation_command
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 from tests.unit.test_properties import EXAMPLES, at, mutate_once
 
 FUZZ = settings.get_profile("fuzz")

@@ -16,7 +16,7 @@ from coldsnap.runner.ledger import Ledger
 from coldsnap.runner.registry_gc import OTHER, tag_owners
 from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 UNREF = "e" * 64
 

@@ -22,8 +22,7 @@ from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.scheduler import Scheduler
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import make_artifact
-from tests.unit.conftest import minimal_request
+from tests.unit.conftest import make_artifact, minimal_request
 
 WORKLOAD = {"cluster_id": "prod", "intent_id": "i-1", "recipe": "r", "runtime": "vllm",
             "model": "org/model"}

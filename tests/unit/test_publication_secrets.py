@@ -27,7 +27,7 @@ from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.context import OperationRefused
 from coldsnap.operations.restore import restore_placement
 from coldsnap.store import LocalStore
-from tests.unit.artifact_factory import EXAMPLES, make_artifact
+from tests.unit.conftest import EXAMPLES, make_artifact
 
 TOKEN = "marker-hf-0123456789abcdef"
 API_KEY = "marker-api-fedcba9876543210"

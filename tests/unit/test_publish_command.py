@@ -16,9 +16,7 @@ from coldsnap.hosts.inventory import Inventory
 from coldsnap.operations.publish import import_reference, is_registry_reference
 from coldsnap.store import LocalStore
 from devtools.registry_server import RegistryServer
-from tests.unit.conftest import minimal_request
-from tests.unit.registry_artifacts import stored_artifact
-from tests.unit.registry_fixtures import new_repository
+from tests.unit.conftest import minimal_request, new_repository, stored_artifact
 
 HOSTS = [{"name": "gpu-a", "address": "10.0.0.5", "data_dir": "/var/lib/coldsnap"}]
 

@@ -33,13 +33,13 @@ from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError, pull_blob, push_blob
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
-from tests.unit.plain_registry import Served, serve_registry
+from tests.unit.conftest import PlainRegistry, serve_registry
 
 REPO = "coldsnap/test"
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Served]:
+def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
     with serve_registry(tmp_path) as served:
         yield served
 
@@ -73,7 +73,7 @@ def test_a_pull_uses_the_partial_file_name_every_transfer_uses() -> None:
 DATA = os.urandom(3 * 1024 * 1024 + 17)  # a few MiB: more than one piece of the helper's CH
 
 
-def test_a_pushed_blob_is_pulled_verified_stamped_and_private(registry: Served,
+def test_a_pushed_blob_is_pulled_verified_stamped_and_private(registry: PlainRegistry,
                                                                tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA)
     pushed = answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
@@ -90,14 +90,16 @@ def test_a_pushed_blob_is_pulled_verified_stamped_and_private(registry: Served,
         f"{digest[7:]} {st.st_size} {st.st_mtime_ns}".encode()
 
 
-def test_a_second_push_of_a_held_blob_sends_nothing(registry: Served, tmp_path: Path) -> None:
+def test_a_second_push_of_a_held_blob_sends_nothing(registry: PlainRegistry,
+                                                     tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA[:4096])
     assert answer(helper("blob-push", registry.address, str(src), digest, "4096"))["sent"] == 4096
     again = answer(helper("blob-push", registry.address, str(src), digest, "4096"))
     assert again == {"present": True, "sent": 0, "size": 4096}
 
 
-def test_a_partial_file_is_resumed_from_where_it_ends(registry: Served, tmp_path: Path) -> None:
+def test_a_partial_file_is_resumed_from_where_it_ends(registry: PlainRegistry,
+                                                      tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA)
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
     final = tmp_path / "obj"
@@ -110,7 +112,7 @@ def test_a_partial_file_is_resumed_from_where_it_ends(registry: Served, tmp_path
 
 
 def test_a_partial_file_with_wrong_bytes_is_a_mismatch_and_is_removed(
-        registry: Served, tmp_path: Path) -> None:
+        registry: PlainRegistry, tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA)
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
     final = tmp_path / "obj"
@@ -125,7 +127,7 @@ def test_a_partial_file_with_wrong_bytes_is_a_mismatch_and_is_removed(
                          str(len(DATA))))["resumed_from"] == 0
 
 
-def test_a_size_that_lies_is_a_mismatch(registry: Served, tmp_path: Path) -> None:
+def test_a_size_that_lies_is_a_mismatch(registry: PlainRegistry, tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA[:5000])
     answer(helper("blob-push", registry.address, str(src), digest, "5000"))
     final = tmp_path / "obj"
@@ -134,7 +136,7 @@ def test_a_size_that_lies_is_a_mismatch(registry: Served, tmp_path: Path) -> Non
     assert not final.exists() and not Path(str(final) + PART_SUFFIX).exists()
 
 
-def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
+def test_an_unknown_blob_is_named(registry: PlainRegistry, tmp_path: Path) -> None:
     digest = "sha256:" + hashlib.sha256(b"never pushed").hexdigest()
     res = helper("blob-pull", registry.address, str(tmp_path / "obj"), digest, "12")
     assert res.returncode == EXIT_UNKNOWN
@@ -145,7 +147,7 @@ def test_an_unknown_blob_is_named(registry: Served, tmp_path: Path) -> None:
     assert not (tmp_path / ("obj" + PART_SUFFIX)).exists()  # no empty partial file either
 
 
-def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,
+def test_a_registry_that_is_gone_keeps_the_partial_file(registry: PlainRegistry,
                                                         tmp_path: Path) -> None:
     src, digest = blob(tmp_path, DATA)
     answer(helper("blob-push", registry.address, str(src), digest, str(len(DATA))))
@@ -161,7 +163,7 @@ def test_a_registry_that_is_gone_keeps_the_partial_file(registry: Served,
     assert push.returncode == EXIT_UNREACHABLE
 
 
-def test_secrets_stay_off_argv_and_out_of_errors(registry: Served, tmp_path: Path) -> None:
+def test_secrets_stay_off_argv_and_out_of_errors(registry: PlainRegistry, tmp_path: Path) -> None:
     req = json.loads(stdin_for(registry.address))
     req["access"].update(username="alice", password="s3cret-pw")
     digest = "sha256:" + "0" * 64
@@ -173,7 +175,7 @@ def test_secrets_stay_off_argv_and_out_of_errors(registry: Served, tmp_path: Pat
 
 
 def test_the_near_side_pulls_and_pushes_through_a_host_and_names_failures(
-        registry: Served, tmp_path: Path) -> None:
+        registry: PlainRegistry, tmp_path: Path) -> None:
     host = LocalHost("host-a")
     access = RegistryAccess(registry.address, insecure=True, username="u", password="pw-xyz")
     src, digest = blob(tmp_path, DATA[:9000])
@@ -251,7 +253,7 @@ def test_a_bearer_token_is_asked_with_the_basic_credentials(tmp_path: Path,
         server.shutdown()
 
 
-def test_a_push_beneath_a_root_follows_no_symlink(registry: Served, tmp_path: Path) -> None:
+def test_a_push_beneath_a_root_follows_no_symlink(registry: PlainRegistry, tmp_path: Path) -> None:
     root = tmp_path / "mount"
     root.mkdir()
     src, digest = blob(tmp_path, DATA[:2048])

@@ -16,7 +16,7 @@ from coldsnap.formats.oci_artifact import (
     parse_manifest,
 )
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 DIGEST = "sha256:" + "ab" * 32
 

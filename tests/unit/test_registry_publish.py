@@ -25,8 +25,7 @@ from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.refs import resolve_reference
 from coldsnap.store.verify import verify_store
 from devtools.registry_server import RegistryServer
-from tests.unit.registry_artifacts import access_of, stored_artifact
-from tests.unit.registry_fixtures import new_repository
+from tests.unit.conftest import access_of, new_repository, stored_artifact
 
 
 def _published(store: LocalStore, stored: StoredArtifact) -> PublishedForm:

@@ -36,14 +36,14 @@ from coldsnap.operations.sources import (
 )
 from coldsnap.operations.staging import remote_object_path, stage_host, survey_host
 from coldsnap.store import LocalStore
-from tests.unit.plain_registry import Served, serve_registry
+from tests.unit.conftest import PlainRegistry, serve_registry
 from tests.unit.test_criu_image_objects import packed, store_with
 
 REPO = "coldsnap/staging"
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Served]:
+def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
     with serve_registry(tmp_path) as served:
         yield served
 
@@ -55,7 +55,7 @@ def _wanted(path: Path) -> Wanted:
 
 
 async def test_a_host_pulls_its_objects_assembles_its_images_and_then_pulls_nothing(
-        registry: Served, tmp_path: Path) -> None:
+        registry: PlainRegistry, tmp_path: Path) -> None:
     files, image_set, paths = await packed(tmp_path)
     payload = tmp_path / "payload.bin"
     payload.write_bytes(os.urandom(300_000))
@@ -86,7 +86,7 @@ async def test_a_host_pulls_its_objects_assembles_its_images_and_then_pulls_noth
     assert sorted(warm.skipped) == sorted(o.sha256 for o in objects)
 
 
-async def test_a_blob_the_registry_lacks_fails_staging_naming_it(registry: Served,
+async def test_a_blob_the_registry_lacks_fails_staging_naming_it(registry: PlainRegistry,
                                                                  tmp_path: Path) -> None:
     digest = "sha256:" + hashlib.sha256(b"not there").hexdigest()
     obj = ArtifactObject(role="weights", owner="worker/w0", path=payload_path(digest),
@@ -99,7 +99,7 @@ async def test_a_blob_the_registry_lacks_fails_staging_naming_it(registry: Serve
     assert source.keeps_partials and not StoreSource(LocalStore(tmp_path / "s")).keeps_partials
 
 
-async def test_an_object_two_hosts_hold_is_pushed_once(registry: Served,
+async def test_an_object_two_hosts_hold_is_pushed_once(registry: PlainRegistry,
                                                        tmp_path: Path) -> None:
     shared = tmp_path / "shared.bin"
     shared.write_bytes(os.urandom(200_000))
@@ -155,7 +155,7 @@ def test_a_publication_names_its_registry_and_repository(ref: str,
 
 @pytest.mark.parametrize("from_registry", [True, False])
 async def test_a_failed_staging_keeps_a_registry_pulls_partial_file_for_the_retry(
-        registry: Served, tmp_path: Path, from_registry: bool) -> None:
+        registry: PlainRegistry, tmp_path: Path, from_registry: bool) -> None:
     data = os.urandom(100_000)
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     obj = ArtifactObject(role="weights", owner="worker/w0", path=payload_path(digest),

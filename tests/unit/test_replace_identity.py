@@ -5,7 +5,7 @@ from __future__ import annotations
 from coldsnap.capsule.containers import LABEL_ARTIFACT, LABEL_CLUSTER_ID, UnitContainer
 from coldsnap.formats.request import Workload, load_request
 from coldsnap.operations.replace import previous_identity, same_workload
-from tests.unit.artifact_factory import EXAMPLES, make_artifact
+from tests.unit.conftest import EXAMPLES, make_artifact
 
 
 def _container(**labels: str) -> UnitContainer:

@@ -22,7 +22,7 @@ from coldsnap.operations.restore import restore_placement
 from coldsnap.operations.staging import objects_by_host
 from coldsnap.store import LocalStore
 from coldsnap.topology import resolve
-from tests.unit.artifact_factory import EXAMPLES, make_artifact
+from tests.unit.conftest import EXAMPLES, make_artifact
 
 
 def relaxed_request() -> Request:

@@ -36,8 +36,7 @@ from coldsnap.service.policy import submission_refusals, submitter_refusal
 from coldsnap.service.submission import parse_submission
 from coldsnap.store import LocalStore
 from devtools.served import Served
-from tests.unit.artifact_factory import make_artifact
-from tests.unit.conftest import IMAGE_DIGEST, minimal_request
+from tests.unit.conftest import IMAGE_DIGEST, make_artifact, minimal_request
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_POLICY = REPO / "deploy" / "systemd" / "policy.example.yaml"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from coldsnap.formats.artifact import ArtifactObject
 from coldsnap.operations.staging import objects_by_host, remote_object_path
 from coldsnap.topology import resolve
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 
 def test_tp4_two_hosts_each_host_gets_only_its_own_objects() -> None:

@@ -18,7 +18,7 @@ from coldsnap.store import (
     ObjectMissing,
 )
 from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 
 def _digest(data: bytes) -> str:

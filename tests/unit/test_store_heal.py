@@ -22,7 +22,7 @@ from coldsnap.operations.fetch import Fetcher, Wanted
 from coldsnap.operations.staging import remote_object_path, stage_host
 from coldsnap.store import LocalStore, ObjectCorrupt
 from coldsnap.store.verify import STAMPS_FILE, verify_store
-from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import make_artifact
 
 
 def _digest(data: bytes) -> str:

@@ -176,7 +176,7 @@ def test_a_target_local_artifact_restores_only_on_the_hosts_that_captured_it() -
     from coldsnap.formats.artifact import TARGET_LOCAL, scope_requirement
     from coldsnap.formats.request import Policy
     from coldsnap.operations.restore_checks import admission_refusals as _admission
-    from tests.unit.artifact_factory import make_artifact
+    from tests.unit.conftest import make_artifact
 
     assert scope_requirement("target-local") == [TARGET_LOCAL]
     assert scope_requirement("portable") == []

@@ -14,12 +14,17 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
 
 from coldsnap.hosts.inventory import HostEntry, Inventory, load_inventory
 from coldsnap.hosts.pool import HostPool
+
+if TYPE_CHECKING:  # ops_fixtures imports this module: the types only, not at run time
+    from devtools.served import Served
+    from tests.integration.ops_fixtures import Ops
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
@@ -166,3 +171,38 @@ def no_leftover_units() -> None:
                 c.remove(force=True)
         finally:
             client.close()
+
+
+# The fixtures below need `ops` (tests.integration.ops_fixtures), which each module that uses
+# them imports: pytest finds it from the requesting test's module.
+@pytest.fixture
+def clean(ops: Ops) -> Iterator[None]:
+    """No unit container on any host before the test, nor after it."""
+    ops.remove_units()
+    yield
+    ops.remove_units()
+
+
+@pytest.fixture
+def clean_staged(ops: Ops) -> Iterator[None]:
+    """As `clean`, and nothing staged on the hosts before the test (a restore stages anew)."""
+    ops.remove_units()
+    ops.clear_staged()
+    yield
+    ops.remove_units()
+
+
+@contextmanager
+def default_service(served: Served) -> Iterator[Served]:
+    """The CLI processes run inside the block submit to `served` (COLDSNAP_SOCKET names its
+    socket); afterwards the previous value is back and the service is closed."""
+    previous = os.environ.get("COLDSNAP_SOCKET")
+    os.environ["COLDSNAP_SOCKET"] = str(served.socket)
+    try:
+        yield served
+    finally:
+        if previous is None:
+            os.environ.pop("COLDSNAP_SOCKET", None)
+        else:
+            os.environ["COLDSNAP_SOCKET"] = previous
+        served.close()

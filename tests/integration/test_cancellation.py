@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +108,6 @@ def artifact(ops: Ops) -> str:
                         str(ops.request("tp2-two-hosts", suffix="cancel"))).ok()
     assert run.receipt is not None
     return str(run.receipt["result"]["artifact"])
-
-
-@pytest.fixture
-def clean(ops: Ops) -> Iterator[None]:
-    ops.remove_units()
-    yield
-    ops.remove_units()
 
 
 @pytest.mark.parametrize("phase", ["capture.quiesce", "capture.dump", "capture.commit"])

@@ -14,7 +14,6 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,14 +49,6 @@ def artifact(ops: Ops) -> str:
     return str(run.receipt["result"]["artifact"])
 
 
-@pytest.fixture
-def clean(ops: Ops) -> Iterator[None]:
-    ops.remove_units()
-    ops.clear_staged()
-    yield
-    ops.remove_units()
-
-
 def restore_moved(ops: Ops, artifact: str, suffix: str, *,
                   inventory: Path | None = None) -> Run:
     request = ops.request(MOVED, suffix=suffix, artifact=artifact)
@@ -72,7 +63,7 @@ def retry_succeeds(ops: Ops, artifact: str, suffix: str, *,
 
 
 def test_a_host_unreachable_at_start_is_refused_before_anything_starts(
-        ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
+        ops: Ops, artifact: str, clean_staged: None, cluster: ClusterControl) -> None:
     with cluster.host_stopped("host-3"):
         run = restore_moved(ops, artifact, "unreachable")
     failed(run, "host-unreachable", "host-3")
@@ -82,7 +73,7 @@ def test_a_host_unreachable_at_start_is_refused_before_anything_starts(
 
 
 def test_a_partition_during_staging_fails_and_leaves_no_half_written_object(
-        ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
+        ops: Ops, artifact: str, clean_staged: None, cluster: ClusterControl) -> None:
     run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="cut-staging", artifact=artifact)))
     run.wait_for("restore.stage-host", "host-3")
@@ -104,7 +95,7 @@ def test_a_partition_during_staging_fails_and_leaves_no_half_written_object(
 
 
 def test_a_partition_during_restore_is_rolled_back_once_the_host_is_back(
-        ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
+        ops: Ops, artifact: str, clean_staged: None, cluster: ClusterControl) -> None:
     run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="cut-restore", artifact=artifact)))
     run.wait_for("restore.criu-restore", "host-3")
@@ -131,7 +122,7 @@ def _published_pages(ops: Ops, host: str) -> list[Path]:
 
 
 def test_a_corrupt_staged_object_is_caught_by_its_digest_and_sent_again(
-        ops: Ops, artifact: str, clean: None) -> None:
+        ops: Ops, artifact: str, clean_staged: None) -> None:
     restore_moved(ops, artifact, "corrupt-prepare").ok()
     ops.remove_units()
     doc = yaml.safe_load((ops.store / "artifacts" / f"{artifact}.json").read_text())
@@ -151,7 +142,7 @@ def test_a_corrupt_staged_object_is_caught_by_its_digest_and_sent_again(
 
 
 def test_criu_restore_failing_on_one_unit_rolls_back_every_unit(
-        ops: Ops, artifact: str, clean: None) -> None:
+        ops: Ops, artifact: str, clean_staged: None) -> None:
     """The page images go missing on host-3 after staging verified them (once the restore
     containers are being started, the client held still meanwhile), so that CRIU itself
     fails there; the next restore finds the published set incomplete and sends it again."""
@@ -172,7 +163,7 @@ def test_criu_restore_failing_on_one_unit_rolls_back_every_unit(
 
 
 def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fails_cleanly(
-        ops: Ops, artifact: str, clean: None) -> None:
+        ops: Ops, artifact: str, clean_staged: None) -> None:
     """host-3's data_dir is a tmpfs with a size cap, mounted where host-3's sessions see it."""
     small = ops.work / f"host-3-small-{secrets.token_hex(3)}"
     small.mkdir()
@@ -217,7 +208,7 @@ def test_a_full_data_dir_is_refused_before_sending_and_filling_it_mid_staging_fa
 
 
 def test_coldsnapd_killed_during_restore_then_gc_recovers_and_sweeps_old_temp_files(
-        ops: Ops, artifact: str, clean: None) -> None:
+        ops: Ops, artifact: str, clean_staged: None) -> None:
     # The killed restore replaces an earlier instance, which it stopped before it died.
     restore_moved(ops, artifact, "kill9-earlier").ok()
     earlier = {h: [c.id for c in ops.unit_containers(h)] for h in ("host-2", "host-3")}
@@ -279,7 +270,7 @@ def _swap_host_key(ops: Ops, cluster: ClusterControl, host: str, new: bool) -> N
 
 
 def test_a_host_key_that_changes_mid_operation_is_refused_and_nothing_is_sent(
-        ops: Ops, artifact: str, clean: None, cluster: ClusterControl) -> None:
+        ops: Ops, artifact: str, clean_staged: None, cluster: ClusterControl) -> None:
     run = start(ops, "restore", "--request",
                  str(ops.request(MOVED, suffix="new-key", artifact=artifact)))
     run.wait_for("restore.ports")  # every host connected and probed, nothing sent yet

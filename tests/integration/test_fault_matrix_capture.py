@@ -6,7 +6,6 @@ verifies, and a capture that succeeds once the fault is gone."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,6 @@ pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 
 TP2 = "tp2-two-hosts"  # unit-0 on host-0, unit-1 on host-1
-
-
-@pytest.fixture
-def clean(ops: Ops) -> Iterator[None]:
-    ops.remove_units()
-    yield
-    ops.remove_units()
 
 
 def capture_succeeds(ops: Ops, suffix: str) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coldsnap.store import LocalStore, resolve_reference
 from devtools.served import Served
 from tests.integration.capsule_fixtures import EXPECTED
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, default_service
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
 from tests.integration.test_cancellation import labelled, start
 from tests.integration.test_operations_e2e import _complete
@@ -35,17 +35,9 @@ __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 @pytest.fixture(scope="module")
 def served(ops: Ops, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     work = tmp_path_factory.mktemp("serve")
-    s = Served(work, ops.inventory, ops.store, "--host-check-seconds", "5")
-    previous = os.environ.get("COLDSNAP_SOCKET")
-    os.environ["COLDSNAP_SOCKET"] = str(s.socket)
-    try:
+    with default_service(Served(work, ops.inventory, ops.store, "--host-check-seconds",
+                                "5")) as s:
         yield s
-    finally:
-        if previous is None:
-            os.environ.pop("COLDSNAP_SOCKET", None)
-        else:
-            os.environ["COLDSNAP_SOCKET"] = previous
-        s.close()
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import yaml
 
 from devtools.as_user import python_for_others
 from devtools.served import Served
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, default_service
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
 from tests.integration.test_cancellation import labelled, start
 
@@ -108,17 +108,8 @@ def served(ops: Ops, shared: Path, tester: pwd.struct_passwd) -> Iterator[Served
     extra = ["--host-check-seconds", "5", "--socket-group", USER]
     if _serve_supports_policy():
         extra += ["--policy", str(_policy(shared, _dev_request("tp2-two-hosts")))]
-    s = Served(work, ops.inventory, ops.store, *extra)
-    previous = os.environ.get("COLDSNAP_SOCKET")
-    os.environ["COLDSNAP_SOCKET"] = str(s.socket)
-    try:
+    with default_service(Served(work, ops.inventory, ops.store, *extra)) as s:
         yield s.start()
-    finally:
-        if previous is None:
-            os.environ.pop("COLDSNAP_SOCKET", None)
-        else:
-            os.environ["COLDSNAP_SOCKET"] = previous
-        s.close()
 
 
 def _state(served: Served, job_id: str) -> str:

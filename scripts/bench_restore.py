@@ -198,6 +198,21 @@ class Bench:
     def remote(self, host: str, path: str) -> str:
         return f"{self.hosts[host].get('user', 'root')}@{self.hosts[host]['address']}:{path}"
 
+    def wait_healthy(self, host: str, timeout: float = 300.0) -> None:
+        """Until the engine on `host` answers GET /health with 200."""
+        url = f"http://{self.hosts[host]['address']}:8000/health"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:  # urllib's HTTPError (503) is one
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench restore: {host}'s engine not healthy in {timeout} s")
+            time.sleep(0.02)
+
     def ask(self, host: str, path: str, body: dict[str, Any] | None = None) -> Any:
         req = urllib.request.Request(f"http://{self.hosts[host]['address']}:8000{path}",
                                      method="POST", data=json.dumps(body or {}).encode(),
@@ -283,6 +298,9 @@ def raw_wake(b: Bench, units: dict[str, dict[str, Any]], placement: dict[str, st
     t0 = time.perf_counter()
     side_by_side([gpus(u) for u in placement])
     side_by_side([lambda h=h: b.ask(h, "/wake_up") for h in hosts])
+    # Wake answers at once and rebuilds the group behind it (/health 503 until it is up): a
+    # reload or a prompt sent before then is refused, as a coldsnapd restore's wait knows.
+    side_by_side([lambda h=h: b.wait_healthy(h) for h in hosts])
     side_by_side([lambda h=h: b.ask(h, "/collective_rpc", {"method": "reload_weights"})
                   for h in hosts])
     answer = b.ask(head, "/v1/completions", {"prompt": PROMPT, "max_tokens": 32,

@@ -475,9 +475,6 @@ def dispatch(layout: Layout, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] in (["-h"], ["--help"], ["help"]):
-        print(usage())  # asked for: on stdout, exit 0 (a mistake gets it on stderr, exit 2)
-        return 0
     try:
         layout = Layout.from_env()
         if args and args[0] not in ("-h", "--help", "help") and os.geteuid() != 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,36 @@ def test_the_docs_curl_to_the_dev_vllm_sends_its_api_key() -> None:
         for block in re.findall(r"```.*?```", text, re.S):
             if "tiny-llama" in block and "curl" in block and "/v1/" in block:
                 assert f"Authorization: Bearer {key.group(1)}" in block, doc.name
+
+
+def _coldsnapd_lines() -> dict[tuple[str, ...], set[str]]:
+    """The docs' shell blocks' `coldsnapd SUB... --flag ...` lines: subcommand -> flags."""
+    found: dict[tuple[str, ...], set[str]] = {}
+    for doc in DOCS:
+        for block in re.findall(r"```[^\n]*\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                m = re.match(r"^(?:\.venv/bin/)?coldsnapd\s+(.*)$", line.split(" #")[0].strip())
+                if not m:
+                    continue
+                tokens = m.group(1).split()
+                words: list[str] = []
+                for t in tokens:
+                    if not re.fullmatch(r"[a-z][a-z-]*", t):
+                        break  # a flag, a path, `a|b` alternatives, a redirection
+                    words.append(t)
+                if words:
+                    found.setdefault(tuple(words), set()).update(
+                        t.split("=")[0] for t in tokens if t.startswith("--"))
+    return found
+
+
+COLDSNAPD = _coldsnapd_lines()
+
+
+@pytest.mark.parametrize("words", sorted(COLDSNAPD), ids=" ".join)
+def test_every_coldsnapd_line_in_the_docs_uses_flags_it_has(words: tuple[str, ...]) -> None:
+    r = subprocess.run([sys.executable, "-m", "coldsnap", *words, "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, f"coldsnapd {' '.join(words)} --help:\n{r.stderr}"
+    missing = sorted(f for f in COLDSNAPD[words] if f not in r.stdout)
+    assert missing == [], f"coldsnapd {' '.join(words)} has no {missing}"

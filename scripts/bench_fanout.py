@@ -21,8 +21,9 @@ measured, so that neither way counts it):
   store     `restore --stage-from store`: the control node sends every object over its
             one shaped link
   registry  `restore --stage-from registry`: each host pulls its own blobs
-  floor     raw `curl` of the same blobs (every object but the capsule manifests, one curl
-            after another per host) from the registry, inside each host's network
+  floor     raw `curl` of the same blobs (every object the registry holds as the artifact
+            names it: not the capsule manifests, nor the documents a publication redacts;
+            one curl after another per host) from the registry, inside each host's network
             namespace, all hosts at once
 
 Why 200 Mbit/s: at N = 8 the registry way moves 8 x 200 Mbit/s = 200 MB/s through this
@@ -84,6 +85,7 @@ from typing import Any
 import yaml
 from bench_common import REPO, emit, log, sized
 
+from coldsnap.operations.publish import IMPORTED_ROLES
 from devtools import shaping
 from devtools.layout import Layout
 
@@ -305,6 +307,10 @@ def measure(b: Bench, gib: float, replicas: list[int]) -> dict[str, Any]:
     # on the control node (restore reads them from its store).
     blobs = [o for o in artifact["objects"] if o["role"] != "capsule-manifest"]
     per_host_bytes = sum(o["bytes"] for o in blobs)
+    # The floor curls what the registry holds under the artifact's digests: not the documents
+    # a publication redacts (replay plans, capture requests: the control node pushes them
+    # redacted, under other digests, and a registry restore stages them from the store).
+    pulled = [o for o in blobs if o["role"] not in IMPORTED_ROLES]
     runs: dict[str, Any] = {}
     for n in replicas:
         hosts = [f"host-{k}" for k in range(n)]
@@ -314,7 +320,7 @@ def measure(b: Bench, gib: float, replicas: list[int]) -> dict[str, Any]:
             out[way] = restores(b, capture, capture["id"], hosts, way, f"fanout-{stamp}", dr,
                                 per_host_bytes)
         log(f"N={n}: the floor, raw curl of the same blobs")
-        out["floor"] = floor(b, registry, {h: [o["sha256"][7:] for o in blobs] for h in hosts})
+        out["floor"] = floor(b, registry, {h: [o["sha256"][7:] for o in pulled] for h in hosts})
         phases = out["registry"].pop("_phases")
         out["store"].pop("_phases")
         reg = out["registry"]

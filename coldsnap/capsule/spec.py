@@ -17,6 +17,8 @@ from typing import Any, Literal
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
+from coldsnap.formats.request.mount_targets import CAPSULE_LOG_DIR
+from coldsnap.formats.request.mount_targets import CAPSULE_STATE_DIR as CAPSULE_STATE_DIR
 from coldsnap.hosts.base import Host
 
 # Exactly what in-capsule CRIU needs, and no more (no --privileged):
@@ -47,7 +49,8 @@ ENGINE_LAUNCHER: tuple[str, ...] = ("/usr/local/bin/capsule-init", "launch")
 
 # Paths inside the capsule. They live in the container's rootfs, so a commit carries them,
 # except the CRIU images: a host directory is mounted there (coldsnap.capsule.images).
-CAPSULE_STATE_DIR = "/var/lib/coldsnap"
+# (CAPSULE_STATE_DIR and the engine log's directory are defined with the mount-target rule,
+# which keeps every request mount off them: coldsnap.formats.request.mount_targets.)
 CRIU_IMAGES_DIR = f"{CAPSULE_STATE_DIR}/images"
 # CRIU's logs and the lazy-pages socket: never in the images directory, which a restore
 # mounts read-only; removed before a commit.
@@ -58,7 +61,7 @@ RUNTIME_DIR = f"{CAPSULE_STATE_DIR}/runtime"
 PLACEMENT_FILE = "placement.json"
 RUNTIME_DIR_ENV = "COLDSNAP_RUNTIME_DIR"
 ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
-ENGINE_LOG = "/var/log/coldsnap/engine.log"
+ENGINE_LOG = f"{CAPSULE_LOG_DIR}/engine.log"
 # CRIU refuses to reopen a file whose mode differs from the one it dumped. ENGINE_LOG may be a
 # file of the rootfs, the host's workload.log_path mounted over it, or the empty mount point
 # that a commit leaves of that mount (Docker makes it 0755), so the engine log always gets

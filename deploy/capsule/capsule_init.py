@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3 -I
 """Quiet PID 1 for capsule containers, and the confined launcher of the engine.
 
     capsule-init                         PID 1: spawns nothing, reaps orphans
@@ -26,7 +26,11 @@ until one gets a PID above N; the next fork, the engine, follows it. A restored 
 are set by CRIU itself (clone3 with set_tid), which does not move that cursor, so a fresh
 container's helpers (criu, its lazy-pages daemon) stay at low PIDs, clear of the tree.
 
-Standard library only: real capsules copy this file as they are (deploy/capsule/).
+Standard library only: real capsules copy this file as they are (deploy/capsule/). It runs
+with CRIU's capabilities (PID 1, the launcher, CRIU's action script), so its interpreter is
+named by absolute path and isolated (`python3 -I`: no PYTHON* variable, no user site, no
+.pth of a directory the engine writes); `env` or PATH would let the container's environment
+(the request's) choose it.
 """
 
 import argparse

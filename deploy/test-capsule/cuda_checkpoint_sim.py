@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3 -I
 """cuda-checkpoint SIMULATOR for the ColdSnap test capsule. Not NVIDIA's tool.
 
 CI machines have no GPU, so the test capsule installs this as /usr/local/bin/cuda-checkpoint.

@@ -46,7 +46,7 @@ def _parse(code: int, out: str) -> dict[str, Any]:
 async def engine_view(s: CapsuleSession, container: Any) -> dict[str, Any]:
     """{"workers": [{pid, rank, local_rank, world_size, gpu_state, devices}] by rank,
     "warmups": {worker id: count}} through an async capsule session."""
-    out = await s.exec(container, ["python3", "-c", _SCRIPT])
+    out = await s.exec(container, ["/usr/bin/python3", "-I", "-c", _SCRIPT])
     return _parse(out.exit_code, out.stdout + out.stderr)
 
 
@@ -71,7 +71,7 @@ print(json.dumps(out))
 async def confinement(s: CapsuleSession, container: Any, pids: list[int]) -> dict[int, dict[
         str, str]]:
     """What /proc/PID/status says of each process's capabilities, no-new-privs and seccomp."""
-    out = await s.exec(container, ["python3", "-c", _CONFINEMENT, *map(str, pids)])
+    out = await s.exec(container, ["/usr/bin/python3", "-I", "-c", _CONFINEMENT, *map(str, pids)])
     assert out.ok, out.tail()
     return {int(k): v for k, v in json.loads(out.stdout).items()}
 

@@ -19,7 +19,7 @@ from coldsnap.capsule.cache_seed import seed as seed_cache
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.host_paths import check_host_paths
-from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
+from coldsnap.capsule.images import discard_dir, dump_dir, make_dump_dir
 from coldsnap.capsule.oci import ensure_image
 from coldsnap.capsule.seccomp import engine_filter_b64
 from coldsnap.capsule.session import CapsuleSession
@@ -383,10 +383,12 @@ async def start_unit(
     name = new_container_name(spec, role)
     images: Mount | None = None
     if role == "capture":
-        # CRIU dumps into the host, never into the rootfs that the capsule commits.
+        # CRIU dumps into the host, never into the rootfs that the capsule commits, and into a
+        # directory the engine cannot reach (images.DUMP_DIR_OWNER): it could otherwise
+        # rewrite its own images between the dump and the pack.
         operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
         host_dir = dump_dir(s.target.data_dir, operation, name)
-        await make_private_dir(s.target.host, host_dir)
+        await make_dump_dir(s.target.host, host_dir)
         images = Mount(source=host_dir, target=CRIU_IMAGES_DIR)
     try:
         handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,

@@ -204,17 +204,38 @@ def main() -> int:
         return launch(sys.argv[2:])
     if "CRTOOLS_SCRIPT_ACTION" in os.environ:
         return criu_action()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-    # SIGCHLD is ignored by default, which would leave pause() asleep while orphans die.
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return reap_forever()
+
+
+_WAKE = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
+def reap_forever() -> int:
+    """PID 1: reap every child that ends, until SIGTERM or SIGINT (`docker stop`).
+
+    The signals are blocked and taken with sigwait: a child that ends between a wait that
+    found none and the sleep after it leaves its SIGCHLD pending, which the next sigwait
+    returns at once (os.wait() then signal.pause() would sleep through it, and the zombie
+    with it). Handlers stay installed: PID 1 of a PID namespace gets a signal from outside it
+    only when it has one."""
+    for sig in _WAKE:
+        signal.signal(sig, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE)
+    while True:
+        reap_all()
+        if signal.sigwait(_WAKE) in (signal.SIGTERM, signal.SIGINT):
+            return 0
+
+
+def reap_all() -> None:
+    """Reap every child that has ended, without waiting for one that runs."""
     while True:
         try:
-            os.wait()
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            signal.pause()
-        except InterruptedError:
-            pass
+            return
+        if pid == 0:
+            return
 
 
 if __name__ == "__main__":

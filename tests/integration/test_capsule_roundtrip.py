@@ -30,7 +30,7 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import capsule_dir
-from coldsnap.capsule.images import dump_dir
+from coldsnap.capsule.images import DUMP_DIR_OWNER, dump_dir
 from coldsnap.capsule.placement import PLACEMENT_ARG_MAX, deliver_placement
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, PLACEMENT_FILE, RUNTIME_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request
@@ -114,10 +114,11 @@ async def test_capture_on_host0_restore_on_host1(
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
         dumped = await dump(s0, h)
         assert dumped.images_bytes > workers * SHARD_BYTES
-        # CRIU dumped into the host, into the private directory mounted for it
+        # CRIU dumped into the host, into the directory mounted for it that only privileged
+        # processes reach (no permission bit, a uid no engine runs as)
         assert h.images_dir == dump_dir(h0.entry.data_dir, "adhoc", h.container_name)
-        listed = await h0.target.host.run(["ls", "-ld", h.images_dir])
-        assert listed.stdout.startswith(b"drwx------"), listed.stdout
+        listed = await h0.target.host.run(["stat", "-c", "%A %u:%g", h.images_dir])
+        assert listed.stdout.decode().split() == ["d---------", DUMP_DIR_OWNER], listed.stdout
         assert (await h0.target.host.run(["ls", h.images_dir])).stdout.count(b".img") > 3
         registry = capsule_inventory.registry if pushed else None
         assert not pushed or registry, "the dev cluster's inventory names its registry"

@@ -15,9 +15,9 @@ engine confined: its own session, stdio on regular files, PIDs above N, then an 
 capability bounding set, no inheritable or ambient capabilities, no-new-privs and the seccomp
 filter coldsnapd generated (coldsnap/capsule/seccomp.py) before the exec, so the engine tree
 holds no capability at all while CRIU, exec'd beside it, keeps the container's.
-`--environ-from 1` gives the engine the container's own environment (PID 1's: the unit's
-request environment), since coldsnapd runs its execs, this one included, with a cleaned one (no
-LD_PRELOAD, PYTHONPATH or PATH of the request's choosing). It prints the engine's PID and
+`--environ-from 1` gives the engine the container's own environment and working directory
+(PID 1's: the unit's request environment, the image's WORKDIR), since coldsnapd runs its
+execs, this one included, with an empty environment, in /. It prints the engine's PID and
 returns at once; the engine is reparented to PID 1.
 
 PIDs above N without writing /proc/sys/kernel/ns_last_pid (Docker keeps /proc/sys read-only):
@@ -143,7 +143,8 @@ def launch(argv: list[str]) -> int:
     p.add_argument("--seccomp-filter", default="",
                    help="base64 of the struct sock_filter[] to install (none: no filter)")
     p.add_argument("--environ-from", type=int, default=None,
-                   help="start the engine with this PID's environment instead of ours")
+                   help="start the engine with this PID's environment and working directory "
+                        "instead of ours")
     p.add_argument("command", nargs="+")
     args = p.parse_args(argv)
     env = os.environ.copy() if args.environ_from is None else _environ_of(args.environ_from)
@@ -171,6 +172,11 @@ def launch(argv: list[str]) -> int:
             # close-on-exec error pipe survives until the exec.
             os.closerange(3, w)
             os.closerange(w + 1, _FD_CEILING)
+            if args.environ_from is not None:
+                # The container's working directory (PID 1 starts there): coldsnapd runs its
+                # execs, this one included, in / so that nothing in a directory the engine
+                # writes is ever read beside them.
+                os.chdir(f"/proc/{args.environ_from}/cwd")
             confine(base64.b64decode(args.seccomp_filter, validate=True))
             os.execvpe(args.command[0], args.command, env)  # noqa: S606 (argv list, no shell)
         except BaseException as exc:  # reported to the parent, then exit

@@ -102,3 +102,29 @@ def test_pid1_reaps_a_child_that_ends_while_it_waits_and_stops_on_sigterm() -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_engine_starts_with_the_environment_and_directory_of_environ_from(
+        tmp_path: Path) -> None:
+    """coldsnapd runs the launcher in / with an empty environment; `--environ-from PID`
+    gives the engine that PID's environment and working directory (the container's)."""
+    stdin, log, seen = tmp_path / "stdin", tmp_path / "log", tmp_path / "seen"
+    stdin.write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              cwd=tmp_path, env={"MARK": "container"})
+    try:
+        out = subprocess.run(
+            ["/usr/bin/env", "-i", "--", sys.executable, str(LAUNCHER), "launch",
+             "--pid-floor", "0", "--stdin", str(stdin), "--log", str(log),
+             "--environ-from", str(holder.pid), "--", sys.executable, "-c",
+             f"import os; open({str(seen)!r}, 'w').write(os.getcwd() + ' ' "
+             f"+ os.environ.get('MARK', ''))"],
+            cwd="/", capture_output=True, text=True, timeout=60, check=True)
+        deadline = time.monotonic() + 30
+        while not (seen.exists() and seen.read_text()):
+            assert time.monotonic() < deadline, (out, log.read_text())
+            time.sleep(0.01)
+        assert seen.read_text() == f"{tmp_path} container"
+    finally:
+        holder.kill()
+        holder.wait()

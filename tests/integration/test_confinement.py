@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,7 @@ from tests.integration.capsule_fixtures import (
     unique,
     unit_spec,
 )
-from tests.integration.engine_view import CONFINED, confinement
+from tests.integration.engine_view import CONFINED, confinement, run_as_engine
 
 pytestmark = pytest.mark.integration
 
@@ -143,7 +144,6 @@ async def test_a_request_environment_reaches_the_engine_but_no_privileged_exec(
 # Run as the engine is (same launcher): replace each program coldsnapd runs with capabilities
 # by a script that would leave a marker in the unit's CRIU images directory, a host directory.
 _TAMPER = r"""
-out = open("/tmp/tamper.json", "w")
 import json
 result = {}
 for path in ("/usr/sbin/criu", "/usr/local/bin/cuda-checkpoint", "/usr/local/bin/capsule-init",
@@ -154,8 +154,7 @@ for path in ("/usr/sbin/criu", "/usr/local/bin/cuda-checkpoint", "/usr/local/bin
         result[path] = "written"
     except OSError as exc:
         result[path] = exc.strerror
-out.write(json.dumps(result))
-out.close()
+print(json.dumps(result))
 """
 
 
@@ -177,16 +176,10 @@ async def test_an_engine_cannot_replace_what_coldsnapd_runs_with_capabilities(
         container = await s.container(handle.container_id, unit_id, "test")
         inspect = await s.call(s.client.api.inspect_container, handle.container_id)
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
-        tamper = replace(spec, command=("python3", "-c", _TAMPER))
-        launched = await s.exec(container, launch_argv(tamper), timeout_s=60)
-        assert launched.ok, launched.tail()
-        got: dict[str, str] = {}
-        for _ in range(100):
-            read = await s.exec(container, ["/bin/cat", "/tmp/tamper.json"])
-            if read.ok and read.stdout:
-                got = json.loads(read.stdout)
-                break
-        assert got and set(got.values()) == {"Read-only file system"}, got
+        got = json.loads(await run_as_engine(s, handle, spec,
+                                             f"python3 -c {shlex.quote(_TAMPER)}",
+                                             "/tmp/tamper.json"))
+        assert set(got.values()) == {"Read-only file system"}, got
         with_caps = await s.exec(container, ["/bin/sh", "-c", "echo x >> /usr/sbin/criu"])
         assert not with_caps.ok and "Read-only file system" in with_caps.stderr, with_caps
         # The capture's dump (criu, its action script, tar) runs as it would have.

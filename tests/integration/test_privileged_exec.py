@@ -14,10 +14,8 @@ from dataclasses import replace
 import pytest
 
 from coldsnap.capsule import checkpoint_gpus, dump, quiesce, remove_unit, start_unit, wait_ready
-from coldsnap.capsule.containers import launch_argv
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle
-from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR, TRUSTED_EXEC_ENV, UnitSpec
 from coldsnap.formats.request import Mount
 from tests.integration.capsule_fixtures import *  # noqa: F403
@@ -29,28 +27,12 @@ from tests.integration.capsule_fixtures import (
     unique,
     unit_spec,
 )
+from tests.integration.engine_view import run_as_engine
 
 pytestmark = pytest.mark.integration
 
 # Run by whatever reads it with the capabilities: leaves a marker in the images directory.
 _EVIL_SH = f"#!/bin/sh\ntouch {CRIU_IMAGES_DIR}/marker-$1-ran\n"
-
-
-async def _as_engine(s: CapsuleSession, handle: UnitHandle, spec: UnitSpec,
-                     script: str, done: str) -> str:
-    """Run `script` with sh as the engine runs (the same launcher: no capability, its seccomp
-    filter, the container's environment); returns what it wrote to `done`."""
-    container = await s.container(handle.container_id, spec.unit_id, "test")
-    probe = replace(spec, command=("/bin/sh", "-c", f"{{ {script}\n}} > {done}.tmp 2>&1; "
-                                                    f"mv {done}.tmp {done}"))
-    launched = await s.exec(container, launch_argv(probe), timeout_s=60)
-    assert launched.ok, launched.tail()
-    for _ in range(200):
-        read = await s.exec(container, ["/bin/cat", done])
-        if read.ok:
-            return read.stdout
-        await s.exec(container, ["/bin/sleep", "0.05"])
-    raise AssertionError(f"{done} never appeared")
 
 
 @asynccontextmanager
@@ -103,7 +85,7 @@ async def test_criu_reads_nothing_the_request_or_the_engine_chose(
         scripts = " && ".join(
             f"printf %s {shlex.quote(_EVIL_SH)} > /tmp/{name} && chmod 0755 /tmp/{name}"
             for name in ("evil.sh", "evil-config.sh", "evil-home.sh"))
-        said = await _as_engine(s, handle, spec, f"{scripts} && {plant} && echo planted",
+        said = await run_as_engine(s, handle, spec, f"{scripts} && {plant} && echo planted",
                                 "/tmp/plant.out")
         assert "planted" in said, said
         # A privileged exec's environment is coldsnapd's alone, whatever the container's.
@@ -150,11 +132,11 @@ async def test_an_engine_cannot_rewrite_its_images_between_dump_and_pack(
     s = h0.session
     async with _ready_unit(h0, capsule_ref, "rewrite") as (spec, handle):
         program = f"python3 -c {shlex.quote(_REWRITE)}"
-        before = json.loads(await _as_engine(s, handle, spec, program, "/tmp/before.json"))
+        before = json.loads(await run_as_engine(s, handle, spec, program, "/tmp/before.json"))
         await quiesce(s, handle)
         await checkpoint_gpus(s, handle)
         await dump(s, handle)
-        after = json.loads(await _as_engine(s, handle, spec, program, "/tmp/after.json"))
+        after = json.loads(await run_as_engine(s, handle, spec, program, "/tmp/after.json"))
         assert set(before.values()) == set(after.values()) == {"Permission denied"}, (
             before, after)
         assert handle.images_dir is not None

@@ -26,7 +26,7 @@ from coldsnap.capsule.host_paths import (
     hold_for_test,
     verify_binds,
 )
-from coldsnap.capsule.images import discard_dir, dump_dir, make_private_dir
+from coldsnap.capsule.images import discard_dir, dump_dir, make_dump_dir
 from coldsnap.capsule.oci import ensure_image
 from coldsnap.capsule.seccomp import engine_filter_b64
 from coldsnap.capsule.session import CapsuleSession
@@ -40,12 +40,14 @@ from coldsnap.capsule.spec import (
     ENGINE_STDIN,
     LABEL_ACCELERATOR,
     LABEL_WRITABLE,
+    SH,
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
     writable_paths,
 )
 from coldsnap.formats.request import Mount
+from coldsnap.formats.request.mount_targets import target_refusal
 
 log = structlog.get_logger("coldsnap.capsule")
 
@@ -82,6 +84,12 @@ async def create_container(
 ) -> UnitHandle:
     """A quiet container of the unit; `images` is the host directory of its CRIU images."""
     name = name or new_container_name(spec, role)
+    # The request's rule again, for every caller of the capsule layer (a replay's payload
+    # mounts, a spec built without a request): no mount over what runs with capabilities.
+    for j, mount in enumerate(spec.mounts):
+        refusal = target_refusal(mount.target)
+        if refusal is not None:
+            raise fail(s, spec.unit_id, step, f"mounts[{j}].target: {refusal}", error)
     checked = await check_host_paths(s, spec, step, error)
     await check_staged(s, spec, step, error)
     if spec.log_path is not None:
@@ -220,7 +228,7 @@ async def pids_alive(s: CapsuleSession, container: Any, pids: Sequence[int]) -> 
     caller's own deadline decides."""
     if not pids:
         return []
-    out = await s.exec(container, ["sh", "-c", _RUNNING_PIDS, "sh", *[str(p) for p in pids]])
+    out = await s.exec(container, [SH, "-c", _RUNNING_PIDS, "sh", *[str(p) for p in pids]])
     if not out.ok:
         return list(pids)
     return [int(x) for x in out.stdout.split()]
@@ -385,7 +393,7 @@ exec "$@"
 
 def launch_argv(spec: UnitSpec) -> list[str]:
     """The `docker exec` argv that starts the unit's engine, confined."""
-    return ["sh", "-c", f'COLDSNAP_LOG_MOUNTED="$1"\n{_LAUNCH}', "sh",
+    return [SH, "-c", f'COLDSNAP_LOG_MOUNTED="$1"\n{_LAUNCH}', "sh",
             "1" if spec.log_path is not None else "0", *spec.launcher,
             "--pid-floor", str(ENGINE_PID_FLOOR), "--stdin", ENGINE_STDIN, "--log", ENGINE_LOG,
             "--seccomp-filter", engine_filter_b64(), "--environ-from", "1",
@@ -405,10 +413,12 @@ async def start_unit(
     name = new_container_name(spec, role)
     images: Mount | None = None
     if role == "capture":
-        # CRIU dumps into the host, never into the rootfs that the capsule commits.
+        # CRIU dumps into the host, never into the rootfs that the capsule commits, and into a
+        # directory the engine cannot reach (images.DUMP_DIR_OWNER): it could otherwise
+        # rewrite its own images between the dump and the pack.
         operation = spec.labels.get(LABEL_OPERATION) or "adhoc"
         host_dir = dump_dir(s.target.data_dir, operation, name)
-        await make_private_dir(s.target.host, host_dir)
+        await make_dump_dir(s.target.host, host_dir)
         images = Mount(source=host_dir, target=CRIU_IMAGES_DIR)
     try:
         handle = await create_container(s, spec, image_id, devices=spec.devices, role=role,

@@ -18,9 +18,11 @@ from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
 from coldsnap.capsule.images import clear_dump
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.spec import (
+    CRIU,
     CRIU_IMAGES_DIR,
     CRIU_WORK_DIR,
     ENGINE_LOG,
+    SH,
     SHM_DIR,
     SHM_IMAGE,
     UnitSpec,
@@ -47,7 +49,7 @@ io_uring $p $(cat "/proc/$p/comm" 2>/dev/null)";;
   esac
 done
 [ -z "$held" ] || {{ echo "$held"; exit {IO_URING_HELD}; }}
-exec criu dump -t "$pid" -D "$images" -W "$work" --leave-running -o dump.log \
+exec {CRIU} dump -t "$pid" -D "$images" -W "$work" --leave-running -o dump.log \
   --action-script "$action" "$@"
 """
 # CRIU runs its action script at each stage: the capsule's own capsule-init (criu_action_runner,
@@ -135,9 +137,9 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
         raise fail(s, handle.unit, step, "the container has no host directory for its CRIU "
                    "images (started for a capture?)", DumpFailed)
     await clear_dump(s.target.host, handle.images_dir)
-    await s.exec(container, ["sh", "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
+    await s.exec(container, [SH, "-c", 'rm -rf "$1" && mkdir -p "$1"', "sh", CRIU_WORK_DIR])
     t0 = time.monotonic()
-    out = await s.exec(container, ["sh", "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
+    out = await s.exec(container, [SH, "-c", DUMP_SCRIPT, "sh", str(handle.engine_pid),
                                    CRIU_IMAGES_DIR, CRIU_WORK_DIR,
                                    criu_action_runner(handle.spec), *criu_flags(handle.spec)],
                        timeout_s=LONG_DOCKER_CALL,
@@ -149,7 +151,7 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
         why = ""
     else:
         why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/dump.log")
-    await s.exec(container, ["rm", "-rf", CRIU_WORK_DIR])
+    await s.exec(container, ["/bin/rm", "-rf", CRIU_WORK_DIR])
     if not out.ok:
         await clear_dump(s.target.host, handle.images_dir)
         detail = (why if out.exit_code == IO_URING_HELD

@@ -17,7 +17,7 @@ _LOG_TAIL_BYTES = 64 * 1024
 
 
 async def criu_errors(s: CapsuleSession, container: Any, log_path: str) -> str:
-    out = await s.exec(container, ["tail", "-c", str(_LOG_TAIL_BYTES), log_path],
+    out = await s.exec(container, ["/usr/bin/tail", "-c", str(_LOG_TAIL_BYTES), log_path],
                        output_limit=_LOG_TAIL_BYTES)
     lines = [ln for ln in out.stdout_tail.splitlines()[-200:]
              if "Error" in ln and not any(h in ln for h in HARMLESS_CRIU_ERRORS)]

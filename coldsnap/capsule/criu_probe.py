@@ -18,8 +18,8 @@ from coldsnap.capsule.containers import LABEL_ROLE, list_containers, remove_cont
 from coldsnap.capsule.criu_log import HARMLESS_CRIU_ERRORS
 from coldsnap.capsule.errors import CriuProbeFailed
 from coldsnap.capsule.handle import fail
-from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
-from coldsnap.capsule.spec import CRIU_CAPABILITIES, CRIU_SECURITY_OPT
+from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession, trusted_argv
+from coldsnap.capsule.spec import CRIU, CRIU_CAPABILITIES, CRIU_SECURITY_OPT, SH
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class CriuProbe:
 # Docker keeps /proc/sys read-only, so `criu check` reports ns_last_pid as not writable. CRIU
 # needs it only where clone3 cannot set a child's PID: with clone3_set_tid supported (and the
 # container has the SYS_ADMIN it requires) that complaint is no refusal.
-_PROBE = 'criu --version; criu check --feature clone3_set_tid; criu check'
+_PROBE = f'{CRIU} --version; {CRIU} check --feature clone3_set_tid; {CRIU} check'
 _CLONE3_SET_TID = "clone3_set_tid is supported"
 _NS_LAST_PID = "ns_last_pid sysctl is inaccessible"
 # One probe's own container, whatever else it is labelled with.
@@ -85,7 +85,8 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
         host_config = api.create_host_config(
             network_mode="none", cap_add=list(CRIU_CAPABILITIES),
             security_opt=list(CRIU_SECURITY_OPT))
-        created = await s.call(api.create_container, image, command=["sh", "-c", _PROBE],
+        created = await s.call(api.create_container, image,
+                               command=trusted_argv([SH, "-c", _PROBE]),
                                host_config=host_config, labels=tags)
         container = await s.call(s.client.containers.get, str(created["Id"]))
         await s.call(container.start)

@@ -22,12 +22,15 @@ from coldsnap.capsule.placement import PLACEMENT_ARG_MAX, placement_bytes, seed_
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession
 from coldsnap.capsule.socket_images import PROGRAM as REWRITE_PROGRAM
 from coldsnap.capsule.spec import (
+    CRIU,
     CRIU_IMAGES_DIR,
     CRIU_WORK_DIR,
     ENGINE_LOG,
     ENGINE_LOG_MODE,
     PLACEMENT_FILE,
+    PYTHON,
     RUNTIME_DIR,
+    SH,
     SHM_DIR,
     SHM_IMAGE,
     writable_image,
@@ -85,15 +88,15 @@ def _writable_restore(handle: UnitHandle) -> str:
 # the images on first touch (userfaultfd) and pushes the rest in the background, so the tree
 # runs again before all of its memory is read back. The daemon's stdio goes to a file: with
 # the exec's pipes it would hold the exec open until it exits.
-_LAZY_RESTORE = """set -e
-setsid criu lazy-pages -D "$images" -W "$work" -o lazy-pages.log </dev/null \\
+_LAZY_RESTORE = f"""set -e
+setsid {CRIU} lazy-pages -D "$images" -W "$work" -o lazy-pages.log </dev/null \\
   >>"$work/lazy-pages.out" 2>&1 &
 i=0
 until [ -S "$work/lazy-pages.socket" ]; do
-  i=$((i + 1)); [ "$i" -le 1000 ] || { echo "lazy-pages daemon did not start" >&2; exit 97; }
+  i=$((i + 1)); [ "$i" -le 1000 ] || {{ echo "lazy-pages daemon did not start" >&2; exit 97; }}
   sleep 0.01
 done
-criu restore -D "$images" -W "$work" -d --lazy-pages -o restore.log $criu_flags
+{CRIU} restore -D "$images" -W "$work" -d --lazy-pages -o restore.log $criu_flags
 set +e
 """
 # A moved restore of an engine that keeps its sessions: the image set's socket entries are
@@ -102,12 +105,12 @@ set +e
 # read-only original, which never changes (the same artifact restores again anywhere).
 _REWRITE_FAILED = 95
 _REWRITE = ('if [ -n "${COLDSNAP_ADDRESS_MAP:-}" ]; then\n'
-            '  python3 -c "$COLDSNAP_REWRITE_PROGRAM" rewrite "$images" "$work/images" '
+            f'  {" ".join(PYTHON)} -c "$COLDSNAP_REWRITE_PROGRAM" rewrite "$images" "$work/images" '
             '"$COLDSNAP_ADDRESS_MAP" >"$work/rewrite.out" 2>&1 '
             f'|| {{ cat "$work/rewrite.out"; exit {_REWRITE_FAILED}; }}\n'
             '  images="$work/images"\n'
             'fi\n')
-_FULL_RESTORE = ('criu restore -D "$images" -W "$work" -d -o restore.log $criu_flags '
+_FULL_RESTORE = (f'{CRIU} restore -D "$images" -W "$work" -d -o restore.log $criu_flags '
                  '|| exit $?\n')
 _CHECK_PIDS = """gone=
 for p in $pids; do test -d "/proc/$p" || { echo "missing $p"; gone=1; }; done
@@ -185,7 +188,7 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
               + (_LAZY_RESTORE if lazy else _FULL_RESTORE)
               + _CHECK_PIDS + (_GPU_RESTORE if workers else ""))
     out = await s.exec(container, [
-        "sh", "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
+        SH, "-c", script, "sh", CRIU_IMAGES_DIR, CRIU_WORK_DIR, " ".join(map(str, want)),
         CUDA_CHECKPOINT, " ".join(map(str, workers.values())), seed,
         " ".join([*criu_flags(handle.spec), *(["--leave-stopped"] if leave_stopped else [])]),
         *device_map_args(gpus)],
@@ -231,7 +234,7 @@ async def continue_tree(s: CapsuleSession, handle: UnitHandle, *,
     """Let a tree restored with `leave_stopped` run."""
     step = "release-sessions"
     container = await s.container(handle.container_id, handle.unit, step)
-    out = await s.exec(container, ["sh", "-c", _CONTINUE], timeout_s=timeout_s)
+    out = await s.exec(container, [SH, "-c", _CONTINUE], timeout_s=timeout_s)
     if not out.ok:
         raise fail(s, handle.unit, step, f"SIGCONT to the restored tree: {out.tail(300)}",
                    RestoreFailed)

@@ -25,11 +25,12 @@ _PIECE = 1 << 16
 
 def exec_tail(api: Any, container_id: str, argv: Sequence[str], *,
               limit: int = DEFAULT_OUTPUT_LIMIT, environment: Mapping[str, str] | None = None,
-              ) -> tuple[int | None, TailBuffer, TailBuffer]:
+              workdir: str | None = None) -> tuple[int | None, TailBuffer, TailBuffer]:
     """Exit status (None while Docker does not know it), and the last `limit` bytes of the
-    stdout and stderr of `argv`, run with `environment` over the container's own."""
+    stdout and stderr of `argv`, run with `environment` over the container's own, in
+    `workdir` (None: the container's)."""
     exec_id = api.exec_create(container_id, list(argv), stdout=True, stderr=True,
-                              environment=dict(environment or {}))["Id"]
+                              environment=dict(environment or {}), workdir=workdir)["Id"]
     sock = api.exec_start(exec_id, socket=True)
     response = sock._response  # docker-py keeps the HTTP response on the socket it returns
     reader = response.raw._fp.fp  # http.client's buffered reader over that socket

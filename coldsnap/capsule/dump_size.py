@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import SHM_DIR
+from coldsnap.capsule.spec import SH, SHM_DIR
 
 # $1 the engine's PID, then the paths to measure. Only sh builtins for the process tree
 # (a capsule's rootfs need not have awk): the tree is grown from the root by PPid until no
@@ -100,7 +100,7 @@ async def estimate_dump(s: CapsuleSession, handle: UnitHandle) -> DumpEstimate:
     step = "space"
     container = await s.container(handle.container_id, handle.unit, step)
     assert handle.engine_pid is not None
-    out = await s.exec(container, ["sh", "-c", SIZE_SCRIPT, "sh", str(handle.engine_pid),
+    out = await s.exec(container, [SH, "-c", SIZE_SCRIPT, "sh", str(handle.engine_pid),
                                    SHM_DIR, *handle.writable], timeout_s=120)
     if not out.ok:
         raise fail(s, handle.unit, step, f"measuring the engine's memory failed: {out.tail()}",

@@ -61,7 +61,7 @@ _LOG_TAIL_BYTES = 16 * 1024
 
 
 async def engine_log_tail(s: CapsuleSession, container: Any, lines: int = 20) -> str:
-    out = await s.exec(container, ["tail", "-c", str(_LOG_TAIL_BYTES), ENGINE_LOG],
+    out = await s.exec(container, ["/usr/bin/tail", "-c", str(_LOG_TAIL_BYTES), ENGINE_LOG],
                        output_limit=_LOG_TAIL_BYTES)
     return "\n".join(out.stdout_tail.strip().splitlines()[-lines:])
 

@@ -20,11 +20,11 @@ from coldsnap.capsule.errors import CapsuleError, GpuCheckpointFailed, RestoreFa
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.runtime_files import put_runtime_file
 from coldsnap.capsule.session import CapsuleSession, ExecOutput
-from coldsnap.capsule.spec import RUNTIME_DIR
+from coldsnap.capsule.spec import RUNTIME_DIR, SH
 
 log = structlog.get_logger("coldsnap.capsule")
 
-CUDA_CHECKPOINT = "cuda-checkpoint"
+CUDA_CHECKPOINT = "/usr/local/bin/cuda-checkpoint"
 GPU_RECORD = "gpu-checkpoint.json"
 GPU_RECORD_FORMAT = "coldsnap-gpu-checkpoint/1"
 
@@ -46,7 +46,7 @@ async def cuda_sequence(
         for a in call:
             if "'" in a:
                 raise ValueError(f"unsafe cuda-checkpoint argument {a!r}")
-    return await s.exec(container, ["sh", "-c", script, CUDA_CHECKPOINT], timeout_s=600)
+    return await s.exec(container, [SH, "-c", script, CUDA_CHECKPOINT], timeout_s=600)
 
 
 async def cuda_state(s: CapsuleSession, container: Any, pid: int) -> str | None:
@@ -163,7 +163,7 @@ class GpuRecord:
 
 async def read_gpu_record(s: CapsuleSession, handle: UnitHandle) -> GpuRecord | None:
     container = await s.container(handle.container_id, handle.unit, "gpu-record")
-    out = await s.exec(container, ["cat", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)
+    out = await s.exec(container, ["/bin/cat", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)
     if not out.ok:
         return None
     try:
@@ -182,4 +182,4 @@ async def write_gpu_record(s: CapsuleSession, handle: UnitHandle, record: GpuRec
 
 async def clear_gpu_record(s: CapsuleSession, handle: UnitHandle) -> None:
     container = await s.container(handle.container_id, handle.unit, "gpu-record")
-    await s.exec(container, ["rm", "-f", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)
+    await s.exec(container, ["/bin/rm", "-f", f"{RUNTIME_DIR}/{GPU_RECORD}"], timeout_s=30)

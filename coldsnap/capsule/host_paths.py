@@ -33,7 +33,7 @@ from typing import Any
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import CheckedBind, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import ENGINE_LOG, UnitSpec
+from coldsnap.capsule.spec import ENGINE_LOG, PYTHON, UnitSpec
 from coldsnap.formats.request import Mount
 from coldsnap.formats.service_policy import within
 
@@ -198,7 +198,7 @@ async def verify_binds(s: CapsuleSession, container: Any, unit: str,
     res = await s.target.host.run(["stat", "-c", "%d:%i", "--", *[b.real for b in binds]],
                                   check=False, timeout=30)
     now = res.stdout.decode(errors="replace").split("\n")
-    out = await s.exec(container, ["python3", "-I", "-S", "-c", _TARGETS,
+    out = await s.exec(container, [*PYTHON, "-S", "-c", _TARGETS,
                                    *[b.target for b in binds]], timeout_s=60)
     try:
         inside = [str(x) for x in json.loads(out.stdout)] if out.ok else []

@@ -63,6 +63,25 @@ class PackedObject:
     path: str  # on the capture host
 
 
+# The owner of a capture's dump directory on its host, which the unit's container sees at
+# CRIU_IMAGES_DIR: a uid no engine runs as, with no permission bit set. The engine is root in
+# its container but holds no capability (coldsnap.capsule.spec.CRIU_CAPABILITIES), so it can
+# neither list, enter nor write that directory, nor chmod or chown it back, at any time of
+# the capture: before the dump, while CRIU writes there, and after (its tree keeps running,
+# `--leave-running`) until the host packs the images. CRIU, its action script and the other
+# privileged execs pass through CAP_DAC_OVERRIDE (Docker's default set); the host side is
+# root.
+DUMP_DIR_OWNER = "2147483646:2147483646"
+DUMP_DIR_MODE = "0000"
+
+
+async def make_dump_dir(host: Host, path: str) -> None:
+    """A capture's dump directory that only privileged processes reach (DUMP_DIR_OWNER)."""
+    await make_private_dir(host, path)
+    await host.run(["chown", DUMP_DIR_OWNER, "--", path], timeout=30)
+    await host.run(["chmod", DUMP_DIR_MODE, "--", path], timeout=30)
+
+
 async def make_private_dir(host: Host, path: str) -> None:
     await host.run(["mkdir", "-m", "0700", "-p", "--", path], timeout=30)
     await host.run(["chmod", "0700", "--", path], timeout=30)
@@ -156,6 +175,7 @@ __all__ = [
     "dump_dir",
     "finish_assembly",
     "image_set_dir",
+    "make_dump_dir",
     "make_private_dir",
     "pack_images",
     "partial_set_dir",

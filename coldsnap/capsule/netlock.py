@@ -22,6 +22,7 @@ from coldsnap.capsule.handle import UnitHandle
 from coldsnap.capsule.session import CapsuleSession, ExecOutput
 from coldsnap.capsule.socket_images import PROGRAM as SOCKETS_PROGRAM
 from coldsnap.capsule.socket_images import InetSocket
+from coldsnap.capsule.spec import PYTHON
 from coldsnap.hosts.base import HostError
 
 LOCK_PROGRAM = (Path(__file__).parent / "netlock_program.py").read_text(encoding="utf-8")
@@ -53,20 +54,20 @@ def endpoints_of(sockets: Iterable[InetSocket]) -> list[Endpoint]:
 
 
 def lock_argv(table: str, endpoints: Sequence[Endpoint]) -> list[str]:
-    return ["python3", "-c", LOCK_PROGRAM, "lock", table,
+    return [*PYTHON, "-c", LOCK_PROGRAM, "lock", table,
             json.dumps([[a, p] for a, p in endpoints])]
 
 
 def unlock_argv(table: str) -> list[str]:
-    return ["python3", "-c", LOCK_PROGRAM, "unlock", table]
+    return [*PYTHON, "-c", LOCK_PROGRAM, "unlock", table]
 
 
 def has_argv(table: str) -> list[str]:
-    return ["python3", "-c", LOCK_PROGRAM, "has", table]
+    return [*PYTHON, "-c", LOCK_PROGRAM, "has", table]
 
 
 def sockets_argv(pid: int) -> list[str]:
-    return ["python3", "-c", SOCKETS_PROGRAM, "live", str(pid)]
+    return [*PYTHON, "-c", SOCKETS_PROGRAM, "live", str(pid)]
 
 
 async def _run(s: CapsuleSession, handle: UnitHandle, argv: list[str], step: str,

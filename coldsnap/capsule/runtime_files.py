@@ -14,7 +14,7 @@ import docker.errors
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.capsule.spec import CAPSULE_STATE_DIR, RUNTIME_DIR
+from coldsnap.capsule.spec import CAPSULE_STATE_DIR, RUNTIME_DIR, SH
 
 
 def _runtime_tar(path: str, data: bytes) -> bytes:
@@ -59,7 +59,7 @@ async def put_runtime_file(s: CapsuleSession, handle: UnitHandle, name: str, dat
     final = f"{RUNTIME_DIR}/{name}"
     tmp = f"{final}.partial"
     await _put_archive(s, handle, container, tmp, data, step=step, error=error)
-    out = await s.exec(container, ["sh", "-c", 'sync "$1" && mv -f "$1" "$2"', "sh", tmp, final],
+    out = await s.exec(container, [SH, "-c", 'sync "$1" && mv -f "$1" "$2"', "sh", tmp, final],
                        timeout_s=60)
     if not out.ok:
         raise fail(s, handle.unit, step, f"cannot publish {final}: {out.tail(300)}", error)

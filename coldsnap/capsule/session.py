@@ -38,7 +38,7 @@ import structlog
 
 from coldsnap.capsule.docker_exec import exec_tail
 from coldsnap.capsule.errors import CapsuleError
-from coldsnap.capsule.spec import TRUSTED_EXEC_ENV, CapsuleHost
+from coldsnap.capsule.spec import EXEC_ENV, LOADER_ENV, TRUSTED_EXEC_ENV, CapsuleHost
 from coldsnap.hosts.base import (
     DEFAULT_OUTPUT_LIMIT,
     Host,
@@ -167,6 +167,26 @@ class ExecOutput:
     def tail(self, limit: int = 1500) -> str:
         text = (self.stderr.strip() + "\n" + self.stdout_tail.strip()).strip()
         return text[-limit:]
+
+
+# Docker's own environment for an exec, over the container's: only what EXEC_ENV itself would
+# read while it starts, blanked (it then runs the program with an empty environment).
+LOADER_BLANK: Mapping[str, str] = {name: "" for name in LOADER_ENV}
+
+
+def trusted_argv(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """`EXEC_ENV -i K=V... ARGV`: argv run with TRUSTED_EXEC_ENV and `env` alone. ValueError
+    for a program not named by absolute path (PATH would choose it) or a bad variable."""
+    if not argv or not argv[0].startswith("/"):
+        raise ValueError(f"a privileged exec names its program by absolute path, not "
+                         f"{argv[0] if argv else 'nothing'!r}")
+    values = {**TRUSTED_EXEC_ENV, **(env or {})}
+    for name in values:
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"bad environment variable name {name!r}")
+    if "=" in argv[0]:
+        raise ValueError(f"{argv[0]!r}: {EXEC_ENV} would read it as a variable")
+    return [EXEC_ENV, "-i", "--", *(f"{k}={v}" for k, v in values.items()), *argv]
 
 
 # How long a failed Docker call waits to learn why its host's connection dropped.
@@ -321,15 +341,17 @@ class CapsuleSession:
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         env: Mapping[str, str] | None = None,
     ) -> ExecOutput:
-        """Run argv in the container; each stream keeps its last `output_limit` bytes. It runs
-        with `env` (coldsnapd's own values) over TRUSTED_EXEC_ENV over the container's
-        environment: every exec holds the container's capabilities, and none runs with an
-        environment of the request's choosing."""
-        environment = {**TRUSTED_EXEC_ENV, **(env or {})}
+        """Run argv in the container; each stream keeps its last `output_limit` bytes. Every
+        exec holds the container's capabilities, so none reads anything of the request's or
+        the engine's choosing: argv[0] is an absolute path, it runs in `/` with exactly
+        TRUSTED_EXEC_ENV and `env` (coldsnapd's own values), nothing of the container's
+        environment (`trusted_argv`)."""
+        wrapped = trusted_argv(argv, env)
 
         def run() -> ExecOutput:
-            code, out, err = exec_tail(self.client.api, container.id, argv,
-                                       limit=output_limit, environment=environment)
+            code, out, err = exec_tail(self.client.api, container.id, wrapped,
+                                       limit=output_limit, environment=LOADER_BLANK,
+                                       workdir="/")
             return ExecOutput(-1 if code is None else code, out.bytes().decode(errors="replace"),
                               err.bytes().decode(errors="replace"), out.dropped, err.dropped,
                               self.host, argv[0] if argv else "")

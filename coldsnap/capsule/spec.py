@@ -17,6 +17,8 @@ from typing import Any, Literal
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
+from coldsnap.formats.request.mount_targets import CAPSULE_LOG_DIR
+from coldsnap.formats.request.mount_targets import CAPSULE_STATE_DIR as CAPSULE_STATE_DIR
 from coldsnap.hosts.base import Host
 
 # Exactly what in-capsule CRIU needs, and no more (no --privileged):
@@ -47,7 +49,8 @@ ENGINE_LAUNCHER: tuple[str, ...] = ("/usr/local/bin/capsule-init", "launch")
 
 # Paths inside the capsule. They live in the container's rootfs, so a commit carries them,
 # except the CRIU images: a host directory is mounted there (coldsnap.capsule.images).
-CAPSULE_STATE_DIR = "/var/lib/coldsnap"
+# (CAPSULE_STATE_DIR and the engine log's directory are defined with the mount-target rule,
+# which keeps every request mount off them: coldsnap.formats.request.mount_targets.)
 CRIU_IMAGES_DIR = f"{CAPSULE_STATE_DIR}/images"
 # CRIU's logs and the lazy-pages socket: never in the images directory, which a restore
 # mounts read-only; removed before a commit.
@@ -58,7 +61,7 @@ RUNTIME_DIR = f"{CAPSULE_STATE_DIR}/runtime"
 PLACEMENT_FILE = "placement.json"
 RUNTIME_DIR_ENV = "COLDSNAP_RUNTIME_DIR"
 ENGINE_STDIN = f"{CAPSULE_STATE_DIR}/engine.stdin"
-ENGINE_LOG = "/var/log/coldsnap/engine.log"
+ENGINE_LOG = f"{CAPSULE_LOG_DIR}/engine.log"
 # CRIU refuses to reopen a file whose mode differs from the one it dumped. ENGINE_LOG may be a
 # file of the rootfs, the host's workload.log_path mounted over it, or the empty mount point
 # that a commit leaves of that mount (Docker makes it 0755), so the engine log always gets
@@ -122,17 +125,43 @@ SHM_SIZE_BYTES = 8 << 30
 # and its quiesce is a drain (vLLM's sleep mode does nothing on CPU).
 LABEL_ACCELERATOR = "org.coldsnap.accelerator"
 
-# The environment of every `docker exec` coldsnapd runs with the container's capabilities: on
-# top of the container's own (the request's `environment`), so that nothing the request names
-# (a PATH, a preload, a Python path into a directory the engine writes) decides what runs
-# with them. The launcher gives the engine the container's environment back (--environ-from).
+# What every `docker exec` coldsnapd runs with the container's capabilities starts from: an
+# EMPTY environment plus these values alone (and the exec's own, e.g. CRIU's action script),
+# never the container's (the request's `environment`: a CRIU_LIBS_DIR, a CRIU_CONFIG_FILE, a
+# PATH or a preload). Docker merges an exec's environment over the container's and cannot
+# drop a name, so the exec is `EXEC_ENV -i K=V... PROGRAM ...` (CapsuleSession.exec). HOME is
+# a path that does not exist in any capsule and cannot be made (the rootfs is read-only):
+# no ~/.criu/default.conf, no ~/.local user site. PATH lists read-only rootfs directories,
+# which no mount may cover (coldsnap.formats.request.mount_targets); every exec names its
+# program by absolute path anyway. The launcher gives the engine the container's
+# environment back (--environ-from).
 TRUSTED_EXEC_ENV: Mapping[str, str] = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    **{name: "" for name in ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH",
-                             "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "BASH_ENV",
-                             "ENV", "TMPDIR")},
+    "HOME": "/nonexistent",
 }
+EXEC_ENV = "/usr/bin/env"
+# Blanked in Docker's own exec environment, over the container's: what the dynamic loader
+# and libc read (glibc's list of variables unsafe for a setuid program) while EXEC_ENV
+# itself starts, before it clears the environment for the program it runs; an empty value
+# means unset for each. LD_SHOW_AUXV and LD_DYNAMIC_WEAK act when merely present, so they
+# cannot be blanked: a request naming them changes only how EXEC_ENV starts (a listing on
+# its unit's exec output), nothing of what runs after it.
+LOADER_ENV: tuple[str, ...] = (
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LD_AUDIT", "LD_BIND_NOT",
+    "LD_BIND_NOW", "LD_DEBUG", "LD_DEBUG_OUTPUT", "LD_LIBRARY_PATH", "LD_ORIGIN_PATH",
+    "LD_PRELOAD", "LD_PROFILE", "LD_PROFILE_OUTPUT", "LD_USE_LOAD_BIAS", "LOCALDOMAIN",
+    "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS",
+    "TMPDIR", "TZDIR",
+)
+# The programs coldsnapd runs with the capabilities, by absolute path in the read-only rootfs
+# of every capsule (Debian's and Ubuntu's places; deploy/capsule installs criu there too).
+SH = "/bin/sh"
+# -I: no PYTHON* variable, no user site, no script or working directory on sys.path.
+PYTHON: tuple[str, ...] = ("/usr/bin/python3", "-I")
+# --no-default-config: neither /etc/criu/default.conf nor ~/.criu/default.conf (and with the
+# empty environment, no CRIU_CONFIG_FILE nor CRIU_LIBS_DIR: its plugins come only from its
+# compiled-in directory in the rootfs). Written into shell scripts as is.
+CRIU = "/usr/sbin/criu --no-default-config"
 
 MANIFEST_ENV = "COLDSNAP_UNIT"
 SIMULATED_GPUS_ENV = "COLDSNAP_SIMULATED_GPUS"

@@ -3,6 +3,9 @@ who may submit, and which images, host paths and output paths a submission may n
 
     images:      {allow: [registry/repository prefix | sha256:<digest>, ...]}
     mounts:      {allow: [host path root, ...]}     launch.units[].mounts[].source
+                 targets: [container path root, ...]  launch.units[].mounts[].target
+                   (optional: narrows where a mount may land, on top of the rule every
+                   request obeys, coldsnap.formats.request.mount_targets; absent: that rule)
     log_paths:   {allow: [host path root, ...]}     workload.log_path
     outputs:     {allow: [path root, ...]}          output, --receipt-json, --timing-events
     submitters:  {groups: [group name, ...]}        whose members may submit
@@ -54,13 +57,17 @@ class PathRule(StrictModel):
     allow: list[AbsPath] = Field(default_factory=list)
 
 
+class MountRule(PathRule):
+    targets: list[AbsPath] | None = None
+
+
 class SubmitterRule(StrictModel):
     groups: list[NonEmpty] = Field(default_factory=list)
 
 
 class ServicePolicy(StrictModel):
     images: ImageRule = Field(default_factory=ImageRule)
-    mounts: PathRule = Field(default_factory=PathRule)
+    mounts: MountRule = Field(default_factory=MountRule)
     log_paths: PathRule = Field(default_factory=PathRule)
     outputs: PathRule = Field(default_factory=PathRule)
     submitters: SubmitterRule = Field(default_factory=SubmitterRule)
@@ -193,6 +200,10 @@ def request_refusals(policy: ServicePolicy, uid: int, request: Request | None, *
                 lines.append(path_refusal(f"launch.units[{i}].mounts[{j}].source",
                                           mount.source, policy.mounts.allow,
                                           "mounts.allow") or "")
+                if policy.mounts.targets is not None:
+                    lines.append(path_refusal(f"launch.units[{i}].mounts[{j}].target",
+                                              mount.target, policy.mounts.targets,
+                                              "mounts.targets") or "")
         log_path = request.workload.log_path if request.workload else None
         if log_path is not None:
             lines.append(path_refusal("workload.log_path", log_path, policy.log_paths.allow,

@@ -10,6 +10,7 @@ from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.owners import Owner
 from coldsnap.formats.replay import parse_replay_plan
 from coldsnap.formats.request import Mount
+from coldsnap.formats.request.mount_targets import target_refusal
 from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.staging import objects_dir, remote_object_path
@@ -33,6 +34,13 @@ def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
         plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
+        # The replay plan is the artifact's, not the request's: its payload's place obeys the
+        # same rule as a request's mount target (nothing over the programs run with CRIU's
+        # capabilities).
+        refusal = None if target is None else target_refusal(target)
+        if refusal is not None:
+            raise OperationFailed("replay", f"worker {w.id} of unit {placed.unit_id}: the "
+                                  f"replay plan's payload.container_path: {refusal}")
         payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
         if target is not None and all(m.target != target for m in mounts):
             mounts.append(Mount(source=remote_object_path(data_dir, payload.sha256),

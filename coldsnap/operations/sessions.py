@@ -24,10 +24,10 @@ from coldsnap.capsule.criu_dump import keeps_sessions
 from coldsnap.capsule.errors import DumpFailed
 from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.netlock import LOCK_PROGRAM, live_sockets, lock_table, lock_unit, unlock_unit
-from coldsnap.capsule.session import CapsuleSession
+from coldsnap.capsule.session import CapsuleSession, trusted_argv
 from coldsnap.capsule.socket_images import PROGRAM as SOCKET_PROGRAM
 from coldsnap.capsule.socket_images import InetSocket
-from coldsnap.capsule.spec import CRIU_IMAGES_DIR
+from coldsnap.capsule.spec import CRIU_IMAGES_DIR, PYTHON
 from coldsnap.engines import adapter_for
 from coldsnap.formats.capsule import CapsuleManifest, InetSocketRecord
 from coldsnap.formats.receipt import UnitCrossing
@@ -139,7 +139,8 @@ async def unlock_in_oneoff(s: CapsuleSession, image: str, name: str) -> None:
     removed afterwards: for a unit whose own container is gone."""
     def run() -> Any:
         return s.client.containers.run(
-            image, ["python3", "-c", LOCK_PROGRAM, "unlock", name], network_mode="host",
+            image, trusted_argv([*PYTHON, "-c", LOCK_PROGRAM, "unlock", name]),
+            network_mode="host",
             cap_add=["NET_ADMIN"], remove=True, stdout=True, stderr=True)
 
     await s.call(run, timeout_s=UNLOCK_TIMEOUT_S)
@@ -168,7 +169,7 @@ async def dumped_sockets(s: CapsuleSession, handle: UnitHandle) -> list[InetSock
     """The inet sockets of the unit's dump (its files.img), read by the capsule's python3
     before the commit packs the images away."""
     container = await s.container(handle.container_id, handle.unit, "dumped-sockets")
-    out = await s.exec(container, ["python3", "-c", SOCKET_PROGRAM, "list", CRIU_IMAGES_DIR],
+    out = await s.exec(container, [*PYTHON, "-c", SOCKET_PROGRAM, "list", CRIU_IMAGES_DIR],
                        timeout_s=60)
     if not out.ok:
         raise fail(s, handle.unit, "dumped-sockets", f"cannot list the dump's sockets: "

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3 -I
 """In-capsule HTTP client used by coldsnapd through `docker exec`.
 
     capsule-http [--wait-ok PATH] ENDPOINT GET|POST PATH [JSON-BODY] [TIMEOUT-SECONDS]

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3 -I
 """Quiet PID 1 for capsule containers, and the confined launcher of the engine.
 
     capsule-init                         PID 1: spawns nothing, reaps orphans
@@ -15,9 +15,9 @@ engine confined: its own session, stdio on regular files, PIDs above N, then an 
 capability bounding set, no inheritable or ambient capabilities, no-new-privs and the seccomp
 filter coldsnapd generated (coldsnap/capsule/seccomp.py) before the exec, so the engine tree
 holds no capability at all while CRIU, exec'd beside it, keeps the container's.
-`--environ-from 1` gives the engine the container's own environment (PID 1's: the unit's
-request environment), since coldsnapd runs its execs, this one included, with a cleaned one (no
-LD_PRELOAD, PYTHONPATH or PATH of the request's choosing). It prints the engine's PID and
+`--environ-from 1` gives the engine the container's own environment and working directory
+(PID 1's: the unit's request environment, the image's WORKDIR), since coldsnapd runs its
+execs, this one included, with an empty environment, in /. It prints the engine's PID and
 returns at once; the engine is reparented to PID 1.
 
 PIDs above N without writing /proc/sys/kernel/ns_last_pid (Docker keeps /proc/sys read-only):
@@ -26,7 +26,11 @@ until one gets a PID above N; the next fork, the engine, follows it. A restored 
 are set by CRIU itself (clone3 with set_tid), which does not move that cursor, so a fresh
 container's helpers (criu, its lazy-pages daemon) stay at low PIDs, clear of the tree.
 
-Standard library only: real capsules copy this file as they are (deploy/capsule/).
+Standard library only: real capsules copy this file as they are (deploy/capsule/). It runs
+with CRIU's capabilities (PID 1, the launcher, CRIU's action script), so its interpreter is
+named by absolute path and isolated (`python3 -I`: no PYTHON* variable, no user site, no
+.pth of a directory the engine writes); `env` or PATH would let the container's environment
+(the request's) choose it.
 """
 
 import argparse
@@ -139,7 +143,8 @@ def launch(argv: list[str]) -> int:
     p.add_argument("--seccomp-filter", default="",
                    help="base64 of the struct sock_filter[] to install (none: no filter)")
     p.add_argument("--environ-from", type=int, default=None,
-                   help="start the engine with this PID's environment instead of ours")
+                   help="start the engine with this PID's environment and working directory "
+                        "instead of ours")
     p.add_argument("command", nargs="+")
     args = p.parse_args(argv)
     env = os.environ.copy() if args.environ_from is None else _environ_of(args.environ_from)
@@ -167,6 +172,11 @@ def launch(argv: list[str]) -> int:
             # close-on-exec error pipe survives until the exec.
             os.closerange(3, w)
             os.closerange(w + 1, _FD_CEILING)
+            if args.environ_from is not None:
+                # The container's working directory (PID 1 starts there): coldsnapd runs its
+                # execs, this one included, in / so that nothing in a directory the engine
+                # writes is ever read beside them.
+                os.chdir(f"/proc/{args.environ_from}/cwd")
             confine(base64.b64decode(args.seccomp_filter, validate=True))
             os.execvpe(args.command[0], args.command, env)  # noqa: S606 (argv list, no shell)
         except BaseException as exc:  # reported to the parent, then exit
@@ -200,17 +210,38 @@ def main() -> int:
         return launch(sys.argv[2:])
     if "CRTOOLS_SCRIPT_ACTION" in os.environ:
         return criu_action()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-    # SIGCHLD is ignored by default, which would leave pause() asleep while orphans die.
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return reap_forever()
+
+
+_WAKE = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
+def reap_forever() -> int:
+    """PID 1: reap every child that ends, until SIGTERM or SIGINT (`docker stop`).
+
+    The signals are blocked and taken with sigwait: a child that ends between a wait that
+    found none and the sleep after it leaves its SIGCHLD pending, which the next sigwait
+    returns at once (os.wait() then signal.pause() would sleep through it, and the zombie
+    with it). Handlers stay installed: PID 1 of a PID namespace gets a signal from outside it
+    only when it has one."""
+    for sig in _WAKE:
+        signal.signal(sig, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE)
+    while True:
+        reap_all()
+        if signal.sigwait(_WAKE) in (signal.SIGTERM, signal.SIGINT):
+            return 0
+
+
+def reap_all() -> None:
+    """Reap every child that has ended, without waiting for one that runs."""
     while True:
         try:
-            os.wait()
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            signal.pause()
-        except InterruptedError:
-            pass
+            return
+        if pid == 0:
+            return
 
 
 if __name__ == "__main__":

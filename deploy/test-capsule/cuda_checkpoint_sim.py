@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3 -I
 """cuda-checkpoint SIMULATOR for the ColdSnap test capsule. Not NVIDIA's tool.
 
 CI machines have no GPU, so the test capsule installs this as /usr/local/bin/cuda-checkpoint.
@@ -109,8 +109,21 @@ def parse_device_map(text: str) -> dict[str, str]:
     return mapping
 
 
+def _container_env(name: str) -> str | None:
+    """`name` in the container's own environment (PID 1's): coldsnapd runs this tool with an
+    empty one, as it runs every program with the capsule's capabilities."""
+    try:
+        with open("/proc/1/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    return next((i[len(prefix):].decode() for i in items if i.startswith(prefix)), None)
+
+
 def visible_devices() -> set[str] | None:
-    raw = os.environ.get(VISIBLE_ENV)
+    # The simulated driver's view of the container's devices, which coldsnapd set there.
+    raw = os.environ.get(VISIBLE_ENV) or _container_env(VISIBLE_ENV)
     if raw is None:
         return None
     return {d for d in raw.split(",") if d}

@@ -6,10 +6,14 @@ is asked of the engine itself."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from coldsnap.capsule import CapsuleSession
+from coldsnap.capsule.containers import launch_argv
 from coldsnap.capsule.docker_exec import exec_in_container
+from coldsnap.capsule.handle import UnitHandle
+from coldsnap.capsule.spec import UnitSpec
 
 _SCRIPT = r"""
 import json, os
@@ -46,7 +50,7 @@ def _parse(code: int, out: str) -> dict[str, Any]:
 async def engine_view(s: CapsuleSession, container: Any) -> dict[str, Any]:
     """{"workers": [{pid, rank, local_rank, world_size, gpu_state, devices}] by rank,
     "warmups": {worker id: count}} through an async capsule session."""
-    out = await s.exec(container, ["python3", "-c", _SCRIPT])
+    out = await s.exec(container, ["/usr/bin/python3", "-I", "-c", _SCRIPT])
     return _parse(out.exit_code, out.stdout + out.stderr)
 
 
@@ -71,10 +75,27 @@ print(json.dumps(out))
 async def confinement(s: CapsuleSession, container: Any, pids: list[int]) -> dict[int, dict[
         str, str]]:
     """What /proc/PID/status says of each process's capabilities, no-new-privs and seccomp."""
-    out = await s.exec(container, ["python3", "-c", _CONFINEMENT, *map(str, pids)])
+    out = await s.exec(container, ["/usr/bin/python3", "-I", "-c", _CONFINEMENT, *map(str, pids)])
     assert out.ok, out.tail()
     return {int(k): v for k, v in json.loads(out.stdout).items()}
 
 
 CONFINED = {"CapBnd": "0000000000000000", "CapEff": "0000000000000000",
             "CapPrm": "0000000000000000", "NoNewPrivs": "1", "Seccomp": "2"}
+
+
+async def run_as_engine(s: CapsuleSession, handle: UnitHandle, spec: UnitSpec,
+                     script: str, done: str) -> str:
+    """Run `script` with sh as the engine runs (the same launcher: no capability, its seccomp
+    filter, the container's environment); returns what it wrote to `done`."""
+    container = await s.container(handle.container_id, spec.unit_id, "test")
+    probe = replace(spec, command=("/bin/sh", "-c", f"{{ {script}\n}} > {done}.tmp 2>&1; "
+                                                    f"mv {done}.tmp {done}"))
+    launched = await s.exec(container, launch_argv(probe), timeout_s=60)
+    assert launched.ok, launched.tail()
+    for _ in range(200):
+        read = await s.exec(container, ["/bin/cat", done])
+        if read.ok:
+            return read.stdout
+        await s.exec(container, ["/bin/sleep", "0.05"])
+    raise AssertionError(f"{done} never appeared")

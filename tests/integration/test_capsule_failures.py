@@ -87,7 +87,7 @@ async def test_dump_refused_by_criu_leaves_original_serving(
         assert h.images_dir is not None
         left = await h0.target.host.run(["ls", "-A", h.images_dir])
         assert left.stdout == b"", left.stdout
-        seen = await s.exec(c, ["ls", "-A", CRIU_IMAGES_DIR])
+        seen = await s.exec(c, ["/bin/ls", "-A", CRIU_IMAGES_DIR])
         assert seen.ok and seen.stdout == "", "the container sees that same directory"
         with pytest.raises(docker.errors.ImageNotFound):
             repo, tag = capsule_reference(unit_id, capture_id)
@@ -128,7 +128,7 @@ async def test_an_engine_holding_io_uring_is_refused_at_dump_by_name(
         h = await start_unit(s, spec)
         await wait_ready(s, h)
         c = await s.container(h.container_id, unit_id, "test")
-        said = await s.exec(c, ["grep", "^io_uring:", "/var/log/coldsnap/engine.log"])
+        said = await s.exec(c, ["/bin/grep", "^io_uring:", "/var/log/coldsnap/engine.log"])
         assert said.stdout.split()[:2] == ["io_uring:", "ENOSYS" if filtered else "held"], \
             said.stdout
         await quiesce(s, h)

@@ -30,7 +30,7 @@ from coldsnap.capsule import (
     wait_ready,
 )
 from coldsnap.capsule.collect import capsule_dir
-from coldsnap.capsule.images import dump_dir
+from coldsnap.capsule.images import DUMP_DIR_OWNER, dump_dir
 from coldsnap.capsule.placement import PLACEMENT_ARG_MAX, deliver_placement
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR, CRIU_WORK_DIR, PLACEMENT_FILE, RUNTIME_DIR
 from coldsnap.hosts.http import HttpAnswer, http_request
@@ -114,10 +114,11 @@ async def test_capture_on_host0_restore_on_host1(
         assert {w["gpu_state"] for w in st["workers"]} == {"checkpointed"}
         dumped = await dump(s0, h)
         assert dumped.images_bytes > workers * SHARD_BYTES
-        # CRIU dumped into the host, into the private directory mounted for it
+        # CRIU dumped into the host, into the directory mounted for it that only privileged
+        # processes reach (no permission bit, a uid no engine runs as)
         assert h.images_dir == dump_dir(h0.entry.data_dir, "adhoc", h.container_name)
-        listed = await h0.target.host.run(["ls", "-ld", h.images_dir])
-        assert listed.stdout.startswith(b"drwx------"), listed.stdout
+        listed = await h0.target.host.run(["stat", "-c", "%A %u:%g", h.images_dir])
+        assert listed.stdout.decode().split() == ["d---------", DUMP_DIR_OWNER], listed.stdout
         assert (await h0.target.host.run(["ls", h.images_dir])).stdout.count(b".img") > 3
         registry = capsule_inventory.registry if pushed else None
         assert not pushed or registry, "the dev cluster's inventory names its registry"
@@ -188,21 +189,21 @@ async def test_capture_on_host0_restore_on_host1(
             assert "not present" in failed.value.detail, failed.value.detail
         else:
             # A runtime directory that cannot be made: the exec stops before CRIU runs.
-            await s1.exec(c1, ["sh", "-c", f"rm -rf {RUNTIME_DIR} && touch {RUNTIME_DIR}"])
+            await s1.exec(c1, ["/bin/sh", "-c", f"rm -rf {RUNTIME_DIR} && touch {RUNTIME_DIR}"])
             with pytest.raises(RestoreFailed) as failed:
                 await criu_restore(s1, r, lazy=lazy, placement=placed)
             assert failed.value.step == "placement", failed.value
-            back = await s1.exec(c1, ["test", "-d", f"/proc/{manifest.engine_pid}"])
+            back = await s1.exec(c1, ["/usr/bin/test", "-d", f"/proc/{manifest.engine_pid}"])
             assert not back.ok, "CRIU ran although the placement could not be written"
-            await s1.exec(c1, ["rm", "-f", RUNTIME_DIR])
+            await s1.exec(c1, ["/bin/rm", "-f", RUNTIME_DIR])
             await criu_restore(s1, r, lazy=lazy, placement=placed)
         # Written by the restore's exec, before the engine was back.
-        seeded = await s1.exec(c1, ["cat", f"{RUNTIME_DIR}/{PLACEMENT_FILE}"])
+        seeded = await s1.exec(c1, ["/bin/cat", f"{RUNTIME_DIR}/{PLACEMENT_FILE}"])
         assert seeded.ok and json.loads(seeded.stdout) == placed, seeded.tail()
-        lazy_log = await s1.exec(c1, ["test", "-f", f"{CRIU_WORK_DIR}/lazy-pages.log"])
+        lazy_log = await s1.exec(c1, ["/usr/bin/test", "-f", f"{CRIU_WORK_DIR}/lazy-pages.log"])
         assert lazy_log.ok == lazy, "lazy restore runs criu's lazy-pages daemon, full does not"
         # the images are mounted read-only from the host's assembled set
-        wrote = await s1.exec(c1, ["touch", f"{CRIU_IMAGES_DIR}/x"])
+        wrote = await s1.exec(c1, ["/usr/bin/touch", f"{CRIU_IMAGES_DIR}/x"])
         assert not wrote.ok and "Read-only" in wrote.tail(), wrote
         # restored-stopped: processes back, GPUs still checkpointed, requests refused
         st = await status(h1, r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,7 @@ from tests.integration.capsule_fixtures import (
     unique,
     unit_spec,
 )
-from tests.integration.engine_view import CONFINED, confinement
+from tests.integration.engine_view import CONFINED, confinement, run_as_engine
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +67,7 @@ async def test_engine_tree_holds_no_capability_and_proc_stays_masked(
             assert status == CONFINED, (pid, status)
 
         # CRIU's side: a docker exec keeps the container's capabilities.
-        exec_status = await s.exec(container, ["grep", "^CapEff:", "/proc/self/status"])
+        exec_status = await s.exec(container, ["/bin/grep", "^CapEff:", "/proc/self/status"])
         assert exec_status.stdout.split()[1] != "0000000000000000"
 
         # Docker's masked and read-only paths are kept: /proc/sys cannot be written even with
@@ -74,9 +75,10 @@ async def test_engine_tree_holds_no_capability_and_proc_stays_masked(
         inspect = await s.call(s.client.api.inspect_container, handle.container_id)
         assert "/proc/keys" in inspect["HostConfig"]["MaskedPaths"]
         assert "/proc/sys" in inspect["HostConfig"]["ReadonlyPaths"]
-        write = await s.exec(container, ["sh", "-c", "echo 20000 > /proc/sys/kernel/ns_last_pid"])
+        write = await s.exec(container, ["/bin/sh", "-c",
+                                         "echo 20000 > /proc/sys/kernel/ns_last_pid"])
         assert not write.ok and "Read-only file system" in write.stderr, write
-        keys = await s.exec(container, ["cat", "/proc/keys"])
+        keys = await s.exec(container, ["/bin/cat", "/proc/keys"])
         assert keys.stdout == ""
 
         # The filter is real: what the engine is refused, a process started the same way is.
@@ -85,7 +87,7 @@ async def test_engine_tree_holds_no_capability_and_proc_stays_masked(
         assert launched.ok, launched.tail()
         got = {}
         for _ in range(100):
-            read = await s.exec(container, ["cat", "/tmp/confinement-probe.json"])
+            read = await s.exec(container, ["/bin/cat", "/tmp/confinement-probe.json"])
             if read.ok and read.stdout:
                 got = json.loads(read.stdout)
                 break
@@ -120,20 +122,20 @@ async def test_a_request_environment_reaches_the_engine_but_no_privileged_exec(
         await wait_ready(s, handle)
         container = await s.container(handle.container_id, unit_id, "test")
         # The engine's own environment is the request's.
-        environ = await s.exec(container, ["cat", f"/proc/{handle.engine_pid}/environ"])
+        environ = await s.exec(container, ["/bin/cat", f"/proc/{handle.engine_pid}/environ"])
         got = dict(item.split("=", 1) for item in environ.stdout.split("\0") if "=" in item)
         assert (got["PATH"], got["PYTHONPATH"]) == (env["PATH"], planted)
         # What the engine (root in its container, without capabilities) can write: a `tail`
         # first on the request's PATH, which would leave a marker if it ever ran.
         plant = await s.exec(container, [
-            "sh", "-c", f'mkdir -p {planted} && printf "#!/bin/sh\\ntouch {marker}\\n" '
+            "/bin/sh", "-c", f'mkdir -p {planted} && printf "#!/bin/sh\\ntouch {marker}\\n" '
                         f'> {planted}/tail && chmod 0755 {planted}/tail'])
         assert plant.ok, plant
         # The pristine `tail` ran: it read the engine's log (a planted one would print nothing).
         assert await engine_log_tail(s, container)
-        seen = await s.exec(container, ["sh", "-c", 'echo "$PATH|$LD_PRELOAD|$PYTHONPATH"'])
+        seen = await s.exec(container, ["/bin/sh", "-c", 'echo "$PATH|$LD_PRELOAD|$PYTHONPATH"'])
         assert seen.stdout.strip() == f"{TRUSTED_EXEC_ENV['PATH']}||", seen
-        assert not (await s.exec(container, ["test", "-e", marker])).ok
+        assert not (await s.exec(container, ["/usr/bin/test", "-e", marker])).ok
     finally:
         await cleanup_unit(h0, unit_id)
         await cleanup_paths(h0, models)
@@ -142,7 +144,6 @@ async def test_a_request_environment_reaches_the_engine_but_no_privileged_exec(
 # Run as the engine is (same launcher): replace each program coldsnapd runs with capabilities
 # by a script that would leave a marker in the unit's CRIU images directory, a host directory.
 _TAMPER = r"""
-out = open("/tmp/tamper.json", "w")
 import json
 result = {}
 for path in ("/usr/sbin/criu", "/usr/local/bin/cuda-checkpoint", "/usr/local/bin/capsule-init",
@@ -153,8 +154,7 @@ for path in ("/usr/sbin/criu", "/usr/local/bin/cuda-checkpoint", "/usr/local/bin
         result[path] = "written"
     except OSError as exc:
         result[path] = exc.strerror
-out.write(json.dumps(result))
-out.close()
+print(json.dumps(result))
 """
 
 
@@ -176,17 +176,11 @@ async def test_an_engine_cannot_replace_what_coldsnapd_runs_with_capabilities(
         container = await s.container(handle.container_id, unit_id, "test")
         inspect = await s.call(s.client.api.inspect_container, handle.container_id)
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
-        tamper = replace(spec, command=("python3", "-c", _TAMPER))
-        launched = await s.exec(container, launch_argv(tamper), timeout_s=60)
-        assert launched.ok, launched.tail()
-        got: dict[str, str] = {}
-        for _ in range(100):
-            read = await s.exec(container, ["cat", "/tmp/tamper.json"])
-            if read.ok and read.stdout:
-                got = json.loads(read.stdout)
-                break
-        assert got and set(got.values()) == {"Read-only file system"}, got
-        with_caps = await s.exec(container, ["sh", "-c", "echo x >> /usr/sbin/criu"])
+        got = json.loads(await run_as_engine(s, handle, spec,
+                                             f"python3 -c {shlex.quote(_TAMPER)}",
+                                             "/tmp/tamper.json"))
+        assert set(got.values()) == {"Read-only file system"}, got
+        with_caps = await s.exec(container, ["/bin/sh", "-c", "echo x >> /usr/sbin/criu"])
         assert not with_caps.ok and "Read-only file system" in with_caps.stderr, with_caps
         # The capture's dump (criu, its action script, tar) runs as it would have.
         await quiesce(s, handle)

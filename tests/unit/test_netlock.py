@@ -99,12 +99,13 @@ def test_only_coldsnap_tables_are_ever_touched(name: str) -> None:
         netlock_program.unlock_commands(name)
 
 
-def test_argv_runs_the_program_with_the_capsules_python() -> None:
+def test_argv_runs_the_program_with_the_capsules_python_isolated() -> None:
+    py = ["/usr/bin/python3", "-I"]
     assert netlock.lock_argv(TABLE, [("198.18.0.2", 7001), ("::", 80)]) == [
-        "python3", "-c", LOCK_PROGRAM, "lock", TABLE, '[["198.18.0.2", 7001], ["::", 80]]']
-    assert netlock.unlock_argv(TABLE) == ["python3", "-c", LOCK_PROGRAM, "unlock", TABLE]
-    assert netlock.has_argv(TABLE) == ["python3", "-c", LOCK_PROGRAM, "has", TABLE]
-    assert netlock.sockets_argv(12) == ["python3", "-c", netlock.SOCKETS_PROGRAM, "live", "12"]
+        *py, "-c", LOCK_PROGRAM, "lock", TABLE, '[["198.18.0.2", 7001], ["::", 80]]']
+    assert netlock.unlock_argv(TABLE) == [*py, "-c", LOCK_PROGRAM, "unlock", TABLE]
+    assert netlock.has_argv(TABLE) == [*py, "-c", LOCK_PROGRAM, "has", TABLE]
+    assert netlock.sockets_argv(12) == [*py, "-c", netlock.SOCKETS_PROGRAM, "live", "12"]
     assert "--network-lock" in netlock.CRIU_SESSION_FLAGS
 
 
@@ -160,7 +161,7 @@ async def test_lock_and_unlock_run_the_program_with_a_timeout() -> None:
     s = _Session(ExecOutput(0, "", ""))
     await lock_unit(s, _Handle(), TABLE, [("198.18.0.2", 7001)])  # type: ignore[arg-type]
     await unlock_unit(s, _Handle(), TABLE, timeout_s=5)  # type: ignore[arg-type]
-    assert [c[0][3:] for c in s.calls] == [
+    assert [c[0][4:] for c in s.calls] == [
         ["lock", TABLE, '[["198.18.0.2", 7001]]'], ["unlock", TABLE]]
     assert [c[1] for c in s.calls] == [netlock.LOCK_TIMEOUT_S, 5]
 

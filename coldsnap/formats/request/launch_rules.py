@@ -14,6 +14,7 @@ from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import Issues, ValidationIssue
 from coldsnap.formats.redaction import REDACTED
 from coldsnap.formats.request.launch import Launch, Unit, Worker
+from coldsnap.formats.request.mount_targets import target_refusal
 
 
 def _first_positions(ids: list[str]) -> dict[str, int]:
@@ -124,6 +125,9 @@ def _image_issue(unit: Unit) -> str | None:
 def _mount_issues(issues: Issues, up: str, unit: Unit) -> None:
     targets: dict[str, int] = {}
     for j, mount in enumerate(unit.mounts):
+        refusal = target_refusal(mount.target)
+        if refusal is not None:
+            issues.add(f"{up}.mounts[{j}].target", refusal)
         if mount.target in targets:
             issues.add(f"{up}.mounts[{j}].target", f"mount target '{mount.target}' repeats "
                                                    f"mounts[{targets[mount.target]}]")

@@ -6,10 +6,14 @@ who may submit, and which images, host paths and output paths a submission may n
     log_paths:   {allow: [host path root, ...]}     workload.log_path
     outputs:     {allow: [path root, ...]}          output, --receipt-json, --timing-events
     submitters:  {groups: [group name, ...]}        whose members may submit
+    queue:       {max_per_uid: 64, max_total: 1024} jobs accepted and not ended (HTTP 429 past)
+    artifacts:   {shared_with: [group name, ...]}   who may use another uid's artifacts
+    workloads:   {reserved: [{prefix: ID prefix, groups: [group name, ...]}, ...]}
     unrestricted: false   # true: root (uid 0) is not held to the rules above
 
-A section left out allows nothing. Without a policy file only root may submit, and root is
-then unrestricted (`ServicePolicy.root_only()`).
+A section left out allows nothing (`queue` has its defaults, `workloads` reserves nothing).
+Without a policy file only root may submit, and root is then unrestricted
+(`ServicePolicy.root_only()`).
 
 Pure: the checks take the request and paths as given; the service reads the file and the
 submitter's groups (coldsnap.service.policy), and the capsule layer checks the host's
@@ -58,12 +62,48 @@ class SubmitterRule(StrictModel):
     groups: list[NonEmpty] = Field(default_factory=list)
 
 
+# The queue's defaults: far above what one team's hosts run at once, far below what stalls the
+# service (its admission is linear in the jobs a submission shares a unit, GPU or port with).
+DEFAULT_MAX_PER_UID = 64
+DEFAULT_MAX_TOTAL = 1024
+
+
+class QueueRule(StrictModel):
+    """Caps on the jobs the service holds (queued or running, not ended): one uid's, and
+    everyone's. Root is held to `max_total` only (the service must keep working for it)."""
+
+    max_per_uid: int = Field(default=DEFAULT_MAX_PER_UID, ge=1)
+    max_total: int = Field(default=DEFAULT_MAX_TOTAL, ge=1)
+
+
+class ArtifactRule(StrictModel):
+    """Whose artifacts a non-root uid may restore, publish or delete besides its own: a
+    member of one of `shared_with` may use any uid's (root always may)."""
+
+    shared_with: list[NonEmpty] = Field(default_factory=list)
+
+
+class ReservedWorkloads(StrictModel):
+    """Workload ids (`workload.cluster_id`) starting with `prefix` may be started only by
+    members of `groups` (and root)."""
+
+    prefix: NonEmpty
+    groups: list[NonEmpty] = Field(default_factory=list)
+
+
+class WorkloadRule(StrictModel):
+    reserved: list[ReservedWorkloads] = Field(default_factory=list)
+
+
 class ServicePolicy(StrictModel):
     images: ImageRule = Field(default_factory=ImageRule)
     mounts: PathRule = Field(default_factory=PathRule)
     log_paths: PathRule = Field(default_factory=PathRule)
     outputs: PathRule = Field(default_factory=PathRule)
     submitters: SubmitterRule = Field(default_factory=SubmitterRule)
+    queue: QueueRule = Field(default_factory=QueueRule)
+    artifacts: ArtifactRule = Field(default_factory=ArtifactRule)
+    workloads: WorkloadRule = Field(default_factory=WorkloadRule)
     unrestricted: bool = False
 
     @classmethod

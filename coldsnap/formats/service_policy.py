@@ -23,13 +23,15 @@ submitter's groups (coldsnap.service.policy), and the capsule layer checks the h
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
 
 from coldsnap.digests import is_digest
+from coldsnap.formats.artifact import Artifact
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.documents import (
     DocumentUnreadable,
     decode_document,
@@ -244,3 +246,29 @@ def request_refusals(policy: ServicePolicy, uid: int, request: Request | None, *
             lines.append(path_refusal(field, path, outputs, "outputs.allow") or "")
     return [line for line in lines if line]
 
+
+
+def restore_image_refusals(allow: Sequence[str], artifact: Artifact,
+                           manifests: Mapping[str, CapsuleManifest]) -> list[str]:
+    """Every image a restore of `artifact` would start that `allow` (images.allow) does not
+    match, one line each naming the artifact's field: each unit's base (its launch image, and
+    the base its capsule manifest says it was committed over, by digest) and each capsule
+    pushed to a registry (started from there by digest). A capsule kept as an `oci-capsule`
+    object is loaded over its base, which is checked. `manifests`: by unit id."""
+    where = f"artifact {artifact.capture_id}"
+    rule = f"images.allow ({', '.join(allow) or 'nothing allowed'})"
+    lines = []
+    for i, unit in enumerate(artifact.launch.units):
+        if not image_allowed(allow, unit.image, unit.image_digest):
+            lines.append(f"{where}: launch.units[{i}].image: {unit.image} is outside {rule}")
+        manifest = manifests.get(unit.id)
+        if manifest is not None and not image_allowed(allow, manifest.base_image,
+                                                      manifest.base_image_digest):
+            lines.append(f"{where}: the capsule manifest of unit {unit.id}: base_image "
+                         f"{manifest.base_image} ({manifest.base_image_digest}) is outside "
+                         f"{rule}")
+    for i, image in enumerate(artifact.capsule.images):
+        if "@" in image.reference and not image_allowed(allow, image.reference, image.digest):
+            lines.append(f"{where}: capsule.images[{i}] (unit {image.unit}): "
+                         f"{image.reference} is outside {rule}")
+    return lines

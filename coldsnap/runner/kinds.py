@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, Artifact
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
+from coldsnap.formats.service_policy import restore_image_refusals
 from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.registry.client import RegistryError
 from coldsnap.operations.capture import capture
-from coldsnap.operations.context import OperationContext, new_operation_id
+from coldsnap.operations.captured import capsule_meta
+from coldsnap.operations.context import OperationContext, OperationFailed, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.publish import PublishFailed, import_reference, is_registry_reference
 from coldsnap.operations.restore import restore
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.operations.sources import ObjectSource, choose_source, published_at
+from coldsnap.runner.artifact_owners import check_artifact_owner, record_artifact_owner
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -55,6 +60,9 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
         if out.published:
             report.say(f"published {out.published}")
         stored = out.stored
+        # Whose it is: only they (and root, and the policy's artifacts.shared_with) may
+        # restore, publish or delete it.
+        record_artifact_owner(store.root, stored.capture_id, options.caller_uid, request.id)
         # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
         ctx.artifact_document = stored.artifact.to_json()
         size = sum(o.bytes for o in stored.artifact.objects)
@@ -100,6 +108,24 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
     return found[0][1]
 
 
+def _check_images(store: LocalStore, artifact: Artifact, allow: tuple[str, ...]) -> None:
+    """Refused when the restore would start an image outside `allow` (images.allow): the
+    request's images are checked at submission, the artifact's here (its bases and pushed
+    capsules, by digest)."""
+    manifests = {}
+    for unit in artifact.launch.units:
+        if not artifact.objects_with(ROLE_CAPSULE_MANIFEST, Owner.unit(unit.id)):
+            continue  # none to read: its launch image is its base, checked below
+        try:
+            manifests[unit.id] = capsule_meta(store, artifact, unit.id)
+        except (KeyError, StoreError, ValueError, OperationFailed) as exc:
+            raise Refused(f"artifact {artifact.capture_id}: the capsule manifest of unit "
+                          f"{unit.id} cannot be read to check images.allow: {exc}") from None
+    lines = restore_image_refusals(allow, artifact, manifests)
+    if lines:
+        raise Refused("restore refused by the service's policy: " + "; ".join(lines))
+
+
 def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
             capture_id: str) -> ObjectSource:
     """Where the restore's staging takes the objects from (`--stage-from`); Refused when the
@@ -116,6 +142,10 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     store = LocalStore(options.store)
     stored = _resolve(options.artifact, request, store, inventory)
     artifact = stored.artifact
+    check_artifact_owner(store.root, artifact.capture_id, options.caller_uid, "restore",
+                         shares=options.shares_artifacts)
+    if options.images_allow is not None:
+        _check_images(store, artifact, options.images_allow)
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
         ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)

@@ -12,11 +12,11 @@ from coldsnap.formats.service_policy import ServicePolicy, request_refusals
 from coldsnap.service.submission import CLIENT_FILES, Submission
 
 
-def group_names(uid: int, gid: int) -> set[str]:
+def group_names(uid: int, gid: int | None) -> set[str]:
     """The names of the groups `uid` is in: the peer's gid (SO_PEERCRED), the passwd entry's
     primary group and its supplementary groups. A uid without a passwd entry has only its
     peer gid."""
-    gids = {gid}
+    gids = {gid} if gid is not None else set()
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
@@ -51,3 +51,9 @@ def submission_refusals(policy: ServicePolicy, sub: Submission, uid: int) -> lis
     paths = [("--" + name.replace("_", "-"), str(sub.options[name])) for name in CLIENT_FILES
              if sub.options.get(name) is not None]
     return request_refusals(policy, uid, sub.request, client_paths=paths)
+
+
+def shares_artifacts(policy: ServicePolicy, uid: int) -> bool:
+    """Whether `uid` may restore, publish or delete another uid's artifacts: root, or a
+    member of one of the policy's artifacts.shared_with groups."""
+    return uid == 0 or bool(set(policy.artifacts.shared_with) & group_names(uid, None))

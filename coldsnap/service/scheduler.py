@@ -52,7 +52,7 @@ from coldsnap.service.job import Ended, Job
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.output import JobOutput
-from coldsnap.service.policy import submission_refusals
+from coldsnap.service.policy import shares_artifacts, submission_refusals
 from coldsnap.service.submission import (
     Submission,
     SubmissionInvalid,
@@ -229,7 +229,8 @@ class Scheduler:
         # Why the operation cannot run is sent back, as the CLI would print it.
         try:
             return sub, OPERATIONS[sub.operation].prepare(
-                sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy),
+                sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy,
+                                shares_artifacts=shares_artifacts(self.policy, uid)),
                 sub.request)
         except Refused as exc:
             output.write("stderr", f"coldsnapd: {exc}\n")

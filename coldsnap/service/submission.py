@@ -105,14 +105,16 @@ class Submission:
         return None
 
     def run_options(self, inventory: Path, store: Path, *, uid: int,
-                    policy: ServicePolicy) -> RunOptions:
+                    policy: ServicePolicy, shares_artifacts: bool = False) -> RunOptions:
         """The options the operation's `prepare` runs with, for the submitter `uid` under the
-        service's `policy`; the outputs (receipt, timing events) are the client's, never the
-        service's files."""
+        service's `policy` (`shares_artifacts`: `uid` is in its artifacts.shared_with); the
+        outputs (receipt, timing events) are the client's, never the service's files."""
         mount_roots, log_roots = host_roots(policy, uid)
         given = {k: v for k, v in self.options.items() if k not in CLIENT_FILES}
         return RunOptions(inventory=inventory, store=store, uid=uid, mount_roots=mount_roots,
-                          log_roots=log_roots, **given)
+                          log_roots=log_roots,
+                          images_allow=tuple(policy.images.allow) if policy.binds(uid) else None,
+                          shares_artifacts=shares_artifacts, **given)
 
 
 def decode_submission(blob: bytes) -> Any:

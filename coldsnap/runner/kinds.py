@@ -3,6 +3,7 @@ the registry of every operation a front end can run (`OPERATIONS`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, Artifact
@@ -81,18 +82,21 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
 
 
 def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
-             inventory: Inventory) -> StoredArtifact:
+             inventory: Inventory, uid: int) -> StoredArtifact:
     """The artifact named by `--artifact` and the request's `artifact`; raises Refused when
     they are missing, unknown or differ. Both may be given, in any of their forms, as long
     as they name the same artifact. A published artifact (REGISTRY/REPOSITORY@sha256:...)
     is imported first: its document and control-node-only objects (staging pulls the rest
-    from the registry)."""
+    from the registry). An artifact that this import indexed belongs to `uid`."""
     refs = [(f"--artifact {artifact}", artifact)] if artifact else []
     if request is not None and request.artifact:
         refs.append((f"the request's artifact {request.artifact}", request.artifact))
     if not refs:
         raise Refused("say which artifact: --artifact REF, or `artifact` in a restore request")
     found: list[tuple[str, StoredArtifact]] = []
+    # The names indexed before: an import that adds one makes `uid` its owner (one already
+    # indexed keeps its own).
+    before = set(os.listdir(store.artifacts_dir)) if store.artifacts_dir.is_dir() else set()
     for label, ref in refs:
         try:
             if is_registry_reference(ref):
@@ -105,7 +109,10 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
         raise Refused(" differs from ".join(
             f"{label} (capture {stored.capture_id}, {stored.digest})" for label, stored in found)
             + "; both must name the same artifact")
-    return found[0][1]
+    stored = found[0][1]
+    if stored.path.name not in before:
+        record_artifact_owner(store.root, stored.capture_id, uid, f"import-{stored.capture_id}")
+    return stored
 
 
 def _check_images(store: LocalStore, artifact: Artifact, allow: tuple[str, ...]) -> None:
@@ -140,7 +147,7 @@ def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
 def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store)
-    stored = _resolve(options.artifact, request, store, inventory)
+    stored = _resolve(options.artifact, request, store, inventory, options.caller_uid)
     artifact = stored.artifact
     check_artifact_owner(store.root, artifact.capture_id, options.caller_uid, "restore",
                          shares=options.shares_artifacts)

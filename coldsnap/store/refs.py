@@ -31,6 +31,7 @@ from coldsnap.store.local import (
     StoredArtifact,
     StoreError,
 )
+from coldsnap.store.object_kinds import PARSED_ROLES, kind_problem, roles_in_store
 from coldsnap.store.publications import in_registry
 from coldsnap.store.user_file import UserFileMissing, UserFileRefused, read_user_file
 
@@ -140,7 +141,19 @@ def _by_path(store: LocalStore, ref: str) -> StoredArtifact:
 
 
 def _verify_objects(store: LocalStore, artifact: Artifact, ref: str) -> None:
-    """Before an import: every object present and hashing to its digest."""
+    """Before an import: every object present and hashing to its digest, and being what the
+    file says it is (coldsnap.store.object_kinds): a control-node object parses as its role,
+    and an object that an artifact of the store indexes already keeps its role there (an
+    object no artifact indexes, left by an artifact that was let go, is taken by its bytes)."""
+    known = roles_in_store(s.artifact for s in store.list_artifacts())
+    for i, obj in enumerate(artifact.objects):
+        held_as = known.get(obj.sha256, set())
+        if obj.role not in PARSED_ROLES and held_as and obj.role not in held_as:
+            held = ", ".join(sorted(held_as))
+            raise ArtifactRefInvalid(f"artifact file {ref}: objects[{i}] ({obj.role} of "
+                                     f"{obj.owner}, {obj.sha256[:19]}) is indexed in the store "
+                                     f"as {held}, not {obj.role}: an import keeps each "
+                                     "object's role")
     for obj in artifact.objects:
         try:
             path = store.verify(obj.sha256)
@@ -151,6 +164,11 @@ def _verify_objects(store: LocalStore, artifact: Artifact, ref: str) -> None:
             raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner} has "
                                      f"{path.stat().st_size} bytes, the artifact says "
                                      f"{obj.bytes}")
+        if obj.role in PARSED_ROLES:
+            problem = kind_problem(obj, path.read_bytes())
+            if problem is not None:
+                raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner}: "
+                                         f"{problem}")
 
 
 def _check_present(store: LocalStore, artifact: Artifact, ref: str) -> None:

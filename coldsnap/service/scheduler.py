@@ -15,8 +15,10 @@ may have grown while it was prepared).
 
 A submission is decoded and prepared (its artifact file read, references resolved, store
 objects hashed) in a small pool of threads of its own, never on the loop: a slow or hostile
-input delays only its own answer. Its admission (the checks above, the claim of its id, its
-place in the queue) then runs one submission at a time, in the order they were prepared.
+input delays only its own answer. A submission that imports a published artifact from a
+registry is prepared in a second pool (IMPORT_THREADS): a slow registry holds only imports.
+Its admission (the checks above, the claim of its id, its place in the queue) then runs one
+submission at a time, in the order they were prepared.
 
 The job store is the service's memory of its jobs, not their truth: each operation's outcome
 and receipt are its ledger record's (coldsnap.runner.ledger). A write to the store that fails
@@ -57,6 +59,7 @@ from coldsnap.service.submission import (
     Submission,
     SubmissionInvalid,
     decode_submission,
+    imports_from_registry,
     parse_submission,
 )
 
@@ -74,6 +77,10 @@ ARTIFACT_GRACE_S = 10.0
 # Submissions prepared at once (each may read an artifact file and hash store objects); a
 # pool of their own, so that they never take the threads the running jobs use.
 SUBMISSION_THREADS = 4
+# Submissions whose artifact is a registry reference are prepared in a pool of their own: an
+# import waits on a remote registry (up to its deadline), and must not hold the threads that
+# every other submission's intake needs.
+IMPORT_THREADS = 2
 
 Reply = tuple[int, dict[str, Any]]
 
@@ -139,6 +146,7 @@ class Scheduler:
         self.draining = False
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
         self._threads = ThreadPoolExecutor(SUBMISSION_THREADS, thread_name_prefix="submission")
+        self._imports = ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="import")
         self._admitting = asyncio.Lock()
         # Starts and ends of jobs that the job store could not write yet, by job id, in
         # order (written again later; a job's end replaces its unwritten start).
@@ -170,8 +178,9 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         output = JobOutput(loop)
         try:
-            sub, prepared = await loop.run_in_executor(self._threads, self._prepare, body,
-                                                       output, uid)
+            sub = await loop.run_in_executor(self._threads, self._parse, body, output, uid)
+            pool = self._imports if imports_from_registry(sub) else self._threads
+            prepared = await loop.run_in_executor(pool, self._prepare, sub, output, uid)
         except _Refusal as refusal:
             return refusal.reply
         key = prepared.key
@@ -212,10 +221,9 @@ class Scheduler:
         return 201, {"job": job.id, "state": "running" if job.running else "queued",
                      "waiting_for": job.waiting_for}
 
-    def _prepare(self, body: bytes, output: JobOutput,
-                 uid: int) -> tuple[Submission, Prepared]:
-        """In a submission thread: the submission and its prepared operation, or _Refusal
-        with the reply that says why not."""
+    def _parse(self, body: bytes, output: JobOutput, uid: int) -> Submission:
+        """In a submission thread: the submission, held to the policy, or _Refusal with the
+        reply that says why not."""
         try:
             sub = parse_submission(decode_submission(body))
         except SubmissionInvalid as exc:
@@ -226,9 +234,14 @@ class Scheduler:
             raise _Refusal(400, {"error": "refused by the service's policy", "lines": refusals,
                                  "exit_status": EXIT_BAD_INPUT})
         output.secrets = secret_values(sub.request.canonical()) if sub.request else ()
+        return sub
+
+    def _prepare(self, sub: Submission, output: JobOutput, uid: int) -> Prepared:
+        """In a submission thread (an import thread for a registry reference): the
+        submission's prepared operation, or _Refusal with the reply that says why not."""
         # Why the operation cannot run is sent back, as the CLI would print it.
         try:
-            return sub, OPERATIONS[sub.operation].prepare(
+            return OPERATIONS[sub.operation].prepare(
                 sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy,
                                 shares_artifacts=shares_artifacts(self.policy, uid)),
                 sub.request)
@@ -386,6 +399,7 @@ class Scheduler:
             _, pending = await asyncio.wait(tasks, timeout=ROLLBACK_BACKSTOP_S)
             self.unclean.extend(t.get_name() for t in pending)
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._imports.shutdown(wait=False, cancel_futures=True)
         # A capture that ended meanwhile: its client fetches the artifact after the end item.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._all_fetched.wait(), ARTIFACT_GRACE_S)

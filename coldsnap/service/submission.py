@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.formats.errors import RequestInvalid
+from coldsnap.formats.fields import is_registry_reference
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
 from coldsnap.formats.service_policy import ServicePolicy, host_roots
@@ -115,6 +116,13 @@ class Submission:
                           log_roots=log_roots,
                           images_allow=tuple(policy.images.allow) if policy.binds(uid) else None,
                           shares_artifacts=shares_artifacts, **given)
+
+
+def imports_from_registry(sub: Submission) -> bool:
+    """Whether preparing `sub` imports a published artifact from a registry (its
+    `--artifact` or its request's `artifact` is a REGISTRY/REPOSITORY@sha256 reference)."""
+    refs = [sub.options.get("artifact"), sub.request.artifact if sub.request else None]
+    return any(isinstance(r, str) and is_registry_reference(r) for r in refs)
 
 
 def decode_submission(blob: bytes) -> Any:

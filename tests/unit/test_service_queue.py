@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,11 @@ from tests.unit.conftest import minimal_request
 WORKLOAD = {"cluster_id": "prod", "intent_id": "i-1", "recipe": "r", "runtime": "vllm",
             "model": "org/model"}
 UNIT = ("host-0", "unit-0")
+REGISTRY_ANSWERS = threading.Event()
 
 
-def _body(job_id: str, *, wait: bool = True) -> bytes:
-    request = {**minimal_request("restore"), "artifact": "cap-a", "id": job_id,
+def _body(job_id: str, *, wait: bool = True, artifact: str = "cap-a") -> bytes:
+    request = {**minimal_request("restore"), "artifact": artifact, "id": job_id,
                "workload": WORKLOAD}
     return json.dumps({"operation": "restore", "request": request, "wait": wait}).encode()
 
@@ -54,6 +56,8 @@ def scheduler(monkeypatch: pytest.MonkeyPatch) -> Any:
 
         def prepare(options: RunOptions, request: Request | None) -> Prepared:
             assert request is not None
+            if "@sha256:" in (request.artifact or ""):  # a registry import: a slow registry
+                assert REGISTRY_ANSWERS.wait(60)
 
             async def body(*_: Any) -> Any:
                 raise AssertionError("no job starts here")
@@ -161,3 +165,26 @@ def test_a_job_waits_for_the_first_holder_of_each_key() -> None:
     assert index.waits_for(both, "x") == "job b (h/u2)"
     index.remove("b")
     assert index.waits_for(both, "x") is None and len(index) == 1
+
+
+def test_registry_imports_do_not_hold_the_submission_threads(scheduler: Scheduler) -> None:
+    """More imports than the submission pool has threads wait on a registry that does not
+    answer; a submission naming a stored artifact is admitted meanwhile."""
+    scheduler.policy = parse_service_policy({"unrestricted": True})
+    REGISTRY_ANSWERS.clear()
+    ref = "198.18.0.1:5000/team/cap@sha256:" + "ab" * 32
+
+    async def run() -> tuple[int, list[int]]:
+        imports = [asyncio.create_task(scheduler.submit(
+            _body(f"import-{i}", artifact=ref), 0))
+            for i in range(scheduler_module.SUBMISSION_THREADS + 2)]
+        await asyncio.sleep(0.2)  # they are in their threads, waiting on the registry
+        try:
+            status, _ = await asyncio.wait_for(scheduler.submit(_body("local"), 0), 30)
+        finally:
+            REGISTRY_ANSWERS.set()
+        return status, [s for s, _ in await asyncio.gather(*imports)]
+
+    status, imported = asyncio.run(run())
+    assert status == 201
+    assert sorted(imported) == [201] * len(imported)

@@ -272,3 +272,19 @@ def restore_image_refusals(allow: Sequence[str], artifact: Artifact,
             lines.append(f"{where}: capsule.images[{i}] (unit {image.unit}): "
                          f"{image.reference} is outside {rule}")
     return lines
+
+
+def reserved_workload_refusal(policy: ServicePolicy, uid: int, request: Request | None,
+                              groups: Iterable[str]) -> str | None:
+    """Why `uid`, in `groups`, may not name its request's `workload.cluster_id`: a prefix of
+    the policy's workloads.reserved that none of its groups holds. Root always may."""
+    cluster = request.workload.cluster_id if request and request.workload else None
+    if uid == 0 or not cluster:
+        return None
+    mine = set(groups)
+    for i, rule in enumerate(policy.workloads.reserved):
+        if cluster.startswith(rule.prefix) and not mine & set(rule.groups):
+            return (f"workload.cluster_id: {cluster} is reserved by workloads.reserved[{i}] "
+                    f"(prefix {rule.prefix!r}, groups {', '.join(rule.groups) or 'none'}); "
+                    f"uid {uid} is in none of them")
+    return None

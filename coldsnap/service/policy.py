@@ -8,7 +8,11 @@ import grp
 import os
 import pwd
 
-from coldsnap.formats.service_policy import ServicePolicy, request_refusals
+from coldsnap.formats.service_policy import (
+    ServicePolicy,
+    request_refusals,
+    reserved_workload_refusal,
+)
 from coldsnap.service.submission import CLIENT_FILES, Submission
 
 
@@ -50,7 +54,13 @@ def submission_refusals(policy: ServicePolicy, sub: Submission, uid: int) -> lis
     # Named as the user gave them: the command's flags.
     paths = [("--" + name.replace("_", "-"), str(sub.options[name])) for name in CLIENT_FILES
              if sub.options.get(name) is not None]
-    return request_refusals(policy, uid, sub.request, client_paths=paths)
+    lines = request_refusals(policy, uid, sub.request, client_paths=paths)
+    # Workload ids are global: a reserved prefix is its groups' to start (and root's).
+    if policy.workloads.reserved and uid != 0:
+        reserved = reserved_workload_refusal(policy, uid, sub.request, group_names(uid, None))
+        if reserved is not None:
+            lines.append(reserved)
+    return lines
 
 
 def shares_artifacts(policy: ServicePolicy, uid: int) -> bool:

@@ -13,7 +13,12 @@ import pytest
 
 from coldsnap.formats.artifact import CapsuleImage
 from coldsnap.formats.capsule import CapsuleManifest
-from coldsnap.formats.service_policy import parse_service_policy, restore_image_refusals
+from coldsnap.formats.request import parse_request
+from coldsnap.formats.service_policy import (
+    parse_service_policy,
+    reserved_workload_refusal,
+    restore_image_refusals,
+)
 from coldsnap.runner.artifact_owners import (
     artifact_owner,
     check_artifact_owner,
@@ -24,6 +29,7 @@ from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.service.policy import shares_artifacts
 from coldsnap.store import LocalStore
 from tests.unit.artifact_factory import make_artifact
+from tests.unit.conftest import minimal_request
 
 INVENTORY = ("hosts:\n- {name: host-0, address: 127.0.0.1, port: 1, data_dir: /var/lib/coldsnap}"
              "\n- {name: host-1, address: 127.0.0.1, port: 1, data_dir: /var/lib/coldsnap}\n")
@@ -102,3 +108,19 @@ def test_a_restore_whose_artifact_is_outside_images_allow_is_refused(tmp_path: P
     # Unrestricted (None): not checked.
     OPERATIONS["restore"].prepare(RunOptions(inventory=inventory, store=store.root, uid=0,
                                              artifact="cap-a"), None)
+
+
+def test_a_reserved_workload_id_is_its_groups_to_claim() -> None:
+    policy = parse_service_policy({"workloads": {"reserved": [
+        {"prefix": "prod-", "groups": ["platform"]}]}})
+    workload = {"intent_id": "i-1", "recipe": "r", "runtime": "vllm", "model": "org/model"}
+    request = parse_request({**minimal_request("capture"),
+                             "workload": {**workload, "cluster_id": "prod-tp2"}})
+    line = reserved_workload_refusal(policy, 1001, request, {"coldsnap"})
+    assert line == ("workload.cluster_id: prod-tp2 is reserved by workloads.reserved[0] "
+                    "(prefix 'prod-', groups platform); uid 1001 is in none of them")
+    assert reserved_workload_refusal(policy, 1001, request, {"platform"}) is None
+    assert reserved_workload_refusal(policy, 0, request, set()) is None
+    other = parse_request({**minimal_request("capture"),
+                           "workload": {**workload, "cluster_id": "team-a"}})
+    assert reserved_workload_refusal(policy, 1001, other, set()) is None

@@ -264,7 +264,8 @@ def test_sleep_and_a_replacing_restore_of_another_users_workload_are_refused(
     theirs = RunOptions(inventory=inventory, store=store.root, uid=1001, shares_artifacts=True)
     sleep = parse_request({**_restore_doc(), "operation": "sleep", "id": "sleep-1",
                            "workload": _workload("prod")})
-    with pytest.raises(Refused, match=r"sleep refused: workload cluster:prod belongs to uid "
+    with pytest.raises(Refused, match=r"sleep refused: workload.cluster_id: workload "
+                                      r"cluster:prod belongs to uid "
                                       r"1000"):
         OPERATIONS["sleep"].prepare(theirs, sleep)
     with pytest.raises(Refused, match="workload cluster:prod belongs to uid 1000"):

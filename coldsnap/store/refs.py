@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from coldsnap.formats.artifact import Artifact, parse_artifact
@@ -58,11 +59,18 @@ def _digest_prefix(ref: str) -> str | None:
     return text if _HEX.fullmatch(text) and len(text) <= 64 else None
 
 
-def resolve_reference(store: LocalStore, ref: str) -> StoredArtifact:
+# (path, what, limit) -> (bytes, real path); raises UserFileRefused (UserFileMissing)
+Reader = Callable[..., tuple[bytes, str]]
+
+
+def resolve_reference(store: LocalStore, ref: str, *,
+                      reader: Reader | None = None) -> StoredArtifact:
     """The artifact `ref` names; raises ArtifactNotFound, ArtifactAmbiguous or
-    ArtifactRefInvalid (all StoreError) with a message that quotes the reference."""
+    ArtifactRefInvalid (all StoreError) with a message that quotes the reference. `reader`
+    reads an artifact file (coldsnap.store.user_file_as: as the submitting uid); by default
+    this process reads it."""
     if "/" in ref:
-        return _by_path(store, ref)
+        return _by_path(store, ref, reader)
     return _by_name(store, ref)
 
 
@@ -90,7 +98,7 @@ def _by_name(store: LocalStore, ref: str) -> StoredArtifact:
                            "of at least 6 hex digits, or an artifact file's absolute path)")
 
 
-def read_artifact_file(ref: str) -> tuple[Artifact, str]:
+def read_artifact_file(ref: str, reader: Reader | None = None) -> tuple[Artifact, str]:
     """Follow `ref` to a regular file and parse it as a format-9 artifact; returns it with its
     digest (of its canonical form, defaults applied, as the store computes it). The file is
     read as coldsnap.store.user_file reads what a user names: a FIFO, a device or a file of
@@ -99,7 +107,8 @@ def read_artifact_file(ref: str) -> tuple[Artifact, str]:
         raise ArtifactRefInvalid(f"artifact path {ref!r} must be absolute and clean (no '.', "
                                  "'..', '//' or trailing '/')")
     try:
-        blob, real = read_user_file(ref, what="artifact file", limit=MAX_ARTIFACT_BYTES)
+        blob, real = (reader or read_user_file)(ref, what="artifact file",
+                                                limit=MAX_ARTIFACT_BYTES)
     except UserFileMissing as exc:
         raise ArtifactNotFound(str(exc)) from None
     except UserFileRefused as exc:
@@ -120,8 +129,8 @@ def read_artifact_file(ref: str) -> tuple[Artifact, str]:
     return artifact, digest(artifact.to_json())
 
 
-def _by_path(store: LocalStore, ref: str) -> StoredArtifact:
-    artifact, file_digest = read_artifact_file(ref)
+def _by_path(store: LocalStore, ref: str, reader: Reader | None) -> StoredArtifact:
+    artifact, file_digest = read_artifact_file(ref, reader)
     indexed = store.indexed(artifact.capture_id)
     if indexed is None:
         _verify_objects(store, artifact, ref)

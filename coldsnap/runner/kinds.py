@@ -3,7 +3,6 @@ the registry of every operation a front end can run (`OPERATIONS`)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -37,7 +36,7 @@ from coldsnap.runner.prepared import (
 )
 from coldsnap.runner.report import Report, human_bytes
 from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
-from coldsnap.store.user_file_as import read_user_file_as
+from coldsnap.store.user_file_as import reader_for
 
 
 def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
@@ -99,10 +98,8 @@ def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
     # The names indexed before: an import that adds one makes `uid` its owner (one already
     # indexed keeps its own).
     before = set(os.listdir(store.artifacts_dir)) if store.artifacts_dir.is_dir() else set()
-    # A non-root submitter's artifact file is read with its own access, never root's (a
-    # process that is not root reads with its own already).
-    reader = functools.partial(read_user_file_as, uid=uid) \
-        if uid != 0 and os.geteuid() == 0 else None
+    # A non-root submitter's artifact file is read with its own access, never root's.
+    reader = reader_for(uid)
     for label, ref in refs:
         try:
             if is_registry_reference(ref):

@@ -14,11 +14,13 @@ whole rule.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import select
 import signal
 import time
+from collections.abc import Callable
 
 from coldsnap.store.user_file import UserFileMissing, read_user_file
 
@@ -90,4 +92,12 @@ def read_user_file_as(path: str, uid: int, *, what: str, limit: int) -> tuple[by
     return blob, real.decode()
 
 
-__all__ = ["read_user_file_as"]
+def reader_for(uid: int) -> Callable[..., tuple[bytes, str]] | None:
+    """How a file `uid` names is read: as `uid` when this process is root and `uid` is not;
+    None (this process reads it, with its own access) otherwise."""
+    if uid == 0 or os.geteuid() != 0:
+        return None
+    return functools.partial(read_user_file_as, uid=uid)
+
+
+__all__ = ["read_user_file_as", "reader_for"]

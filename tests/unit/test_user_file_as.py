@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.formats.request import parse_request
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.store import LocalStore
 from coldsnap.store.user_file import UserFileMissing
 from coldsnap.store.user_file_as import read_user_file_as
+from tests.unit.conftest import minimal_request
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to another uid: root only")
 NOBODY = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else 65534
@@ -69,3 +71,19 @@ def test_a_restore_of_an_unreadable_artifact_file_names_no_existence(shared: Pat
         messages.append(str(refused.value).replace(str(path), "PATH"))
     assert messages[0] == messages[1], messages
     assert messages[0].startswith("--artifact PATH: artifact file PATH cannot be read by uid")
+
+
+def test_a_lifecycle_requests_artifact_file_is_read_as_its_submitter(shared: Path) -> None:
+    _, secret = _tree(shared)
+    inventory = shared / "inventory.yaml"
+    inventory.write_text("hosts:\n- {name: host-0, address: 127.0.0.1, port: 1,"
+                         " data_dir: /var/lib/coldsnap}\n")
+    store = LocalStore(shared / "store").ensure()
+    request = parse_request({**minimal_request("restore"), "operation": "status",
+                             "id": "status-1", "artifact": str(secret),
+                             "workload": {"cluster_id": "c", "intent_id": "i-1", "recipe": "r",
+                                          "runtime": "vllm", "model": "org/model"}})
+    options = RunOptions(inventory=inventory, store=store.root, uid=NOBODY)
+    with pytest.raises(Refused, match=rf"artifact file {secret} cannot be read by uid "
+                                      rf"{NOBODY} \(it does not exist"):
+        OPERATIONS["status"].prepare(options, request)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.operations.context import OperationCancelled
 from coldsnap.operations.publish import PublishFailed, publish_artifact
+from coldsnap.runner.artifact_owners import check_artifact_owner
+from coldsnap.runner.prepared import Refused
 from coldsnap.runner.report import human_bytes
 from coldsnap.runner.signals import OperationSignals
 from coldsnap.store import StoreError, resolve_reference
@@ -99,7 +102,11 @@ def _publish(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
         stored = resolve_reference(store, artifact_ref)
-    except (StoreError, ArtifactInvalid) as exc:
+        # Another uid's capture is theirs to publish (its process memory holds their
+        # secrets); root may publish any.
+        check_artifact_owner(store.root, stored.capture_id, os.getuid(), "publish",
+                             shares=False)
+    except (StoreError, ArtifactInvalid, Refused) as exc:
         return report_failure(str(exc))
 
     async def run() -> tuple[str, RegistryClient]:

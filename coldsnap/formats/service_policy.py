@@ -9,10 +9,14 @@ who may submit, and which images, host paths and output paths a submission may n
     log_paths:   {allow: [host path root, ...]}     workload.log_path
     outputs:     {allow: [path root, ...]}          output, --receipt-json, --timing-events
     submitters:  {groups: [group name, ...]}        whose members may submit
+    queue:       {max_per_uid: 64, max_total: 1024} jobs accepted and not ended (HTTP 429 past)
+    artifacts:   {shared_with: [group name, ...]}   who may use another uid's artifacts
+    workloads:   {reserved: [{prefix: ID prefix, groups: [group name, ...]}, ...]}
     unrestricted: false   # true: root (uid 0) is not held to the rules above
 
-A section left out allows nothing. Without a policy file only root may submit, and root is
-then unrestricted (`ServicePolicy.root_only()`).
+A section left out allows nothing (`queue` has its defaults, `workloads` reserves nothing).
+Without a policy file only root may submit, and root is then unrestricted
+(`ServicePolicy.root_only()`).
 
 Pure: the checks take the request and paths as given; the service reads the file and the
 submitter's groups (coldsnap.service.policy), and the capsule layer checks the host's
@@ -22,13 +26,15 @@ submitter's groups (coldsnap.service.policy), and the capsule layer checks the h
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
 
 from coldsnap.digests import is_digest
+from coldsnap.formats.artifact import Artifact
+from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.documents import (
     DocumentUnreadable,
     decode_document,
@@ -65,12 +71,48 @@ class SubmitterRule(StrictModel):
     groups: list[NonEmpty] = Field(default_factory=list)
 
 
+# The queue's defaults: far above what one team's hosts run at once, far below what stalls the
+# service (its admission is linear in the jobs a submission shares a unit, GPU or port with).
+DEFAULT_MAX_PER_UID = 64
+DEFAULT_MAX_TOTAL = 1024
+
+
+class QueueRule(StrictModel):
+    """Caps on the jobs the service holds (queued or running, not ended): one uid's, and
+    everyone's. Root is held to `max_total` only (the service must keep working for it)."""
+
+    max_per_uid: int = Field(default=DEFAULT_MAX_PER_UID, ge=1)
+    max_total: int = Field(default=DEFAULT_MAX_TOTAL, ge=1)
+
+
+class ArtifactRule(StrictModel):
+    """Whose artifacts a non-root uid may restore, publish or delete besides its own: a
+    member of one of `shared_with` may use any uid's (root always may)."""
+
+    shared_with: list[NonEmpty] = Field(default_factory=list)
+
+
+class ReservedWorkloads(StrictModel):
+    """Workload ids (`workload.cluster_id`) starting with `prefix` may be started only by
+    members of `groups` (and root)."""
+
+    prefix: NonEmpty
+    groups: list[NonEmpty] = Field(default_factory=list)
+
+
+class WorkloadRule(StrictModel):
+    reserved: list[ReservedWorkloads] = Field(default_factory=list)
+
+
 class ServicePolicy(StrictModel):
     images: ImageRule = Field(default_factory=ImageRule)
     mounts: MountRule = Field(default_factory=MountRule)
     log_paths: PathRule = Field(default_factory=PathRule)
     outputs: PathRule = Field(default_factory=PathRule)
     submitters: SubmitterRule = Field(default_factory=SubmitterRule)
+    queue: QueueRule = Field(default_factory=QueueRule)
+    artifacts: ArtifactRule = Field(default_factory=ArtifactRule)
+    workloads: WorkloadRule = Field(default_factory=WorkloadRule)
     unrestricted: bool = False
 
     @classmethod
@@ -215,3 +257,45 @@ def request_refusals(policy: ServicePolicy, uid: int, request: Request | None, *
             lines.append(path_refusal(field, path, outputs, "outputs.allow") or "")
     return [line for line in lines if line]
 
+
+
+def restore_image_refusals(allow: Sequence[str], artifact: Artifact,
+                           manifests: Mapping[str, CapsuleManifest]) -> list[str]:
+    """Every image a restore of `artifact` would start that `allow` (images.allow) does not
+    match, one line each naming the artifact's field: each unit's base (its launch image, and
+    the base its capsule manifest says it was committed over, by digest) and each capsule
+    pushed to a registry (started from there by digest). A capsule kept as an `oci-capsule`
+    object is loaded over its base, which is checked. `manifests`: by unit id."""
+    where = f"artifact {artifact.capture_id}"
+    rule = f"images.allow ({', '.join(allow) or 'nothing allowed'})"
+    lines = []
+    for i, unit in enumerate(artifact.launch.units):
+        if not image_allowed(allow, unit.image, unit.image_digest):
+            lines.append(f"{where}: launch.units[{i}].image: {unit.image} is outside {rule}")
+        manifest = manifests.get(unit.id)
+        if manifest is not None and not image_allowed(allow, manifest.base_image,
+                                                      manifest.base_image_digest):
+            lines.append(f"{where}: the capsule manifest of unit {unit.id}: base_image "
+                         f"{manifest.base_image} ({manifest.base_image_digest}) is outside "
+                         f"{rule}")
+    for i, image in enumerate(artifact.capsule.images):
+        if "@" in image.reference and not image_allowed(allow, image.reference, image.digest):
+            lines.append(f"{where}: capsule.images[{i}] (unit {image.unit}): "
+                         f"{image.reference} is outside {rule}")
+    return lines
+
+
+def reserved_workload_refusal(policy: ServicePolicy, uid: int, request: Request | None,
+                              groups: Iterable[str]) -> str | None:
+    """Why `uid`, in `groups`, may not name its request's `workload.cluster_id`: a prefix of
+    the policy's workloads.reserved that none of its groups holds. Root always may."""
+    cluster = request.workload.cluster_id if request and request.workload else None
+    if uid == 0 or not cluster:
+        return None
+    mine = set(groups)
+    for i, rule in enumerate(policy.workloads.reserved):
+        if cluster.startswith(rule.prefix) and not mine & set(rule.groups):
+            return (f"workload.cluster_id: {cluster} is reserved by workloads.reserved[{i}] "
+                    f"(prefix {rule.prefix!r}, groups {', '.join(rule.groups) or 'none'}); "
+                    f"uid {uid} is in none of them")
+    return None

@@ -58,6 +58,7 @@ from coldsnap.hosts.registry.access import RegistryAccess, access_for
 from coldsnap.hosts.registry.client import RegistryClient
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.store.object_kinds import kind_problem
 from coldsnap.store.refs import MAX_ARTIFACT_BYTES
 
 # Objects only the control node uses: a capture with a registry pushes them from the store.
@@ -69,6 +70,10 @@ CONTROL_NODE_ROLES = frozenset({ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST})
 IMPORTED_ROLES = CONTROL_NODE_ROLES | {ROLE_REPLAY_PLAN}
 # Blobs sent at once (each a stream from the store's disk).
 PUSHING = 4
+# An import from a registry: one deadline for all of it, and a cap on each object it fetches
+# (a control-node object: a capsule manifest, a capture request, a replay plan).
+IMPORT_DEADLINE_S = 300.0
+MAX_IMPORTED_OBJECT_BYTES = 64 * 1024 * 1024
 
 # (object, bytes sent of it so far)
 PublishProgress = Callable[[ArtifactObject, int], None]
@@ -274,7 +279,17 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
             if obj.role not in IMPORTED_ROLES or obj.sha256 not in carried \
                     or store.holds(obj.sha256):
                 continue
+            # The document's own claim is no bound: a control-node object is a manifest or a
+            # request, far below MAX_IMPORTED_OBJECT_BYTES.
+            if obj.bytes > MAX_IMPORTED_OBJECT_BYTES:
+                raise PublishFailed(f"{pinned}: {obj.role} of {obj.owner} claims {obj.bytes} "
+                                    f"bytes, over the import's cap of "
+                                    f"{MAX_IMPORTED_OBJECT_BYTES} per object")
             blob = await client.get_blob_bytes(repo, obj.sha256, max(obj.bytes, 0))
+            problem = kind_problem(obj, blob)
+            if problem is not None:
+                raise PublishFailed(f"{pinned}: {obj.role} of {obj.owner} ({obj.sha256[:19]}):"
+                                    f" {problem}; nothing was indexed")
             store.add_bytes(blob)
         stored = store.put_artifact(artifact)
         store.record_publication(artifact.capture_id, pinned, manifest.kind)
@@ -294,13 +309,32 @@ def import_reference(store: LocalStore, text: str, inventory: Inventory) -> Stor
     if ref.digest is None:
         raise ValueError(f"registry reference {text!r}: name the artifact by digest "
                          "(REGISTRY/REPOSITORY@sha256:...), as `publish` prints it")
+    # The control node fetches as root: only from a registry the site named, never one the
+    # reference alone chose (a server-side request anywhere).
+    if ref.registry not in inventory.registries:
+        named = ", ".join(sorted(inventory.registries)) or "none"
+        raise ValueError(f"registry reference {text!r}: registry {ref.registry} is not one of "
+                         f"the inventory's registries ({named}); an artifact is imported only "
+                         "from a registry the inventory names")
     access = access_for(inventory, ref.registry)
+    work = _bounded_import(store, ref, access)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(import_published(store, ref, access))
+        return asyncio.run(work)
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, import_published(store, ref, access)).result()
+        return pool.submit(asyncio.run, work).result()
+
+
+async def _bounded_import(store: LocalStore, ref: RegistryRef,
+                          access: RegistryAccess) -> StoredArtifact:
+    """`import_published` under one deadline for the whole import (IMPORT_DEADLINE_S): a
+    slow registry holds a submission no longer than that."""
+    try:
+        return await asyncio.wait_for(import_published(store, ref, access), IMPORT_DEADLINE_S)
+    except TimeoutError:
+        raise PublishFailed(f"{ref.pinned if ref.digest else ref}: the import did not finish "
+                            f"within {IMPORT_DEADLINE_S:.0f} s; nothing was indexed") from None
 
 
 def _parse_document(config: bytes, pinned: str) -> Artifact:

@@ -3,21 +3,27 @@ the registry of every operation a front end can run (`OPERATIONS`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, Artifact
 from coldsnap.formats.errors import ArtifactInvalid
+from coldsnap.formats.owners import Owner
 from coldsnap.formats.receipt import Operation, ReceiptResult, UnitQuiesce
 from coldsnap.formats.request import Request
+from coldsnap.formats.service_policy import restore_image_refusals
 from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.registry.client import RegistryError
 from coldsnap.operations.capture import capture
-from coldsnap.operations.context import OperationContext, new_operation_id
+from coldsnap.operations.captured import capsule_meta
+from coldsnap.operations.context import OperationContext, OperationFailed, new_operation_id
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.publish import PublishFailed, import_reference, is_registry_reference
 from coldsnap.operations.restore import restore
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.operations.sources import ObjectSource, choose_source, published_at
+from coldsnap.runner.artifact_owners import check_artifact_owner, record_artifact_owner
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
 from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
@@ -30,6 +36,7 @@ from coldsnap.runner.prepared import (
 )
 from coldsnap.runner.report import Report, human_bytes
 from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
+from coldsnap.store.user_file_as import reader_for
 
 
 def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
@@ -55,6 +62,9 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
         if out.published:
             report.say(f"published {out.published}")
         stored = out.stored
+        # Whose it is: only they (and root, and the policy's artifacts.shared_with) may
+        # restore, publish or delete it.
+        record_artifact_owner(store.root, stored.capture_id, options.caller_uid, request.id)
         # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
         ctx.artifact_document = stored.artifact.to_json()
         size = sum(o.bytes for o in stored.artifact.objects)
@@ -73,31 +83,57 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
 
 
 def _resolve(artifact: str | None, request: Request | None, store: LocalStore,
-             inventory: Inventory) -> StoredArtifact:
+             inventory: Inventory, uid: int) -> StoredArtifact:
     """The artifact named by `--artifact` and the request's `artifact`; raises Refused when
     they are missing, unknown or differ. Both may be given, in any of their forms, as long
     as they name the same artifact. A published artifact (REGISTRY/REPOSITORY@sha256:...)
     is imported first: its document and control-node-only objects (staging pulls the rest
-    from the registry)."""
+    from the registry). An artifact that this import indexed belongs to `uid`."""
     refs = [(f"--artifact {artifact}", artifact)] if artifact else []
     if request is not None and request.artifact:
         refs.append((f"the request's artifact {request.artifact}", request.artifact))
     if not refs:
         raise Refused("say which artifact: --artifact REF, or `artifact` in a restore request")
     found: list[tuple[str, StoredArtifact]] = []
+    # The names indexed before: an import that adds one makes `uid` its owner (one already
+    # indexed keeps its own).
+    before = set(os.listdir(store.artifacts_dir)) if store.artifacts_dir.is_dir() else set()
+    # A non-root submitter's artifact file is read with its own access, never root's.
+    reader = reader_for(uid)
     for label, ref in refs:
         try:
             if is_registry_reference(ref):
                 found.append((label, import_reference(store, ref, inventory)))
             else:
-                found.append((label, resolve_reference(store, ref)))
+                found.append((label, resolve_reference(store, ref, reader=reader)))
         except (StoreError, ArtifactInvalid, ValueError, PublishFailed, RegistryError) as exc:
             raise Refused(f"{label}: {exc}") from None
     if len({stored.digest for _, stored in found}) > 1:
         raise Refused(" differs from ".join(
             f"{label} (capture {stored.capture_id}, {stored.digest})" for label, stored in found)
             + "; both must name the same artifact")
-    return found[0][1]
+    stored = found[0][1]
+    if stored.path.name not in before:
+        record_artifact_owner(store.root, stored.capture_id, uid, f"import-{stored.capture_id}")
+    return stored
+
+
+def _check_images(store: LocalStore, artifact: Artifact, allow: tuple[str, ...]) -> None:
+    """Refused when the restore would start an image outside `allow` (images.allow): the
+    request's images are checked at submission, the artifact's here (its bases and pushed
+    capsules, by digest)."""
+    manifests = {}
+    for unit in artifact.launch.units:
+        if not artifact.objects_with(ROLE_CAPSULE_MANIFEST, Owner.unit(unit.id)):
+            continue  # none to read: its launch image is its base, checked below
+        try:
+            manifests[unit.id] = capsule_meta(store, artifact, unit.id)
+        except (KeyError, StoreError, ValueError, OperationFailed) as exc:
+            raise Refused(f"artifact {artifact.capture_id}: the capsule manifest of unit "
+                          f"{unit.id} cannot be read to check images.allow: {exc}") from None
+    lines = restore_image_refusals(allow, artifact, manifests)
+    if lines:
+        raise Refused("restore refused by the service's policy: " + "; ".join(lines))
 
 
 def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
@@ -114,8 +150,12 @@ def _source(options: RunOptions, store: LocalStore, inventory: Inventory,
 def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
     inventory = load_inventory(options.inventory)
     store = LocalStore(options.store)
-    stored = _resolve(options.artifact, request, store, inventory)
+    stored = _resolve(options.artifact, request, store, inventory, options.caller_uid)
     artifact = stored.artifact
+    check_artifact_owner(store.root, artifact.capture_id, options.caller_uid, "restore",
+                         shares=options.shares_artifacts)
+    if options.images_allow is not None:
+        _check_images(store, artifact, options.images_allow)
     # Without a request there is no id to use: one is generated, and the receipt says so.
     key = ReceiptKey(request.id, "restore", request.request_sha256) if request else \
         ReceiptKey(new_operation_id("restore"), "restore", artifact.request_sha256)

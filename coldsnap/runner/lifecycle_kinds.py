@@ -19,6 +19,7 @@ from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import Prepare, Prepared, ReceiptKey, Refused, RunOptions, Touches
 from coldsnap.runner.report import Report
 from coldsnap.store import LocalStore, StoreError, resolve_reference
+from coldsnap.store.user_file_as import reader_for
 
 LifecycleOperation = Literal["sleep", "wake", "status"]
 
@@ -53,7 +54,9 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
         inventory = load_inventory(options.inventory)
         store = LocalStore(options.store).ensure()
         try:
-            stored = resolve_reference(store, request.artifact)
+            # An artifact file the submitter names is read with its own access.
+            stored = resolve_reference(store, request.artifact,
+                                       reader=reader_for(options.caller_uid))
         except (StoreError, ArtifactInvalid) as exc:
             raise Refused(f"artifact: {exc}") from None
         check_owner(store.root, workload_name(request, stored.capture_id),

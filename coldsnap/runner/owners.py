@@ -65,9 +65,11 @@ def check_owner(store_root: Path, workload: str, uid: int, operation: str) -> No
         return
     owner = owner_of(store_root, workload)
     if owner is not None and owner.uid != uid:
-        raise Refused(f"{operation} refused: workload {workload} belongs to uid {owner.uid} "
-                      f"(started by operation {owner.operation_id}); uid {uid} may not act "
-                      "on it")
+        # The field that named it: a cluster id is the request's; else the artifact's id.
+        field = "workload.cluster_id" if workload.startswith("cluster:") else "artifact"
+        raise Refused(f"{operation} refused: {field}: workload {workload} belongs to uid "
+                      f"{owner.uid} (started by operation {owner.operation_id}); uid {uid} "
+                      "may not act on it")
 
 
 def record_owner(store_root: Path, workload: str, uid: int, operation_id: str) -> Owner:

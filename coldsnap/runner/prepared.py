@@ -57,6 +57,12 @@ class RunOptions:
     # (a --local run, root under a policy that says `unrestricted: true`).
     mount_roots: tuple[str, ...] | None = None
     log_roots: tuple[str, ...] | None = None
+    # restore: what every image it starts must match (the policy's images.allow: the
+    # artifact's capsule images and their bases, not only the request's); None: unrestricted.
+    images_allow: tuple[str, ...] | None = None
+    # Whether the caller may restore, publish or delete another uid's artifact (the policy's
+    # artifacts.shared_with; root always may): coldsnap.runner.artifact_owners.
+    shares_artifacts: bool = False
 
     @property
     def caller_uid(self) -> int:

@@ -34,9 +34,15 @@ class Notifier:
             return
         message = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-                s.settimeout(2.0)
+            # Never waits: it is called on the event loop at every change of the jobs, and a
+            # manager that does not read (its queue full) held the loop 2 s a call, so a burst
+            # of submissions stalled the service. A STATUS dropped is replaced by the next; a
+            # WATCHDOG ping is sent again at half the interval.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                               | socket.SOCK_NONBLOCK) as s:
                 s.sendto(message, self.address)
+        except BlockingIOError:
+            return
         except OSError as exc:  # the manager is gone or busy: never a reason to stop serving
             get_logger(component="notify").warning("notify.failed", error=str(exc))
 

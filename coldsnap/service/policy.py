@@ -8,15 +8,19 @@ import grp
 import os
 import pwd
 
-from coldsnap.formats.service_policy import ServicePolicy, request_refusals
+from coldsnap.formats.service_policy import (
+    ServicePolicy,
+    request_refusals,
+    reserved_workload_refusal,
+)
 from coldsnap.service.submission import CLIENT_FILES, Submission
 
 
-def group_names(uid: int, gid: int) -> set[str]:
+def group_names(uid: int, gid: int | None) -> set[str]:
     """The names of the groups `uid` is in: the peer's gid (SO_PEERCRED), the passwd entry's
     primary group and its supplementary groups. A uid without a passwd entry has only its
     peer gid."""
-    gids = {gid}
+    gids = {gid} if gid is not None else set()
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
@@ -50,4 +54,16 @@ def submission_refusals(policy: ServicePolicy, sub: Submission, uid: int) -> lis
     # Named as the user gave them: the command's flags.
     paths = [("--" + name.replace("_", "-"), str(sub.options[name])) for name in CLIENT_FILES
              if sub.options.get(name) is not None]
-    return request_refusals(policy, uid, sub.request, client_paths=paths)
+    lines = request_refusals(policy, uid, sub.request, client_paths=paths)
+    # Workload ids are global: a reserved prefix is its groups' to start (and root's).
+    if policy.workloads.reserved and uid != 0:
+        reserved = reserved_workload_refusal(policy, uid, sub.request, group_names(uid, None))
+        if reserved is not None:
+            lines.append(reserved)
+    return lines
+
+
+def shares_artifacts(policy: ServicePolicy, uid: int) -> bool:
+    """Whether `uid` may restore, publish or delete another uid's artifacts: root, or a
+    member of one of the policy's artifacts.shared_with groups."""
+    return uid == 0 or bool(set(policy.artifacts.shared_with) & group_names(uid, None))

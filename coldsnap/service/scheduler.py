@@ -5,12 +5,20 @@ jobs that start units), or a capture id (`Touches.shared_with`). A job
 waits until no running job and no job queued before it conflicts with it (first come, first
 served: a later job never overtakes an earlier one on the same units); jobs on disjoint units
 run at once. With `wait: false` a job that would wait is refused instead, and nothing of it is
-recorded: its id stays free.
+recorded: its id stays free. The check looks each of the job's keys up in an index of the jobs
+holding it (coldsnap.service.conflicts): its cost does not grow with the queue.
+
+The queue is bounded by the policy's `queue` caps: a uid's jobs queued or running
+(`max_per_uid`, root exempt) and everyone's (`max_total`). A submission past either is answered
+429 naming the cap, before anything of it is read, and again at its admission (the count
+may have grown while it was prepared).
 
 A submission is decoded and prepared (its artifact file read, references resolved, store
 objects hashed) in a small pool of threads of its own, never on the loop: a slow or hostile
-input delays only its own answer. Its admission (the checks above, the claim of its id, its
-place in the queue) then runs one submission at a time, in the order they were prepared.
+input delays only its own answer. A submission that imports a published artifact from a
+registry is prepared in a second pool (IMPORT_THREADS): a slow registry holds only imports.
+Its admission (the checks above, the claim of its id, its place in the queue) then runs one
+submission at a time, in the order they were prepared.
 
 The job store is the service's memory of its jobs, not their truth: each operation's outcome
 and receipt are its ledger record's (coldsnap.runner.ledger). A write to the store that fails
@@ -39,17 +47,19 @@ from coldsnap.logs import get_logger
 from coldsnap.runner.claim import Claim, claim, release
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.ledger import state_of
-from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused, Touches
+from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused
 from coldsnap.runner.service_api import JobState
+from coldsnap.service.conflicts import ConflictIndex
 from coldsnap.service.job import Ended, Job
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.output import JobOutput
-from coldsnap.service.policy import submission_refusals
+from coldsnap.service.policy import shares_artifacts, submission_refusals
 from coldsnap.service.submission import (
     Submission,
     SubmissionInvalid,
     decode_submission,
+    imports_from_registry,
     parse_submission,
 )
 
@@ -67,6 +77,10 @@ ARTIFACT_GRACE_S = 10.0
 # Submissions prepared at once (each may read an artifact file and hash store objects); a
 # pool of their own, so that they never take the threads the running jobs use.
 SUBMISSION_THREADS = 4
+# Submissions whose artifact is a registry reference are prepared in a pool of their own: an
+# import waits on a remote registry (up to its deadline), and must not hold the threads that
+# every other submission's intake needs.
+IMPORT_THREADS = 2
 
 Reply = tuple[int, dict[str, Any]]
 
@@ -83,6 +97,21 @@ class _Refusal(Exception):
     def __init__(self, status: int, doc: dict[str, Any]) -> None:
         super().__init__(status)
         self.reply: Reply = (status, doc)
+
+
+def _queue_full(policy: ServicePolicy, uid: int, mine: int, total: int) -> Reply | None:
+    """The 429 reply when one more job of `uid` would pass a cap of `policy.queue`, or None.
+    `mine`, `total`: the jobs of `uid`, and of everyone, queued or running now."""
+    caps = policy.queue
+    if total >= caps.max_total:
+        why = (f"queue.max_total: coldsnapd holds {total} jobs queued or running, its policy's "
+               f"cap ({caps.max_total}); submit again when some have ended")
+    elif uid != 0 and mine >= caps.max_per_uid:
+        why = (f"queue.max_per_uid: uid {uid} has {mine} jobs queued or running, the policy's "
+               f"cap per uid ({caps.max_per_uid}); submit again when some have ended")
+    else:
+        return None
+    return 429, {"error": why, "exit_status": EXIT_FAILED}
 
 
 def _shutting_down() -> Reply:
@@ -103,6 +132,8 @@ class Scheduler:
         self.store_root = store_root
         self.on_change = on_change
         self.active: dict[str, Job] = {}  # queued and running, in submission order
+        self.conflicts = ConflictIndex()  # what each of `active` holds, for the queue's order
+        self.per_uid: dict[int, int] = {}  # how many of `active` each uid submitted
         self.outputs: dict[str, JobOutput] = {}  # every job this process ran, to follow
         # A succeeded capture's artifact document, until its output is let go; the jobs whose
         # client writes it to an `output`, and those of them it has not fetched yet.
@@ -115,6 +146,7 @@ class Scheduler:
         self.draining = False
         self.unclean: list[str] = []  # jobs that did not end cleanly (drain exit status)
         self._threads = ThreadPoolExecutor(SUBMISSION_THREADS, thread_name_prefix="submission")
+        self._imports = ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="import")
         self._admitting = asyncio.Lock()
         # Starts and ends of jobs that the job store could not write yet, by job id, in
         # order (written again later; a job's end replaces its unwritten start).
@@ -139,11 +171,16 @@ class Scheduler:
         what orders jobs (conflicts, the queue) runs on the loop."""
         if self.draining:
             return _shutting_down()
+        # Before anything of it is read: a full queue costs a flood nothing but this count.
+        full = _queue_full(self.policy, uid, self.per_uid.get(uid, 0), len(self.active))
+        if full is not None:
+            return full
         loop = asyncio.get_running_loop()
         output = JobOutput(loop)
         try:
-            sub, prepared = await loop.run_in_executor(self._threads, self._prepare, body,
-                                                       output, uid)
+            sub = await loop.run_in_executor(self._threads, self._parse, body, output, uid)
+            pool = self._imports if imports_from_registry(sub) else self._threads
+            prepared = await loop.run_in_executor(pool, self._prepare, sub, output, uid)
         except _Refusal as refusal:
             return refusal.reply
         key = prepared.key
@@ -155,7 +192,10 @@ class Scheduler:
             if key.operation_id in self.active:
                 return 409, {"error": f"job {key.operation_id} is already queued or running",
                              "exit_status": EXIT_BAD_INPUT}
-            blockers = self._blockers(prepared.touches, before=None)
+            full = _queue_full(self.policy, uid, self.per_uid.get(uid, 0), len(self.active))
+            if full is not None:
+                return full
+            blockers = self.conflicts.waits_for(prepared.touches)
             if blockers and not sub.wait:
                 return 409, {"error": f"{sub.operation} {key.operation_id} would wait for "
                                       f"{blockers}; refused (wait: false)",
@@ -181,10 +221,9 @@ class Scheduler:
         return 201, {"job": job.id, "state": "running" if job.running else "queued",
                      "waiting_for": job.waiting_for}
 
-    def _prepare(self, body: bytes, output: JobOutput,
-                 uid: int) -> tuple[Submission, Prepared]:
-        """In a submission thread: the submission and its prepared operation, or _Refusal
-        with the reply that says why not."""
+    def _parse(self, body: bytes, output: JobOutput, uid: int) -> Submission:
+        """In a submission thread: the submission, held to the policy, or _Refusal with the
+        reply that says why not."""
         try:
             sub = parse_submission(decode_submission(body))
         except SubmissionInvalid as exc:
@@ -195,10 +234,16 @@ class Scheduler:
             raise _Refusal(400, {"error": "refused by the service's policy", "lines": refusals,
                                  "exit_status": EXIT_BAD_INPUT})
         output.secrets = secret_values(sub.request.canonical()) if sub.request else ()
+        return sub
+
+    def _prepare(self, sub: Submission, output: JobOutput, uid: int) -> Prepared:
+        """In a submission thread (an import thread for a registry reference): the
+        submission's prepared operation, or _Refusal with the reply that says why not."""
         # Why the operation cannot run is sent back, as the CLI would print it.
         try:
-            return sub, OPERATIONS[sub.operation].prepare(
-                sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy),
+            return OPERATIONS[sub.operation].prepare(
+                sub.run_options(self.inventory, self.store_root, uid=uid, policy=self.policy,
+                                shares_artifacts=shares_artifacts(self.policy, uid)),
                 sub.request)
         except Refused as exc:
             output.write("stderr", f"coldsnapd: {exc}\n")
@@ -224,48 +269,44 @@ class Scheduler:
                                "id_generated": prepared.id_generated},
                       uid=uid, units=t.units, captures=t.captures)
         self.active[job.id] = job
+        self.conflicts.add(job.id, t)
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
         self.outputs[job.id] = output
-        self.pump()
+        # A job admitted last changes what no earlier job waits for: only it is looked at.
+        self._start_or_wait(job)
+        self.on_change()
         if self.draining and not job.running:  # the drain began while its id was claimed
             job.cancel(signal.SIGTERM, "coldsnapd is shutting down")
         return job
 
-    def _blockers(self, touches: Touches, before: str | None) -> str | None:
-        """The jobs a job touching `touches` waits for (those running, and those queued
-        before it), said with what they share; None when it may start."""
-        said = []
-        for other in self.active.values():
-            if other.id == before:
-                break
-            shared = touches.shared_with(other.prepared.touches)
-            if shared:
-                said.append(f"job {other.id} ({', '.join(shared)})")
-        return "; ".join(said) or None
-
     def pump(self) -> None:
         """Start every queued job that waits for nothing; say what the others wait for."""
         for job in self.queued:
-            if job.cancel_signal is not None:
-                continue
-            waits = "crash recovery" if self.recovering else \
-                self._blockers(job.prepared.touches, before=job.id)
-            if waits is None:
-                started_ns = time.time_ns()
-
-                def started(job_id: str = job.id, ns: int = started_ns) -> None:
-                    self.jobs.started(job_id, ns)
-
-                # Written again later when refused: after a crash, recovery rolls back the
-                # jobs whose row says running.
-                if not self._write("started", job.id, started):
-                    self.unrecorded[job.id] = started
-                job.waiting_for = None
-                job.start()
-            elif waits != job.waiting_for:
-                job.waiting_for = waits
-                self._write("waiting", job.id, self.jobs.waiting, job.id, waits)
-                job.say(f"{job.prepared.operation} {job.id} waits for {waits}")
+            self._start_or_wait(job)
         self.on_change()
+
+    def _start_or_wait(self, job: Job) -> None:
+        """Start the queued `job` when it waits for nothing, else say what it waits for."""
+        if job.cancel_signal is not None:
+            return
+        waits = "crash recovery" if self.recovering else \
+            self.conflicts.waits_for(job.prepared.touches, job.id)
+        if waits is None:
+            started_ns = time.time_ns()
+
+            def started(job_id: str = job.id, ns: int = started_ns) -> None:
+                self.jobs.started(job_id, ns)
+
+            # Written again later when refused: after a crash, recovery rolls back the
+            # jobs whose row says running.
+            if not self._write("started", job.id, started):
+                self.unrecorded[job.id] = started
+            job.waiting_for = None
+            job.start()
+        elif waits != job.waiting_for:
+            job.waiting_for = waits
+            self._write("waiting", job.id, self.jobs.waiting, job.id, waits)
+            job.say(f"{job.prepared.operation} {job.id} waits for {waits}")
 
     def _ended(self, job: Job, ended: Ended) -> None:
         receipt = ended.receipt
@@ -295,7 +336,13 @@ class Scheduler:
                 self._all_fetched.clear()
         self.wants_artifact.discard(job.id)
         job.output.end(end)
-        self.active.pop(job.id, None)
+        if self.active.pop(job.id, None) is not None:
+            self.conflicts.remove(job.id)
+            left = self.per_uid.get(job.uid, 1) - 1
+            if left > 0:
+                self.per_uid[job.uid] = left
+            else:
+                self.per_uid.pop(job.uid, None)
         # Followers of older jobs get their end from the job store; their lines are let go.
         ended_ids = [i for i in self.outputs if i not in self.active]
         for old in ended_ids[:max(len(ended_ids) - KEEP_OUTPUTS, 0)]:
@@ -352,6 +399,7 @@ class Scheduler:
             _, pending = await asyncio.wait(tasks, timeout=ROLLBACK_BACKSTOP_S)
             self.unclean.extend(t.get_name() for t in pending)
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._imports.shutdown(wait=False, cancel_futures=True)
         # A capture that ended meanwhile: its client fetches the artifact after the end item.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._all_fetched.wait(), ARTIFACT_GRACE_S)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.formats.errors import RequestInvalid
+from coldsnap.formats.fields import is_registry_reference
 from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
 from coldsnap.formats.service_policy import ServicePolicy, host_roots
@@ -105,14 +106,23 @@ class Submission:
         return None
 
     def run_options(self, inventory: Path, store: Path, *, uid: int,
-                    policy: ServicePolicy) -> RunOptions:
+                    policy: ServicePolicy, shares_artifacts: bool = False) -> RunOptions:
         """The options the operation's `prepare` runs with, for the submitter `uid` under the
-        service's `policy`; the outputs (receipt, timing events) are the client's, never the
-        service's files."""
+        service's `policy` (`shares_artifacts`: `uid` is in its artifacts.shared_with); the
+        outputs (receipt, timing events) are the client's, never the service's files."""
         mount_roots, log_roots = host_roots(policy, uid)
         given = {k: v for k, v in self.options.items() if k not in CLIENT_FILES}
         return RunOptions(inventory=inventory, store=store, uid=uid, mount_roots=mount_roots,
-                          log_roots=log_roots, **given)
+                          log_roots=log_roots,
+                          images_allow=tuple(policy.images.allow) if policy.binds(uid) else None,
+                          shares_artifacts=shares_artifacts, **given)
+
+
+def imports_from_registry(sub: Submission) -> bool:
+    """Whether preparing `sub` imports a published artifact from a registry (its
+    `--artifact` or its request's `artifact` is a REGISTRY/REPOSITORY@sha256 reference)."""
+    refs = [sub.options.get("artifact"), sub.request.artifact if sub.request else None]
+    return any(isinstance(r, str) and is_registry_reference(r) for r in refs)
 
 
 def decode_submission(blob: bytes) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from coldsnap.formats.artifact import Artifact, parse_artifact
@@ -31,6 +32,7 @@ from coldsnap.store.local import (
     StoredArtifact,
     StoreError,
 )
+from coldsnap.store.object_kinds import PARSED_ROLES, kind_problem, roles_in_store
 from coldsnap.store.publications import in_registry
 from coldsnap.store.user_file import UserFileMissing, UserFileRefused, read_user_file
 
@@ -57,11 +59,18 @@ def _digest_prefix(ref: str) -> str | None:
     return text if _HEX.fullmatch(text) and len(text) <= 64 else None
 
 
-def resolve_reference(store: LocalStore, ref: str) -> StoredArtifact:
+# (path, what, limit) -> (bytes, real path); raises UserFileRefused (UserFileMissing)
+Reader = Callable[..., tuple[bytes, str]]
+
+
+def resolve_reference(store: LocalStore, ref: str, *,
+                      reader: Reader | None = None) -> StoredArtifact:
     """The artifact `ref` names; raises ArtifactNotFound, ArtifactAmbiguous or
-    ArtifactRefInvalid (all StoreError) with a message that quotes the reference."""
+    ArtifactRefInvalid (all StoreError) with a message that quotes the reference. `reader`
+    reads an artifact file (coldsnap.store.user_file_as: as the submitting uid); by default
+    this process reads it."""
     if "/" in ref:
-        return _by_path(store, ref)
+        return _by_path(store, ref, reader)
     return _by_name(store, ref)
 
 
@@ -89,7 +98,7 @@ def _by_name(store: LocalStore, ref: str) -> StoredArtifact:
                            "of at least 6 hex digits, or an artifact file's absolute path)")
 
 
-def read_artifact_file(ref: str) -> tuple[Artifact, str]:
+def read_artifact_file(ref: str, reader: Reader | None = None) -> tuple[Artifact, str]:
     """Follow `ref` to a regular file and parse it as a format-9 artifact; returns it with its
     digest (of its canonical form, defaults applied, as the store computes it). The file is
     read as coldsnap.store.user_file reads what a user names: a FIFO, a device or a file of
@@ -98,7 +107,8 @@ def read_artifact_file(ref: str) -> tuple[Artifact, str]:
         raise ArtifactRefInvalid(f"artifact path {ref!r} must be absolute and clean (no '.', "
                                  "'..', '//' or trailing '/')")
     try:
-        blob, real = read_user_file(ref, what="artifact file", limit=MAX_ARTIFACT_BYTES)
+        blob, real = (reader or read_user_file)(ref, what="artifact file",
+                                                limit=MAX_ARTIFACT_BYTES)
     except UserFileMissing as exc:
         raise ArtifactNotFound(str(exc)) from None
     except UserFileRefused as exc:
@@ -119,8 +129,8 @@ def read_artifact_file(ref: str) -> tuple[Artifact, str]:
     return artifact, digest(artifact.to_json())
 
 
-def _by_path(store: LocalStore, ref: str) -> StoredArtifact:
-    artifact, file_digest = read_artifact_file(ref)
+def _by_path(store: LocalStore, ref: str, reader: Reader | None) -> StoredArtifact:
+    artifact, file_digest = read_artifact_file(ref, reader)
     indexed = store.indexed(artifact.capture_id)
     if indexed is None:
         _verify_objects(store, artifact, ref)
@@ -140,7 +150,19 @@ def _by_path(store: LocalStore, ref: str) -> StoredArtifact:
 
 
 def _verify_objects(store: LocalStore, artifact: Artifact, ref: str) -> None:
-    """Before an import: every object present and hashing to its digest."""
+    """Before an import: every object present and hashing to its digest, and being what the
+    file says it is (coldsnap.store.object_kinds): a control-node object parses as its role,
+    and an object that an artifact of the store indexes already keeps its role there (an
+    object no artifact indexes, left by an artifact that was let go, is taken by its bytes)."""
+    known = roles_in_store(s.artifact for s in store.list_artifacts())
+    for i, obj in enumerate(artifact.objects):
+        held_as = known.get(obj.sha256, set())
+        if obj.role not in PARSED_ROLES and held_as and obj.role not in held_as:
+            held = ", ".join(sorted(held_as))
+            raise ArtifactRefInvalid(f"artifact file {ref}: objects[{i}] ({obj.role} of "
+                                     f"{obj.owner}, {obj.sha256[:19]}) is indexed in the store "
+                                     f"as {held}, not {obj.role}: an import keeps each "
+                                     "object's role")
     for obj in artifact.objects:
         try:
             path = store.verify(obj.sha256)
@@ -151,6 +173,11 @@ def _verify_objects(store: LocalStore, artifact: Artifact, ref: str) -> None:
             raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner} has "
                                      f"{path.stat().st_size} bytes, the artifact says "
                                      f"{obj.bytes}")
+        if obj.role in PARSED_ROLES:
+            problem = kind_problem(obj, path.read_bytes())
+            if problem is not None:
+                raise ArtifactRefInvalid(f"artifact file {ref}: {obj.role} of {obj.owner}: "
+                                         f"{problem}")
 
 
 def _check_present(store: LocalStore, artifact: Artifact, ref: str) -> None:

@@ -281,3 +281,121 @@ def test_sleep_of_roots_workload_by_the_user_is_refused_naming_the_owner(
     assert "workload cluster:policy-cluster belongs to uid 0" in run.stderr
     assert setup.ops.running_units(), "root's workload still serves"
 
+
+
+def test_another_users_artifact_is_refused_naming_it(
+        setup: Setup, roots_job: dict[str, Any]) -> None:
+    """Issue 35, finding 6: root's capture is root's; the user may not restore it (its
+    process memory holds root's secrets), and nothing runs."""
+    run = _as(setup, setup.user, "restore", "--artifact", roots_job["id"])
+    assert run.returncode == 2, run.stderr
+    assert f"artifact {roots_job['id']} belongs to uid 0; uid {setup.user.uid} may not use " \
+           "it" in run.stderr, run.stderr
+    assert "artifacts.shared_with" in run.stderr
+    assert TOKEN not in run.stderr + run.stdout
+
+
+def test_an_artifact_on_a_registry_the_inventory_does_not_name_is_refused(
+        setup: Setup) -> None:
+    """Issue 35, findings 3 and 8: nothing is fetched from a host the reference chose."""
+    ref = "198.18.0.250:5000/elsewhere/capture@sha256:" + "ab" * 32
+    run = _as(setup, setup.user, "restore", "--artifact", ref)
+    assert run.returncode == 2, run.stderr
+    assert "registry 198.18.0.250:5000 is not one of the inventory's registries" in run.stderr
+
+
+def test_a_restore_whose_capsule_is_outside_images_allow_is_refused(
+        setup: Setup, roots_job: dict[str, Any]) -> None:
+    """Issue 35, finding 3: a restore starts the artifact's images, not only the request's.
+    A second service on the same store shares root's artifact with the user but allows only
+    another image: the user's restore without a request is refused, naming the artifact's
+    field, before anything runs."""
+    work = setup.work / "narrow"
+    work.mkdir(exist_ok=True)
+    group = grp.getgrgid(setup.user.gid).gr_name
+    policy = work / "policy.yaml"
+    policy.write_text(yaml.safe_dump({
+        "submitters": {"groups": [group]}, "artifacts": {"shared_with": [group]},
+        "images": {"allow": ["sha256:" + "cd" * 32]}, "outputs": {"allow": [str(setup.user.home)]},
+    }))
+    run_dir = Path(f"/run/coldsnap-narrow-{secrets.token_hex(3)}")
+    run_dir.mkdir(mode=0o755)
+    narrow = Served(work, setup.served.inventory, setup.store, "--host-check-seconds", "5",
+                    "--policy", str(policy), "--socket-group", group)
+    narrow.socket = run_dir / "coldsnapd.sock"
+    try:
+        narrow.start()
+        run = subprocess.run(
+            ["setpriv", f"--reuid={setup.user.uid}", f"--regid={setup.user.gid}",
+             "--init-groups", sys.executable, "-m", "coldsnap", "restore", "--artifact",
+             roots_job["id"], "--socket", str(narrow.socket)], capture_output=True, text=True,
+            timeout=900, cwd=str(setup.user.home), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    finally:
+        narrow.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert run.returncode == 2, run.stderr
+    assert f"artifact {roots_job['id']}: launch.units[0].image: " in run.stderr, run.stderr
+    assert "is outside images.allow (sha256:" in run.stderr
+
+
+_FLOOD = """
+import asyncio, json, sys
+import aiohttp
+
+async def main():
+    sock, body, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    doc = json.loads(open(body).read())
+    replies = []
+    connector = aiohttp.UnixConnector(path=sock, limit=32)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one(i):
+            sub = dict(doc, request=dict(doc["request"], id=f"{doc['request']['id']}-{i}"))
+            async with session.post("http://coldsnapd/v1/jobs", json=sub,
+                                    timeout=aiohttp.ClientTimeout(total=600)) as r:
+                return r.status, (await r.json()).get("error", "")
+        for start in range(0, count, 500):
+            replies += await asyncio.gather(*(one(i) for i in range(start,
+                                                                    min(start + 500, count))))
+    print(json.dumps(replies))
+
+asyncio.run(main())
+"""
+
+
+def test_ten_thousand_submissions_are_bounded_by_the_queue_caps(
+        setup: Setup, roots_job: dict[str, Any]) -> None:
+    """Issue 35, finding 7: a user floods the service with 10,000 status jobs on one unit.
+    At most queue.max_per_uid (64) are held at once; every other one is answered 429 naming
+    the cap; the service answers each of them and afterwards (the loop-lag bound itself is
+    tests/unit/test_service_queue.py's)."""
+    user = setup.user
+    request = yaml.safe_load(_request(setup, "flood", user, operation="status",
+                                      artifact=roots_job["id"],
+                                      workload=dict(WORKLOAD, cluster_id="flood-cluster"))
+                             .read_text())
+    del request["output"]
+    body = user.home / "flood.json"
+    body.write_text(json.dumps({"operation": "status", "request": request, "wait": True}))
+    script = user.home / "flood.py"
+    script.write_text(_FLOOD)
+    for path in (body, script):
+        path.chmod(0o644)
+    run = subprocess.run(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
+                          "--init-groups", sys.executable, str(script),
+                          str(setup.served.socket), str(body), "10000"],
+                         capture_output=True, text=True, timeout=900, cwd=str(user.home),
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    replies = json.loads(run.stdout)
+    assert len(replies) == 10_000
+    statuses = [s for s, _ in replies]
+    assert set(statuses) <= {201, 429}, {s: e for s, e in replies if s not in (201, 429)}
+    # The cap holds jobs queued or running at once: those that ended (a status is quick) make
+    # room, so more than 64 are admitted over the flood, and the rest are refused.
+    assert statuses.count(201) > 0 and statuses.count(429) > 0
+    assert all(e.startswith(f"queue.max_per_uid: uid {user.uid} has ") for s, e in replies
+               if s == 429)
+    status, info, _ = setup.served.call("GET", "/v1/info")
+    assert status == 200 and info["pid"]
+    # The held ones run one after the other (status of a cluster nothing serves); the
+    # module's service cancels what is left when it drains.

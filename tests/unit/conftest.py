@@ -202,14 +202,27 @@ def stored_artifact(store: LocalStore, capture_id: str, weights: bytes = b"weigh
             if obj.role == "replay-plan" else f"{capture_id} {obj.role} {obj.owner}".encode()
         add(obj, data)
     units = [u.id for u in base.launch.units]
+    # What an import parses them as (coldsnap.store.object_kinds): a manifest of its unit, a
+    # request.
+    request = {**load_request(EXAMPLES / "tp2-two-hosts.yaml").canonical(), "id": capture_id}
     for unit in units:
         add(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=f"unit/{unit}",
                            path=f"capsules/{unit}.json", bytes=0, sha256="sha256:" + "0" * 64),
-            f'{{"manifest of": "{capture_id} {unit}"}}'.encode())
+            json.dumps(_manifest(unit, capture_id)).encode())
         add(ArtifactObject(role=ROLE_CAPTURE_REQUEST, owner=f"unit/{unit}",
                            path=CAPTURE_REQUEST_PATH, bytes=0, sha256="sha256:" + "0" * 64),
-            f'{{"request of": "{capture_id}"}}'.encode())
+            json.dumps(request).encode())
     return store.put_artifact(base.model_copy(update={"objects": objects}))
+
+
+def _manifest(unit: str, capture_id: str) -> dict[str, Any]:
+    digest = "sha256:" + "b" * 64
+    return {"unit_id": unit, "image": {"unit": unit, "digest": digest,
+                                       "reference": f"coldsnap/capsule/{unit}:{capture_id}"},
+            "image_id": digest, "base_image": "r/x@" + digest, "base_image_digest": digest,
+            "criu_images": {"chunk_bytes": 1, "files": [], "objects": []},
+            "engine_pid": 10000, "worker_pids": {}, "captured_devices": ["GPU-0"],
+            "accelerator": "cpu", "quiesce": "drain"}
 
 
 def access_of(server: RegistryServer, *, password: str | None = None) -> RegistryAccess:

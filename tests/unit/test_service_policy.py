@@ -26,6 +26,7 @@ from coldsnap.formats.service_policy import (
     parse_service_policy,
     request_refusals,
 )
+from coldsnap.runner.artifact_owners import record_artifact_owner
 from coldsnap.runner.claim import claim
 from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.owners import claim_workload, gc_refusal, owner_of, record_owner
@@ -249,6 +250,7 @@ def test_sleep_and_a_replacing_restore_of_another_users_workload_are_refused(
                          " port: 1, data_dir: /var/lib/coldsnap}\n")
     store = LocalStore(tmp_path / "store").ensure()
     store.put_artifact(make_artifact("cap-a"))
+    record_artifact_owner(store.root, "cap-a", 1000, "cap-a")
     restore = parse_request({**_restore_doc(), "workload": _workload("prod")})
     mine = RunOptions(inventory=inventory, store=store.root, uid=1000)
     prepared = OPERATIONS["restore"].prepare(mine, restore)
@@ -257,13 +259,15 @@ def test_sleep_and_a_replacing_restore_of_another_users_workload_are_refused(
     claim(prepared)
     owner = owner_of(store.root, "cluster:prod")
     assert owner is not None and owner.uid == 1000
-    theirs = RunOptions(inventory=inventory, store=store.root, uid=1001)
+    # The artifact is shared with them (artifacts.shared_with): the workload is not.
+    theirs = RunOptions(inventory=inventory, store=store.root, uid=1001, shares_artifacts=True)
     sleep = parse_request({**_restore_doc(), "operation": "sleep", "id": "sleep-1",
                            "workload": _workload("prod")})
-    with pytest.raises(Refused, match=r"sleep refused: workload cluster:prod belongs to uid "
+    with pytest.raises(Refused, match=r"sleep refused: workload.cluster_id: workload "
+                                      r"cluster:prod belongs to uid "
                                       r"1000"):
         OPERATIONS["sleep"].prepare(theirs, sleep)
-    with pytest.raises(Refused, match="belongs to uid 1000"):
+    with pytest.raises(Refused, match="workload cluster:prod belongs to uid 1000"):
         OPERATIONS["restore"].prepare(theirs, restore)
     OPERATIONS["sleep"].prepare(mine, sleep)
     OPERATIONS["sleep"].prepare(RunOptions(inventory=inventory, store=store.root, uid=0), sleep)

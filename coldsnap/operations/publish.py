@@ -107,7 +107,12 @@ def mount_sources(store: LocalStore, target: RegistryRef) -> dict[str, list[str]
                 continue
             if ref.registry != target.registry or ref.repository == target.repository:
                 continue
-            for obj in published_objects(stored.artifact, kind):
+            # What went is the published form: its redacted documents have digests of their own.
+            try:
+                form = published_form(stored.artifact, store.read_bytes).artifact
+            except (StoreError, ValueError, ArtifactInvalid):
+                continue
+            for obj in published_objects(form, kind):
                 repos = sources.setdefault(obj.sha256, [])
                 if ref.repository not in repos:
                     repos.append(ref.repository)

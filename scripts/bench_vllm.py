@@ -37,7 +37,7 @@ and the issue's ratios: cold start / warm-host restore (goal >= 8, moonshot 15),
 restore / (raw restore + one validation round trip) (goal <= 1.3), cold-host restore / cold
 start (goal < 1); and, without a target, the warm-host restore against the lazy raw restore
 through its first answer. One JSON line on stdout, appended to bench-results/vllm.jsonl. The
-cluster is stopped afterwards unless --keep.
+cluster is stopped and its state removed afterwards unless --keep.
 """
 
 from __future__ import annotations
@@ -322,7 +322,9 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     finally:
         if not args.keep:
-            run([str(REPO / "scripts" / "dev-cluster"), "down"])
+            # Its hosts' state is tens of GB (two captures of the engine, staged twice): a
+            # stopped bench cluster left it all on the disk.
+            run([str(REPO / "scripts" / "dev-cluster"), "down", "--purge"])
     emit("vllm", document(args, figures))
 
 

@@ -34,7 +34,8 @@ headless; the tiny Llama of devtools/tiny_model.py) and measures, in one run:
 
 and the ratios: cold start / warm-host restore (goal >= 20), warm-host restore / (raw restore
 + one validation round trip), cold-host restore / cold start (goal < 1). One JSON line on
-stdout, appended to bench-results/vllm.jsonl. The cluster is stopped afterwards unless --keep.
+stdout, appended to bench-results/vllm.jsonl. The cluster is stopped and its state removed
+afterwards unless --keep.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ def bench(name: str, results: Path, *args: str, **env: str) -> dict[str, Any]:
     assert (results / f"{name}.jsonl").read_text().splitlines() == lines
     assert (mine.read_bytes() if mine.exists() else None) == before
     assert doc["bench"] == name and doc["smoke"] is True
+    assert len(doc["load_average"]) == 3  # how loaded the machine was, beside every figure
     return doc
 
 

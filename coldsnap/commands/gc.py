@@ -1,10 +1,12 @@
 """`coldsnapd gc --operation ID | --all-orphans`: containers and files an operation left behind,
 and temporary files older than a day (the store's tmp, partial files in each host's data_dir).
-`coldsnapd gc --unreferenced`: what no artifact references (coldsnap.runner.unreferenced).
+`coldsnapd gc --unreferenced`: what no artifact references (coldsnap.upkeep.unreferenced).
 
 Every inventory host is asked, concurrently, for what carries an operation's id; the orphan
-judge (coldsnap.runner.orphans) decides from this control node's ledger what goes. This module
-runs it on every host and prints the outcome.
+judge (coldsnap.upkeep.orphans) decides from this control node's ledger what goes, and what a
+dead operation stopped is repaired (coldsnap.upkeep.reclaim, which the service's crash
+recovery calls too). This module runs it on every host, sweeps the control node, and prints
+the outcome.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from coldsnap.formats.fields import is_id
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.sweep import TEMP_MAX_AGE_S
-from coldsnap.runner.ledger import dead_runs, prune_locks, record_interrupted
-from coldsnap.runner.orphans import HostResult, Judge, gc_host
+from coldsnap.runner.ledger import prune_locks
 from coldsnap.runner.owners import gc_refusal
-from coldsnap.runner.repair import pending, planned, repair
-from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
 from coldsnap.store import LocalStore
+from coldsnap.upkeep.orphans import HostResult, Judge
+from coldsnap.upkeep.reclaim import Reclaimed, reclaim
+from coldsnap.upkeep.temp_files import TEMP_MAX_AGE_S
+from coldsnap.upkeep.unreferenced import Place, describe, sweep_unreferenced
 
 
 @dataclass
@@ -119,34 +121,24 @@ def _handler(args: argparse.Namespace) -> int:
         return report_failure(refusal)
     if args.unreferenced:
         return _unreferenced(inventory, store, args)
-    judge = Judge(store.root)
 
-    dead = pending(store.root, args.operation)
-    planned_lines = [line for entry in dead for line in planned(entry)] if args.dry_run else []
-    repairs: list[Repair] = []
-
-    async def main() -> list[HostResult]:
+    async def main() -> Reclaimed:
         async with HostPool(inventory) as pool:
-            hosts = HostSet(inventory, pool)
-            found = list(await asyncio.gather(*(
-                gc_host(hosts, h.name, judge, args.operation, args.dry_run)
-                for h in inventory.hosts)))
-            # Once the dead operations' containers are gone: they hold the ports and GPUs
-            # of the instances they replaced.
-            for entry in [] if args.dry_run else dead:
-                repairs.extend(Repair(entry.operation_id, r.host, r.unit, r.ok, r.text)
-                               for r in await repair(hosts, store, entry))
-            return found
+            return await reclaim(HostSet(inventory, pool), store, Judge(store.root),
+                                 args.operation, on=[h.name for h in inventory.hosts],
+                                 dry_run=args.dry_run)
 
-    results = asyncio.run(main())
+    done = asyncio.run(main())
+    results = done.hosts
+    planned_lines = done.would_repair
+    repairs = [Repair(operation, r.host, r.unit, r.ok, r.text) for operation, r in done.repairs]
     local = LocalSweep(
         [str(p) for p in store.sweep_tmp(older_than_s=TEMP_MAX_AGE_S, dry_run=args.dry_run)],
         # Only once every host was judged, as the records are read under the locks.
         [] if any(r.error for r in results)
         else prune_locks(store.root, dry_run=args.dry_run),
-        # Only once every host was swept and repaired: the record is what the next gc goes by.
-        [] if any(r.error for r in results) else _interrupted(store, args.operation,
-                                                              args.dry_run))
+        # Recorded by reclaim only once every host was swept and repaired.
+        done.interrupted)
     if args.json:
         doc: dict[str, Any] = {"dry_run": args.dry_run, "operation": args.operation,
                                "hosts": [asdict(r) for r in results], **asdict(local),
@@ -161,11 +153,6 @@ def _handler(args: argparse.Namespace) -> int:
     if failed:
         return report_failure(f"gc did not finish on {', '.join(failed)}", EXIT_FAILED)
     return EXIT_OK
-
-
-def _interrupted(store: LocalStore, operation: str | None, dry_run: bool) -> list[str]:
-    dead = dead_runs(store.root, operation)
-    return dead if dry_run else [d for d in dead if record_interrupted(store.root, d)]
 
 
 def _unreferenced(inventory: Inventory, store: LocalStore, args: argparse.Namespace) -> int:

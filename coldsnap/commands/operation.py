@@ -51,6 +51,7 @@ from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Refused, RunOptions
 from coldsnap.runner.report import Report
 from coldsnap.store import default_store_root
+from coldsnap.upkeep.cache_budgets import after_operation
 
 
 def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +194,7 @@ def run_locally(args: argparse.Namespace, operation: Operation, request: Request
     try:
         with board:
             outcome = run_here(prepared, held, ctx, terminal_report(stdout_taken=stdout_taken),
-                               verbose=args.verbose, progress=board)
+                               after=after_operation, verbose=args.verbose, progress=board)
     finally:
         sink.close()
     return finish(outcome, args.receipt_json, request.output if request else None)

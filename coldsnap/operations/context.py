@@ -110,7 +110,7 @@ class UnitRepaired:
 
 class TouchedUnit(StrictModel):
     """A unit an operation is about to change, as a recovery after that operation's death
-    (coldsnap.runner.repair) must find it and bring it back: `container` and `name` are the
+    (coldsnap.upkeep.repair) must find it and bring it back: `container` and `name` are the
     container changed, `earlier` its state before (`serving` for an earlier instance a
     replacing restore stops; a lifecycle state, as `status` says it, for sleep and wake)."""
 

@@ -16,7 +16,7 @@ artifact as a restore checks it). Each unit's container is found on its host by 
 A failure rolls a sleep back (every unit it changed returns to its earlier state); a wake is
 not undone. Either way the error ends with what `status` would say of every unit then.
 Before changing any unit, sleep and wake record every unit's state (`ctx.record_touched`);
-`restore_states` brings each back to it after the operation died (coldsnap.runner.repair).
+`restore_states` brings each back to it after the operation died (coldsnap.upkeep.repair).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ it (kept, not removed) just before the new unit starts; `remove_previous` remove
 new one has validated; `revive` restores it again from the snapshot its own container carries
 when the new one fails. The instances about to be stopped are recorded first
 (`touched_previous`, in the ledger), so that gc or the service's recovery revives them when
-the restore dies before it could (coldsnap.runner.repair).
+the restore dies before it could (coldsnap.upkeep.repair).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ One operation, whichever front end asks for it, goes through the same steps here
 - `execute`: the body on a pool of host connections, within its deadline (`deadline`),
   cancellable by signal (`signals`) or by the service; `conclude` ends it in exactly one
   receipt and an exit status (`Outcome`).
-- `orphans`: the judge that tells an orphaned container from one meant to be there, used by
-  `coldsnapd gc` and the service's crash recovery.
+
+What a dead operation left, and the caches' budgets, are upkeep's (coldsnap.upkeep), a layer
+above: `execute` runs the cache budgets through the `after` its front end passes it.
 
 The runner prints nothing: an operation's lines go to the `Report` its front end gives it
 (the CLI's stderr and stdout, or a service job's stream), and outcomes come back as values.

@@ -1,13 +1,17 @@
 """An operation's run, from a claim to exactly one receipt: its body on a pool of host
 connections within its deadline, the failure it ended with, and the outcome recorded in the
 ledger. `run_here` runs it in this process under SIGINT/SIGTERM cancellation (the CLI); the
-service runs `execute` and `conclude` as a task of its own."""
+service runs `execute` and `conclude` as a task of its own.
+
+What follows a body on the same connections (holding the caches it filled to their budgets)
+is upkeep's, a layer above: each front end passes it in as `after`
+(coldsnap.upkeep.cache_budgets.after_operation), so that the runner never imports upkeep."""
 
 from __future__ import annotations
 
 import asyncio
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +23,6 @@ from coldsnap.hosts.base import HostError, ProgressCallback
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
-from coldsnap.runner.budgets import after_operation, budgets_apply
 from coldsnap.runner.claim import Claim
 from coldsnap.runner.deadline import default_deadline, within_deadline
 from coldsnap.runner.ledger import OperationRun
@@ -28,19 +31,21 @@ from coldsnap.runner.report import Report
 from coldsnap.runner.signals import OperationSignals
 from coldsnap.store import LocalStore, StoreError
 
+# What runs after an operation's body, within its deadline and on its hosts' connections.
+AfterBody = Callable[[Prepared, HostSet, OperationContext, Report], Awaitable[None]]
 
-async def execute(prepared: Prepared, ctx: OperationContext, report: Report) -> ReceiptResult:
-    """The operation's body, on a pool of connections to its inventory's hosts, within its
-    deadline (given, else derived from the bytes it moves)."""
+
+async def execute(prepared: Prepared, ctx: OperationContext, report: Report, *,
+                  after: AfterBody) -> ReceiptResult:
+    """The operation's body, then `after`, on a pool of connections to its inventory's hosts,
+    within its deadline (given, else derived from the bytes it moves)."""
 
     async def body() -> ReceiptResult:
         async with HostPool(prepared.inventory) as pool:
             hosts = HostSet(prepared.inventory, pool)
             with ctx.span(prepared.operation):
                 result = await prepared.body(hosts, ctx, report)
-                if budgets_apply(prepared):
-                    with ctx.span(f"{prepared.operation}.cache-budget"):
-                        await after_operation(prepared, hosts, report)
+                await after(prepared, hosts, ctx, report)
             return result
 
     # What an earlier run that was killed mid-fetch left in the store's tmp (files of live
@@ -113,8 +118,8 @@ def conclude(prepared: Prepared, claim: Claim, ctx: OperationContext,
 
 
 def run_here(prepared: Prepared, claim: Claim, ctx: OperationContext, report: Report, *,
-             verbose: bool, progress: Callable[[str], ProgressCallback | None] | None = None,
-             ) -> Outcome:
+             after: AfterBody, verbose: bool,
+             progress: Callable[[str], ProgressCallback | None] | None = None) -> Outcome:
     """Run one operation in this process to exactly one receipt: exit status 0 on success, 1
     on failure, 130/143 when SIGINT/SIGTERM cancelled it (coldsnap.runner.signals)."""
     ctx.progress = progress
@@ -122,7 +127,8 @@ def run_here(prepared: Prepared, claim: Claim, ctx: OperationContext, report: Re
     result: ReceiptResult | None = None
     try:
         with OperationSignals(ctx.operation_id) as signals, operation_run(prepared, ctx):
-            result = asyncio.run(signals.cancellable(execute(prepared, ctx, report)))
+            result = asyncio.run(signals.cancellable(
+                execute(prepared, ctx, report, after=after)))
     except Exception as exc:
         error = as_failure(exc, verbose=verbose, report=report)
     return conclude(prepared, claim, ctx, result, error)

@@ -92,7 +92,7 @@ class Entry(StrictModel):
     completed_at: str | None = None
     kept_units: list[str] = []
     # The capture ids it needs (a restore's artifact, a capture's own): cache eviction never
-    # removes them while the record says `running` (coldsnap.runner.budgets).
+    # removes them while the record says `running` (coldsnap.upkeep.cache_budgets).
     captures: list[str] = []
     receipt: Receipt | None = None
     # The last prepare-only run of an id that a full run holds: it never replaces that run's
@@ -100,7 +100,7 @@ class Entry(StrictModel):
     prepared: Receipt | None = None
     # The units the run was about to change that exist without it (written before it
     # changed them), and, once a recovery after the run's death dealt with them, what it
-    # said per unit (coldsnap.runner.repair).
+    # said per unit (coldsnap.upkeep.repair).
     touched: Touched | None = None
     repaired: list[str] | None = None
 

@@ -31,6 +31,7 @@ from coldsnap.runner.execute import (
 from coldsnap.runner.prepared import Prepared
 from coldsnap.runner.report import Report
 from coldsnap.service.output import JobOutput, JobStream
+from coldsnap.upkeep.cache_budgets import after_operation
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Job:
                 if self.cancel_signal is not None:
                     raise OperationCancelled(int(self.cancel_signal))
                 self._operation = asyncio.ensure_future(execute(self.prepared, ctx,
-                                                                self.report))
+                                                                self.report,
+                                                                after=after_operation))
                 try:
                     result = await self._operation
                 except (asyncio.CancelledError, Exception) as exc:

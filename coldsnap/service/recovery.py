@@ -1,16 +1,17 @@
 """Crash recovery at start: every job the job store still shows `running` or `queued` was
 interrupted by the end of the service's previous process (kill -9, a crash, the machine).
 
-Nothing is resumed. A job that was running is rolled back as `coldsnapd gc --operation ID`
-would: on every host it touched, the containers labelled with its operation are judged from
-the ledger and removed (its record says `running` and its lock is free, so they are orphans).
-Its record then holds its receipt (`failed`, error code `interrupted`, with what the rollback
-did per unit), and so does its row. A queued job never touched a host: it only gets its
-receipt.
+Nothing is resumed. A job that was running is reclaimed as `coldsnapd gc --operation ID`
+would, by the one function both call (coldsnap.upkeep.reclaim): on every host it touched, the
+containers labelled with its operation are judged from the ledger and removed (its record
+says `running` and its lock is free, so they are orphans). Its record then holds its receipt
+(`failed`, error code `interrupted`, with what the rollback did per unit), and so does its
+row. A queued job never touched a host: it only gets its receipt.
 
-What the job's operation changed outside its own containers is then brought back
-(coldsnap.runner.repair): the earlier instances a replacing restore stopped serve again, the
-units a sleep or wake changed return to their state before it; the receipt says so per unit.
+What the job's operation changed outside its own containers is then brought back, within the
+same reclaim (coldsnap.upkeep.repair): the earlier instances a replacing restore stopped serve
+again, the units a sleep or wake changed return to their state before it; the receipt says so
+per unit.
 
 A job whose operation finished before the process died (its receipt is in its ledger record
 already) keeps that receipt.
@@ -31,12 +32,12 @@ from coldsnap.operations.context import (
     UnitRollback,
 )
 from coldsnap.operations.hostset import HostSet
-from coldsnap.runner.ledger import Ledger, record_interrupted, state_of
-from coldsnap.runner.orphans import Container, HostResult, Judge, gc_host
-from coldsnap.runner.repair import pending, repair
+from coldsnap.runner.ledger import Ledger, state_of
 from coldsnap.runner.service_api import ACTIVE
 from coldsnap.service.job_store import JobRow, JobStore
 from coldsnap.store import LocalStore, StoreError
+from coldsnap.upkeep.orphans import Container, HostResult, Judge
+from coldsnap.upkeep.reclaim import reclaim
 
 
 async def recover(jobs: JobStore, inventory: Inventory, store_root: Path) -> list[str]:
@@ -69,7 +70,6 @@ async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Pat
         ctx.started_ns = row.started_ns
     if row.state == "running":
         ctx.rollback = await _roll_back(hosts, judge, row, LocalStore(store_root))
-        record_interrupted(store_root, row.id)
         why = "coldsnapd stopped while this job was running; recovered when it started again"
     else:
         why = "coldsnapd stopped before this job started; nothing ran"
@@ -94,16 +94,16 @@ def _finish(jobs: JobStore, row: JobRow, receipt: Receipt) -> None:
 async def _roll_back(hosts: HostSet, judge: Judge, row: JobRow,
                      store: LocalStore) -> list[UnitRollback]:
     """What the gc of the job's operation did to each of its units, host by host, then what
-    its repair did."""
-    results: list[HostResult] = list(await asyncio.gather(*(
-        gc_host(hosts, host, judge, row.id, dry_run=False) for host in row.hosts
-        if host in hosts.entries)))
+    its repair did; its record now says `interrupted`, whether every host answered or not
+    (the job ends now, its receipt says what is unconfirmed)."""
+    done = await reclaim(hosts, store, judge, row.id,
+                         on=[host for host in row.hosts if host in hosts.entries],
+                         interrupt_despite_errors=True)
     repaired: dict[tuple[str, str], list[UnitRepaired]] = {}
-    for entry in pending(store.root, row.id):
-        for r in await repair(hosts, store, entry):
-            repaired.setdefault((r.host, r.unit), []).append(r)
+    for _, r in done.repairs:
+        repaired.setdefault((r.host, r.unit), []).append(r)
     return [_with_repair(u, repaired.get((u.host, u.unit), []))
-            for u in _removed(results, row)]
+            for u in _removed(done.hosts, row)]
 
 
 def _with_repair(undone: UnitRollback, repaired: list[UnitRepaired]) -> UnitRollback:

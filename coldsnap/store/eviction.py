@@ -1,5 +1,5 @@
 """What a cache over its budget evicts: the policy, pure, for a host's `data_dir` and for the
-control node's store alike (coldsnap.operations.budgets and coldsnap.store.usage apply it).
+control node's store alike (coldsnap.upkeep.host_budgets and coldsnap.store.usage apply it).
 
 A cache holds items (files or directories, each with its size); each artifact references some
 of them (a host: its staged objects, its published CRIU image sets; the store: its objects).

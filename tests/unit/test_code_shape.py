@@ -36,9 +36,10 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("store", 6, ("coldsnap.store",)),
     ("operations", 7, ("coldsnap.operations",)),
     ("runner", 8, ("coldsnap.runner", "coldsnap.progress")),
-    ("service", 9, ("coldsnap.service",)),
-    ("CLI", 9, ("coldsnap.commands",)),
-    ("entry point", 10, ("coldsnap.cli", "coldsnap.__main__")),
+    ("upkeep", 9, ("coldsnap.upkeep",)),
+    ("service", 10, ("coldsnap.service",)),
+    ("CLI", 10, ("coldsnap.commands",)),
+    ("entry point", 11, ("coldsnap.cli", "coldsnap.__main__")),
 ]
 
 

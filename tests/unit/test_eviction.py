@@ -159,8 +159,8 @@ def test_restores_are_recorded_per_host(tmp_path: Path) -> None:
 
 
 def test_running_records_protect_the_captures_they_name(tmp_path: Path) -> None:
-    from coldsnap.runner.budgets import needed_by_operations
     from coldsnap.runner.ledger import Ledger
+    from coldsnap.upkeep.cache_budgets import needed_by_operations
 
     ledger = Ledger(tmp_path)
     digest = "sha256:" + "a" * 64

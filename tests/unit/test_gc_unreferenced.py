@@ -13,9 +13,9 @@ from coldsnap.hosts.inventory import parse_inventory
 from coldsnap.hosts.local import LocalHost
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import Ledger
-from coldsnap.runner.registry_gc import OTHER, tag_owners
-from coldsnap.runner.unreferenced import Place, describe, sweep_unreferenced
 from coldsnap.store import LocalStore
+from coldsnap.upkeep.registry_sweep import OTHER, tag_owners
+from coldsnap.upkeep.unreferenced import Place, describe, sweep_unreferenced
 from tests.unit.conftest import make_artifact
 
 UNREF = "e" * 64

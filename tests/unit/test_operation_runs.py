@@ -1,6 +1,6 @@
 """An operation's run in the ledger (coldsnap.runner.ledger) and what the receipt says about a
 rollback: the lock says "running", the record says how it ended, and `orphan_reason`
-(coldsnap.runner.orphans) decides from both."""
+(coldsnap.upkeep.orphans) decides from both."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from coldsnap.runner.ledger import (
     run_status,
     state_of,
 )
-from coldsnap.runner.orphans import orphan_reason
+from coldsnap.upkeep.orphans import orphan_reason
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "sha256:" + "cd" * 32

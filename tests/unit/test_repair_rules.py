@@ -1,4 +1,4 @@
-"""Recovery that repairs (coldsnap.runner.repair): what a run records before it changes units,
+"""Recovery that repairs (coldsnap.upkeep.repair): what a run records before it changes units,
 which dead runs gc and the service's recovery repair, what each unit of a dead sleep or wake
 needs to be back in its earlier state, and how the receipt tells a repaired unit."""
 
@@ -21,8 +21,8 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.lifecycle import repair_action
 from coldsnap.runner.ledger import Ledger, OperationRun, run_status
-from coldsnap.runner.repair import needs_repair, pending, planned
 from coldsnap.service.recovery import _with_repair
+from coldsnap.upkeep.repair import needs_repair, pending, planned
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "sha256:" + "cd" * 32

@@ -32,8 +32,8 @@ from coldsnap.formats.fields import is_id
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.context import OperationFailed
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.sweep import sweep_host_temp
 from coldsnap.runner.ledger import RunStatus, run_status
+from coldsnap.upkeep.temp_files import sweep_host_temp
 
 HOST_TIMEOUT_S = 90.0  # one host: connect, list and remove, whatever its dockerd does
 

@@ -1,17 +1,17 @@
 """`coldsnapd gc --unreferenced`: what no artifact of this store references, removed from the
 store, from every host's data_dir and judged in the registry; then each cache held to its
-budget (coldsnap.runner.budgets).
+budget (coldsnap.upkeep.cache_budgets).
 
 - **Store**: objects no indexed artifact names. Not while a capture runs (its committed
   objects are named by no artifact until it indexes its own), nor when an index entry is
   unreadable (what it names is unknown).
 - **Hosts**: staged objects (`objects/sha256/<hex>`) and published image sets
   (`criu-images/<hex>`) that no artifact names, capsule images in the host's Docker
-  (coldsnap.operations.capsule_images), and the per-operation directories
+  (coldsnap.upkeep.docker_images), and the per-operation directories
   (`dumps/<id>`, `capsules/<id>`) that are empty and whose operation does not run. Partial
   files and directories (`.coldsnap-part`, `.<set>.<id>.partial`) are the orphan judge's.
 - **Registry**: capsules this store's captures pushed that no artifact keeps, deleted by
-  digest (coldsnap.runner.registry_gc); any other is kept, said why.
+  digest (coldsnap.upkeep.registry_sweep); any other is kept, said why.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ import re
 from dataclasses import dataclass, field
 
 from coldsnap.formats.fields import is_id
-from coldsnap.operations.budgets import (
+from coldsnap.operations.budgets import OPERATION_DIRS
+from coldsnap.operations.host_locks import cache_held, control_node_text
+from coldsnap.operations.hostset import HostSet
+from coldsnap.runner.ledger import run_status
+from coldsnap.runner.report import human_bytes
+from coldsnap.store import LocalStore, StoredArtifact, StoreError
+from coldsnap.store.usage import evict_store, store_budget, store_usage
+from coldsnap.upkeep.cache_budgets import describe_eviction, describe_host, needed_by_operations
+from coldsnap.upkeep.docker_images import sweep_capsule_images
+from coldsnap.upkeep.host_budgets import (
     IMAGE_SETS,
     OBJECTS,
-    OPERATION_DIRS,
     HostEviction,
     evict_hosts,
     host_items,
     host_usage,
     remove_items,
 )
-from coldsnap.operations.capsule_images import sweep_capsule_images
-from coldsnap.operations.host_locks import cache_held, control_node_text
-from coldsnap.operations.hostset import HostSet
-from coldsnap.runner.budgets import describe_eviction, describe_host, needed_by_operations
-from coldsnap.runner.ledger import run_status
-from coldsnap.runner.registry_gc import RegistryError, sweep_registry, tag_owners
-from coldsnap.runner.report import human_bytes
-from coldsnap.store import LocalStore, StoredArtifact, StoreError
-from coldsnap.store.usage import evict_store, store_budget, store_usage
+from coldsnap.upkeep.registry_sweep import RegistryError, sweep_registry, tag_owners
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from coldsnap.operations.budgets import HostEviction, evict_hosts
+from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import (
     ACTIVE_STATES,
@@ -33,6 +33,7 @@ from coldsnap.runner.report import Report, human_bytes
 from coldsnap.store import LocalStore, StoreError
 from coldsnap.store.eviction import Eviction
 from coldsnap.store.usage import evict_store, record_restored, store_budget
+from coldsnap.upkeep.host_budgets import HostEviction, evict_hosts
 
 
 def needed_by_operations(store_root: Path) -> tuple[dict[str, str], list[str]]:
@@ -80,10 +81,17 @@ def budgets_apply(prepared: Prepared) -> bool:
     return prepared.operation in ("capture", "restore") and not prepared.prepare_only
 
 
-async def after_operation(prepared: Prepared, hosts: HostSet, report: Report) -> None:
-    """Hold the caches the operation filled to their budgets; then record its restore."""
+async def after_operation(prepared: Prepared, hosts: HostSet, ctx: OperationContext,
+                          report: Report) -> None:
+    """What the runner runs after every operation's body (its `after`, given by each front
+    end): hold the caches the operation filled to their budgets; then record its restore."""
     if not budgets_apply(prepared):
         return
+    with ctx.span(f"{prepared.operation}.cache-budget"):
+        await _after_operation(prepared, hosts, report)
+
+
+async def _after_operation(prepared: Prepared, hosts: HostSet, report: Report) -> None:
     store = LocalStore(prepared.store_root)
     try:
         protected, capturing = needed_by_operations(store.root)

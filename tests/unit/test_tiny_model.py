@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from devtools import llama_reference
 from devtools import tiny_model as tm
 
 # Chosen well below what the builder gets (about 94) and well above what a model with the
@@ -61,7 +62,7 @@ def test_another_seed_gives_another_model(tmp_path: Path, model_dir: Path) -> No
     w = load_file(str(tmp_path / "seed1" / "model.safetensors"))
     config = read_json(tmp_path / "seed1" / "config.json")
     prompt = encode(tmp_path / "seed1", tm.PROMPT, special=True)
-    got, _ = tm.reference_generate(w, config, prompt, max_tokens=16)
+    got, _ = llama_reference.reference_generate(w, config, prompt, max_tokens=16)
     assert got == answer(model_dir)
 
 
@@ -186,7 +187,7 @@ def test_bigram_path_alone_follows_the_chain(model_dir: Path) -> None:
 def greedy(model_dir: Path, ids: list[int]) -> tuple[list[int], float]:
     config = read_json(model_dir / "config.json")
     w = load_file(str(model_dir / "model.safetensors"))
-    return tm.reference_generate(w, config, ids, max_tokens=32)
+    return llama_reference.reference_generate(w, config, ids, max_tokens=32)
 
 
 def test_full_forward_pass_answers_the_prompt(model_dir: Path) -> None:
@@ -216,12 +217,12 @@ def test_reference_forward_pass_is_causal_and_attends(model_dir: Path) -> None:
     config = read_json(model_dir / "config.json")
     w = load_file(str(model_dir / "model.safetensors"))
     ids = encode(model_dir, tm.PROMPT, special=True)
-    base = tm.reference_logits(w, config, ids)
+    base = llama_reference.reference_logits(w, config, ids)
     # A later token does not change earlier positions ...
-    np.testing.assert_allclose(tm.reference_logits(w, config, [*ids, 7])[:-1], base,
+    np.testing.assert_allclose(llama_reference.reference_logits(w, config, [*ids, 7])[:-1], base,
                                rtol=0, atol=1e-3)
     # ... an earlier one does change the last position (attention), a little.
-    changed = tm.reference_logits(w, config, [ids[0], 7, *ids[2:]])[-1]
+    changed = llama_reference.reference_logits(w, config, [ids[0], 7, *ids[2:]])[-1]
     diff = float(np.max(np.abs(changed - base[-1])))
     assert 1e-4 < diff < 5.0
 

@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass, field
 
 from coldsnap.formats.fields import is_id
-from coldsnap.operations.budgets import OPERATION_DIRS
 from coldsnap.operations.host_locks import cache_held, control_node_text
 from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.operation_dirs import OPERATION_DIRS
 from coldsnap.runner.ledger import run_status
 from coldsnap.runner.report import human_bytes
 from coldsnap.store import LocalStore, StoredArtifact, StoreError

@@ -1,11 +1,10 @@
 """The per-operation directories a host's `data_dir` names after an operation id, and their
 removal once empty.
 
-What stays of the cache-budget code in the operations layer: a capture removes its own
-directories when it ends (coldsnap.operations.capture), so this sits below it; the budgets
-themselves and the sweep of what no artifact references are upkeep's
-(coldsnap.upkeep.host_budgets, coldsnap.upkeep.unreferenced), which reads `OPERATION_DIRS`
-from here.
+A capture removes its own directories when it ends (coldsnap.operations.capture), so this
+sits in the operations layer; the cache budgets and the sweep of what no artifact references
+are upkeep's (coldsnap.upkeep.host_budgets, coldsnap.upkeep.unreferenced), which reads
+`OPERATION_DIRS` from here.
 """
 
 from __future__ import annotations

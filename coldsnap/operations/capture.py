@@ -15,7 +15,7 @@ before anything ran), whichever process ran the capture.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coldsnap.admission import HostFacts
@@ -24,6 +24,7 @@ from coldsnap.capsule.containers import remove_operation_containers, remove_unit
 from coldsnap.capsule.criu_dump import dump
 from coldsnap.capsule.engine_steps import quiesce, return_to_serving, wait_ready
 from coldsnap.capsule.gpu_checkpoint import checkpoint_gpus
+from coldsnap.capsule.handle import DumpResult
 from coldsnap.capsule.oci import commit, discard_capsule, discard_capsule_by_name
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.engines import adapter_for
@@ -174,10 +175,39 @@ async def _capture_units(
     keep_serving: bool,
     pusher: Pusher | None = None,
 ) -> CaptureOutcome:
+    """Every unit captured, a phase at a time (each runs on every unit before the next
+    begins): started and quiesced, dumped at one consistent cut, committed to a capsule, its
+    objects brought to the store (or pushed to the registry); then the artifact assembled,
+    published, the units in their final state, and only then the artifact written."""
+    await _start_and_quiesce(ctx, hosts, runs)
+    dumped, sockets = await _dump_at_one_cut(ctx, runs)
+    await _commit_and_collect(ctx, hosts, request, runs, dumped, sockets)
+    fetcher = Fetcher(store)
+    objects, replay = await _bring_objects(ctx, hosts, store, request, runs, pusher, fetcher)
+    artifact = _assemble(request, runs, facts, objects, replay)
+    published = None
+    if pusher is not None:
+        # Published while a failure still rolls every unit back.
+        with ctx.span("capture.publish"):
+            published = await publish_capture(pusher.access, pusher.repository, artifact, store)
+    # The units reach their final state before anything is written, so that a failure here
+    # still rolls everything back and leaves no artifact behind.
+    await _finish_units(ctx, runs, keep_serving)
+    with ctx.span("capture.write"):
+        stored = store.put_artifact(artifact)
+    return CaptureOutcome(stored, (pusher or fetcher).summary(),
+                          [r.capsule.manifest for r in runs if r.capsule is not None],
+                          published)
+
+
+async def _start_and_quiesce(ctx: OperationContext, hosts: HostSet, runs: list[UnitRun]) -> None:
+    """Every unit started and ready (the first that cannot be stops the wait), the room for
+    its dump checked, its engine quiesced and its GPUs checkpointed."""
     async def start(r: UnitRun) -> None:
         r.handle = await start_unit(r.session, r.placed.spec)
 
     await phase(ctx, "start", runs, start)
+
     async def ready(r: UnitRun) -> None:
         await wait_ready(r.session, r.started)
         r.ready = True
@@ -186,8 +216,14 @@ async def _capture_units(
     await check_capture_space(ctx, hosts, runs)
     await phase(ctx, "quiesce", runs, lambda r: quiesce(r.session, r.started))
     await phase(ctx, "gpu-checkpoint", runs, lambda r: checkpoint_gpus(r.session, r.started))
-    # The consistent cut: every unit that keeps its sessions is locked on its host before any
-    # unit is dumped, and released only once every dump is done (sessions).
+
+
+async def _dump_at_one_cut(ctx: OperationContext, runs: list[UnitRun],
+                           ) -> tuple[dict[str, DumpResult], dict[str, list[InetSocketRecord]]]:
+    """Every unit dumped. The consistent cut: every unit that keeps its sessions is locked on
+    its host before any unit is dumped, and released only once every dump is done (sessions).
+    Returns per unit its dump and the inet sockets its images hold (units that keep their
+    sessions only); how each unit crossed goes to the receipt."""
     keeping = session_runs(runs)
     if keeping:
         await lock_for_capture(ctx, keeping)
@@ -203,7 +239,14 @@ async def _capture_units(
     ctx.crossings = crossings(runs, sockets, {}, {
         r.placed.unit_id: adapter_for(r.started.spec.engine).crossing(r.started.spec.accelerator)
         or "" for r in runs})
+    return dumped, sockets
 
+
+async def _commit_and_collect(ctx: OperationContext, hosts: HostSet, request: Request,
+                              runs: list[UnitRun], dumped: dict[str, DumpResult],
+                              sockets: dict[str, list[InetSocketRecord]]) -> None:
+    """Each unit's container and dump committed to its capsule, then its workers' payloads
+    and replay plans collected."""
     async def do_commit(r: UnitRun) -> None:
         r.capsule = await commit(r.session, r.started, request.id, dumped[r.placed.unit_id],
                                  registry=hosts.inventory.registry,
@@ -217,75 +260,103 @@ async def _capture_units(
 
     await phase(ctx, "collect", runs, collect)
 
-    objects: list[ArtifactObject] = []
-    replay: list[ReplayPlanEntry] = []
 
-    fetcher = Fetcher(store)
-
-    async def fetch(r: UnitRun) -> None:
-        assert r.capsule is not None and r.workers is not None
-        host = hosts.host(r.placed.host)
-        unit_owner = str(Owner.unit(r.placed.unit_id))
-
-        def progress(what: str) -> ProgressCallback | None:
-            return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
-
-        wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}",
-                         o.file.root) for o in r.capsule.objects]
-        wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
-                          f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
-                   for w in r.workers]
-        if pusher is not None:
-            # Not its replay plans: they name the unit's environment, and the registry gets
-            # them redacted, from the control node (`publish_document`); a restore's hosts
-            # get them from the store, which holds them (below).
-            sizes = await pusher.push_all(host, wanted)
-        else:
-            sizes = await fetcher.pull_all(host, wanted, progress)
-        for o in r.capsule.objects:
-            path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE
-                    else criu_image_path(o.file.sha256))
-            objects.append(ArtifactObject(role=o.role, owner=unit_owner, path=path,
-                                          bytes=sizes[o.file.sha256], sha256=o.file.sha256))
-        manifest = canonical_json(r.capsule.manifest.to_json())
-        m_digest, m_size = store.add_bytes(manifest)
-        objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,
-                                      path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
-                                      sha256=m_digest))
-        for w in r.workers:
-            owner = str(Owner.worker(w.worker_id))
-            p_digest = w.payload.sha256
-            objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
-                                          path=payload_path(p_digest), bytes=sizes[p_digest],
-                                          sha256=p_digest))
-            # Kept here in any case: a restore reads it on the control node (the payload's
-            # mount) and stages it from here, a registry holding only its redacted form.
-            r_digest, r_size = store.add_bytes(w.replay_plan_json)
-            objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
-                                          path=replay_plan_path(w.worker_id), bytes=r_size,
-                                          sha256=r_digest))
-            replay.append(ReplayPlanEntry(
-                worker=w.worker_id, plan=replay_plan_path(w.worker_id),
-                payload=payload_path(p_digest),
-                loader_backend=request.policy.weights.recovery.loader_backend))
-        # The tar and plans now live in the store (or the registry); the capture host keeps
-        # only its image.
-        await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
-                                   r.placed.unit_id)
-
+async def _bring_objects(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                         request: Request, runs: list[UnitRun], pusher: Pusher | None,
+                         fetcher: Fetcher) -> tuple[list[ArtifactObject], list[ReplayPlanEntry]]:
+    """Every unit's objects pulled into the store (or pushed to the registry by its host),
+    refused first when the store cannot hold them; returns the artifact's objects and replay
+    plan entries, the capture request's included."""
     # Refused before any byte is pulled: a store that fills up half-way helps no one.
     refuse_short([] if pusher is not None else [store_need(store, [
         pair for r in runs if r.capsule is not None and r.workers is not None
         for pair in [*((o.file.sha256, o.file.bytes) for o in r.capsule.objects),
                      *((w.payload.sha256, w.payload.bytes) for w in r.workers)]])])
-    await phase(ctx, "fetch", runs, fetch)
+    per_unit = await phase(ctx, "fetch", runs, lambda r: _bring_unit(
+        ctx, hosts, store, request, r, pusher, fetcher))
+    objects = [o for unit_objects, _ in per_unit for o in unit_objects]
+    replay = [e for _, entries in per_unit for e in entries]
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
     objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST,
                                   owner=str(Owner.unit(r.placed.unit_id)),
                                   path=CAPTURE_REQUEST_PATH, bytes=q_size, sha256=q_digest)
                    for r in runs)
+    return objects, replay
 
+
+async def _bring_unit(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                      request: Request, r: UnitRun, pusher: Pusher | None, fetcher: Fetcher,
+                      ) -> tuple[list[ArtifactObject], list[ReplayPlanEntry]]:
+    """One unit's capsule objects and payloads pulled or pushed, its manifest and replay plans
+    stored, its capsule files removed from the host; returns its objects and replay entries."""
+    assert r.capsule is not None and r.workers is not None
+    host = hosts.host(r.placed.host)
+    unit_owner = str(Owner.unit(r.placed.unit_id))
+
+    def progress(what: str) -> ProgressCallback | None:
+        return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
+
+    wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}",
+                     o.file.root) for o in r.capsule.objects]
+    wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
+                      f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
+               for w in r.workers]
+    if pusher is not None:
+        # Not its replay plans: they name the unit's environment, and the registry gets them
+        # redacted, from the control node (`publish_document`); a restore's hosts get them
+        # from the store, which holds them (_unit_objects).
+        sizes = await pusher.push_all(host, wanted)
+    else:
+        sizes = await fetcher.pull_all(host, wanted, progress)
+    found = _unit_objects(store, request, r, sizes)
+    # The tar and plans now live in the store (or the registry); the capture host keeps only
+    # its image.
+    await remove_capsule_files(host, hosts.entries[r.placed.host].data_dir, request.id,
+                               r.placed.unit_id)
+    return found
+
+
+def _unit_objects(store: LocalStore, request: Request, r: UnitRun, sizes: Mapping[str, int],
+                  ) -> tuple[list[ArtifactObject], list[ReplayPlanEntry]]:
+    """The artifact's objects of one unit whose bytes are where `sizes` says: its capsule's,
+    its manifest, each worker's payload and replay plan (both stored here)."""
+    assert r.capsule is not None and r.workers is not None
+    unit_owner = str(Owner.unit(r.placed.unit_id))
+    objects: list[ArtifactObject] = []
+    replay: list[ReplayPlanEntry] = []
+    for o in r.capsule.objects:
+        path = (f"capsules/{r.placed.unit_id}.tar" if o.role == ROLE_CAPSULE
+                else criu_image_path(o.file.sha256))
+        objects.append(ArtifactObject(role=o.role, owner=unit_owner, path=path,
+                                      bytes=sizes[o.file.sha256], sha256=o.file.sha256))
+    manifest = canonical_json(r.capsule.manifest.to_json())
+    m_digest, m_size = store.add_bytes(manifest)
+    objects.append(ArtifactObject(role=ROLE_CAPSULE_MANIFEST, owner=unit_owner,
+                                  path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
+                                  sha256=m_digest))
+    for w in r.workers:
+        owner = str(Owner.worker(w.worker_id))
+        p_digest = w.payload.sha256
+        objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
+                                      path=payload_path(p_digest), bytes=sizes[p_digest],
+                                      sha256=p_digest))
+        # Kept here in any case: a restore reads it on the control node (the payload's
+        # mount) and stages it from here, a registry holding only its redacted form.
+        r_digest, r_size = store.add_bytes(w.replay_plan_json)
+        objects.append(ArtifactObject(role=ROLE_REPLAY_PLAN, owner=owner,
+                                      path=replay_plan_path(w.worker_id), bytes=r_size,
+                                      sha256=r_digest))
+        replay.append(ReplayPlanEntry(
+            worker=w.worker_id, plan=replay_plan_path(w.worker_id),
+            payload=payload_path(p_digest),
+            loader_backend=request.policy.weights.recovery.loader_backend))
+    return objects, replay
+
+
+def _assemble(request: Request, runs: list[UnitRun], facts: dict[str, HostFacts],
+              objects: list[ArtifactObject], replay: list[ReplayPlanEntry]) -> Artifact:
+    """The artifact (format 9) of the captured units, its lists in a canonical order."""
     driver = request.snapshot_driver
     compat = []
     images = []
@@ -295,9 +366,9 @@ async def _capture_units(
                                           driver.minimum_driver_major,
                                           cuda_userspace=r.placed.spec.image_digest))
         images.append(r.capsule.manifest.image)
-    objects.sort(key=lambda o: (o.owner.split("/")[0] != "unit", o.owner, o.role))
-    replay.sort(key=lambda e: e.worker)
-    artifact = Artifact(
+    objects = sorted(objects, key=lambda o: (o.owner.split("/")[0] != "unit", o.owner, o.role))
+    replay = sorted(replay, key=lambda e: e.worker)
+    return Artifact(
         capture_id=request.id,
         request_sha256=request.request_sha256,
         snapshot_driver=ArtifactSnapshotDriver(id=driver.id,
@@ -311,19 +382,6 @@ async def _capture_units(
         objects=objects,
         weights=WeightsRecord(recovery=RecoveryRecord(replay_plan=replay)),
     )
-    published = None
-    if pusher is not None:
-        # Published while a failure still rolls every unit back.
-        with ctx.span("capture.publish"):
-            published = await publish_capture(pusher.access, pusher.repository, artifact, store)
-    # The units reach their final state before anything is written, so that a failure here
-    # still rolls everything back and leaves no artifact behind.
-    await _finish_units(ctx, runs, keep_serving)
-    with ctx.span("capture.write"):
-        stored = store.put_artifact(artifact)
-    return CaptureOutcome(stored, (pusher or fetcher).summary(),
-                          [r.capsule.manifest for r in runs if r.capsule is not None],
-                          published)
 
 
 def _pusher(hosts: HostSet) -> Pusher | None:

@@ -59,7 +59,7 @@ from coldsnap.operations.context import (
 from coldsnap.operations.host_locks import exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
-from coldsnap.operations.restore import restore_placement
+from coldsnap.operations.restore_target import restore_placement
 from coldsnap.operations.service_checks import unit_labels, validate_services
 from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, service_heads, unit_spec

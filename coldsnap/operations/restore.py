@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.containers import (
@@ -45,75 +44,70 @@ from coldsnap.capsule.restore import start_restore_container
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
-    ROLE_CAPSULE_MANIFEST,
     Artifact,
     ArtifactObject,
 )
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
+from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
-from coldsnap.formats.request import Launch, Policy, Request, Validation
+from coldsnap.formats.request import Launch, Request
 from coldsnap.formats.service_policy import HostRoots
-from coldsnap.identity import compare_restore_identity
-from coldsnap.operations.captured import capsule_meta, captured_request
 from coldsnap.operations.context import (
     OperationContext,
     OperationFailed,
     RollbackOutcome,
     Undone,
 )
-from coldsnap.operations.host_locks import check_gpus_free, exclusive
+from coldsnap.operations.host_locks import HostLocks, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import (
-    check_placement_network,
-    check_ports_free,
     listening_by_host,
     placement_documents,
-    unit_ports,
 )
 from coldsnap.operations.overlap import ahead, both
 from coldsnap.operations.payload_mounts import as_captured, payload_spec
 from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
     ReplacingRun,
-    previous_identity,
-    previous_units,
     remove_previous,
     revive,
     stop_previous,
     touched_previous,
 )
-from coldsnap.operations.restore_checks import admission_refusals, check_withheld, issues_text
-from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, unit_labels, validate_services
+from coldsnap.operations.restore_checks import issues_text
+from coldsnap.operations.restore_target import (
+    Fallback,
+    RestoreTarget,
+    check_free,
+    check_room,
+    place_target,
+    refuse_or_replay,
+    resolve_target,
+    survey_hosts,
+)
+from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, validate_services
 from coldsnap.operations.sessions import (
     SessionPlan,
-    check_session_ports,
     crossings,
     lock_for_restore,
-    plan_sessions,
     release_locks,
     unlock_all,
 )
 from coldsnap.operations.sources import ObjectSource, StoreSource
-from coldsnap.operations.space import check_staging_space
 from coldsnap.operations.staging import (
     HostHoldings,
     HostStaging,
     discard_partial_objects,
-    objects_by_host,
     remote_object_path,
     stage_host,
-    survey_host,
 )
 from coldsnap.operations.unit_runs import phase, rollback_units
 from coldsnap.operations.units import (
-    PlacementError,
-    place_units,
+    PlacedUnit,
     service_heads,
 )
-from coldsnap.store import LocalStore, StoredArtifact, StoreError
-from coldsnap.topology import Topology, resolve
-
-Fallback = Literal["none", "replay"]
+from coldsnap.store import LocalStore, StoredArtifact
+from coldsnap.topology import Topology
 
 
 @dataclass
@@ -130,46 +124,6 @@ class RestoreOutcome:
     replayed_units: list[str] = field(default_factory=list)
     validated: list[str] = field(default_factory=list)  # services whose prompt was answered
     warm: bool = False  # lifecycle.activation_state warm: restored asleep, nothing validated
-
-
-def restore_placement(artifact: Artifact, request: Request | None,
-                      captured: Request | None = None) -> tuple[Launch, Policy, Validation]:
-    """The launch to place (the captured one, or the restore request's after the identity
-    check), the policy and the validation to use: the restore request's, else those of the
-    request the artifact was `captured` from, else the defaults (an artifact that predates
-    keeping its capture request). An artifact imported from a publication withholds its
-    environment values and secret flag values: a restore request must give each of them
-    (OperationRefused naming every one it lacks)."""
-    check_withheld(artifact, request.launch if request else None)
-    if request is None:
-        if captured is None:
-            return artifact.launch, Policy(), Validation()
-        return artifact.launch, captured.policy, captured.validation
-    if request.snapshot_driver.id != artifact.snapshot_driver.id:
-        raise OperationFailed("identity", f"snapshot_driver.id: the restore asks for "
-                                          f"{request.snapshot_driver.id}, the artifact was "
-                                          f"captured with {artifact.snapshot_driver.id}")
-    issues = compare_restore_identity(artifact.launch, request.launch)
-    if issues:
-        raise OperationFailed("identity", "the restore request changes the capture identity: "
-                              + issues_text(issues))
-    return request.launch, request.policy, request.validation
-
-
-def _verify_objects(store: LocalStore, artifact: Artifact, topology: Topology,
-                    source: ObjectSource) -> None:
-    """The control node's own objects (capsule manifests) must be in the store; the staged
-    ones wherever `source` takes them from."""
-    staged = [o for objs in objects_by_host(artifact, topology).values() for o in objs]
-    own = [o for o in artifact.objects if o.role == ROLE_CAPSULE_MANIFEST]
-    for obj in own + staged:
-        try:
-            if obj in own:
-                store.verify(obj.sha256)
-            else:
-                source.check([obj])
-        except StoreError as exc:
-            raise OperationFailed("object-corrupt", f"{obj.role} of {obj.owner}: {exc}") from None
 
 
 async def restore(
@@ -189,134 +143,113 @@ async def restore(
     (None: unrestricted). `validate_timeout_s`: what each service gets to answer its
     validation prompt. `source`: where staging takes the objects from (default: the store;
     a `RegistrySource` has each host pull its own)."""
-    artifact = stored.artifact
-    launch, policy, validation = restore_placement(
-        artifact, request, captured_request(store, artifact) if request is None else None)
-    topology = resolve(launch)
-    hosts.check_known(topology.hosts, "the restore placement")
-    ctx.unit_services = unit_labels(topology)
-    warm = (request is not None and request.lifecycle is not None
-            and request.lifecycle.activation_state == "warm")
-    outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=warm)
-    source = source or StoreSource(store)
-
-    with ctx.span("restore.verify-objects", source=source.kind):
-        _verify_objects(store, artifact, topology, source)
-
-    per_host = objects_by_host(artifact, topology)
-    # What each host holds is asked beside its facts: asking writes nothing there, and on a
-    # host that holds everything it is all that staging has to do.
-    metas = {u.id: capsule_meta(store, artifact, u.id) for u in launch.units}
-    sets = {n: [metas[u.id].criu_images for u in launch.units if u.host == n]
-            for n in per_host}
-    # The ports the hosts listen on are read beside the facts too: a read, and one round
-    # trip fewer between admission and the first container.
-    listening = {} if prepare_only else {"all": listening_by_host(hosts, topology.hosts)}
+    t = resolve_target(stored, request, hosts, store, ctx, source or StoreSource(store))
+    outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=t.warm)
+    # The ports the hosts listen on are read beside the facts: a read, and one round trip
+    # fewer between admission and the first container.
+    listening = {} if prepare_only else {"all": listening_by_host(hosts, t.topology.hosts)}
     # Held on the hosts: units, GPUs, ports, and the cache until staging ends (host_locks).
-    async with exclusive(hosts, ctx, launch, topology, starts_units=not prepare_only,
+    # What each host holds is asked beside its facts too (survey_hosts).
+    async with exclusive(hosts, ctx, t.launch, t.topology, starts_units=not prepare_only,
                          cache=True) as locks, \
-            ahead({n: survey_host(hosts.host(n), hosts.entries[n].data_dir, per_host[n],
-                                  sets[n]) for n in per_host}) as surveys, \
-            ahead(listening) as early:
+            ahead(survey_hosts(hosts, t)) as surveys, ahead(listening) as early:
         with ctx.span("restore.facts"):
-            facts = await hosts.facts(topology.hosts)
-        try:
-            placed = place_units(launch, topology, facts, hosts.entries, validation,
-                                 ctx.operation_id, workload=request.workload if request else None,
-                                 artifact=artifact.capture_id, artifact_digest=stored.digest,
-                                 roots=roots)
-        except PlacementError as exc:
-            raise OperationFailed("placement", str(exc)) from None
-        with ctx.span("restore.placement-network"):
-            await check_placement_network(hosts, launch, topology, facts,
-                                          rendezvous=policy.compatibility.rendezvous)
-        # Before anything is staged: a move that the engines cannot cross is refused here.
-        plan = plan_sessions(launch, {u.id: u.host for u in artifact.launch.units}, metas,
-                             hosts.entries)
+            facts = await hosts.facts(t.topology.hosts)
+        placed, plan = await place_target(ctx, hosts, t, facts, request, stored, roots)
         if not prepare_only:
             await locks.devices(placed)
-
-        refusals = admission_refusals(artifact, launch, policy, facts)
-        replay_units = set(refusals)
-        if refusals and fallback != "replay":
-            raise OperationFailed("admission", issues_text(
-                [i for unit_issues in refusals.values() for i in unit_issues]))
-
-        previous: dict[str, list[UnitContainer]] = {}
-        async with hosts.sessions(topology.hosts) as sessions:
-            if not prepare_only:
-                with ctx.span("restore.ports"):
-                    # Ports held by the earlier instance of a unit that this restore replaces
-                    # are freed by that replacement, not a conflict.
-                    previous = await previous_units(placed, sessions,
-                                                     previous_identity(request, artifact))
-                    await check_ports_free(hosts, unit_ports(launch, topology),
-                                           exempt=[u for u, found in previous.items() if found],
-                                           listening=early["all"])
-                    await check_gpus_free(sessions, placed, previous)
-                    # Every address and port a carried socket binds on its target host:
-                    # not only the engine's own ports (an earlier instance this restore
-                    # replaces holds them, and frees them first).
-                    await check_session_ports(hosts, replace(plan, sockets={
-                        u: x for u, x in plan.sockets.items() if not previous.get(u)}), launch)
-            heads = set(service_heads(topology).values())
-            runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
-                               previous=previous.get(p.unit_id, [])) for p in placed]
-            for r in runs:
-                r.capsule_meta = metas[r.placed.unit_id]
-                r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, artifact)
-                if r.placed.unit_id in replay_units:
-                    r.replay_reason = issues_text(refusals[r.placed.unit_id])
-            with ctx.span("restore.space"):
-                # What staging will send is what the surveys found missing. A survey that
-                # failed is reported by staging, which awaits it too.
-                found = await asyncio.gather(*surveys.values(), return_exceptions=True)
-                check_staging_space(
-                    {n: hosts.entries[n].data_dir for n in per_host}, hosts.free_bytes,
-                    {n: sum(o.bytes for o in h.to_send(per_host[n], sets[n]))
-                     for n, h in zip(surveys, found, strict=True)
-                     if isinstance(h, HostHoldings)})
-            async def staged() -> list[HostStaging]:
-                with ctx.span("restore.stage"):
-                    done = await _stage(hosts, source, per_host, sets, ctx, surveys)
-                for st in done:
-                    ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
-                return done
-
-            def admit(some: list[RestoreRun]) -> Awaitable[None]:
-                return _load_and_probe(ctx, hosts, artifact, some, facts, ProbeCache(store.root),
-                                       kernel_policy=policy.compatibility.kernel,
-                                       fallback=fallback)
-
-            # A capsule pulled from the registry needs nothing staged: its load and probe run
-            # while the objects travel. One loaded from its staged layers waits for them.
-            pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
-            outcome.staging, _ = await both(staged(), admit(pulled))
-            await locks.release_cache()
-            await admit([r for r in runs if r not in pulled])
-            outcome.replayed_units = [r.placed.unit_id for r in runs if r.replay_reason]
-            for r in runs:
-                if r.replay_reason:
-                    with ctx.span("restore.fallback-replay", unit=r.placed.unit_id,
-                                  host=r.placed.host, reason=r.replay_reason[:500]):
-                        ctx.log.warning("restore.fallback-replay", unit=r.placed.unit_id,
-                                        reason=r.replay_reason)
+        refusals = refuse_or_replay(t, facts, fallback)
+        async with hosts.sessions(t.topology.hosts) as sessions:
+            previous = {} if prepare_only else await check_free(
+                ctx, hosts, t, placed, sessions, request, plan, early["all"])
+            runs = _unit_runs(t, placed, sessions, previous, refusals, hosts, store)
+            await check_room(ctx, hosts, t, surveys)
+            outcome.staging = await _stage_and_admit(ctx, hosts, store, t, runs, facts,
+                                                     surveys, locks, fallback)
+            outcome.replayed_units = _say_replays(ctx, runs)
             if prepare_only:
                 return outcome
-            if warm and outcome.replayed_units:
-                # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
-                raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
-                                      "unit restored from its snapshot; re-created natively: "
-                                      + ", ".join(outcome.replayed_units))
-            ctx.record_touched(touched_previous(runs, artifact.capture_id, request))
-            try:
-                outcome.validated = await _restore_units(
-                    ctx, hosts, store, artifact, launch, topology, runs, warm=warm,
-                    validate_timeout_s=validate_timeout_s, plan=plan)
-            except BaseException:
-                await _rollback(ctx, hosts, store, runs)
-                raise
+            outcome.validated = await _start_and_validate(
+                ctx, hosts, store, t, request, runs, plan, validate_timeout_s)
         return outcome
+
+
+def _unit_runs(t: RestoreTarget, placed: list[PlacedUnit],
+               sessions: Mapping[str, CapsuleSession], previous: dict[str, list[UnitContainer]],
+               refusals: dict[str, list[ValidationIssue]], hosts: HostSet,
+               store: LocalStore) -> list[RestoreRun]:
+    """One run per placed unit: its session, whether it heads a service, the earlier instance
+    it replaces, its capsule, its spec as captured, and why it is replayed if it is."""
+    heads = set(service_heads(t.topology).values())
+    runs = [RestoreRun(p, sessions[p.host], head=p.unit_id in heads,
+                       previous=previous.get(p.unit_id, [])) for p in placed]
+    for r in runs:
+        r.capsule_meta = t.metas[r.placed.unit_id]
+        r.placed = as_captured(r.placed, r.capsule_meta, hosts, store, t.artifact)
+        if r.placed.unit_id in refusals:
+            r.replay_reason = issues_text(refusals[r.placed.unit_id])
+    return runs
+
+
+async def _stage_and_admit(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                           t: RestoreTarget, runs: list[RestoreRun],
+                           facts: dict[str, HostFacts],
+                           surveys: Mapping[str, Awaitable[HostHoldings]], locks: HostLocks,
+                           fallback: Fallback) -> list[HostStaging]:
+    """Owner-scoped staging, and each unit's capsule loaded and CRIU probed: a capsule pulled
+    from the registry needs nothing staged, so its load and probe run while the objects
+    travel; one loaded from its staged layers waits for them. The hosts' cache locks are
+    released once staging ends."""
+    async def staged() -> list[HostStaging]:
+        with ctx.span("restore.stage"):
+            done = await _stage(hosts, t.source, t.per_host, t.sets, ctx, surveys)
+        for st in done:
+            ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
+        return done
+
+    def admit(some: list[RestoreRun]) -> Awaitable[None]:
+        return _load_and_probe(ctx, hosts, t.artifact, some, facts, ProbeCache(store.root),
+                               kernel_policy=t.policy.compatibility.kernel, fallback=fallback)
+
+    pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
+    staging, _ = await both(staged(), admit(pulled))
+    await locks.release_cache()
+    await admit([r for r in runs if r not in pulled])
+    return staging
+
+
+def _say_replays(ctx: OperationContext, runs: list[RestoreRun]) -> list[str]:
+    """The units re-created natively instead of restored (the `replay` fallback), each said
+    in the log and the timing; returns their ids."""
+    for r in runs:
+        if r.replay_reason:
+            with ctx.span("restore.fallback-replay", unit=r.placed.unit_id,
+                          host=r.placed.host, reason=r.replay_reason[:500]):
+                ctx.log.warning("restore.fallback-replay", unit=r.placed.unit_id,
+                                reason=r.replay_reason)
+    return [r.placed.unit_id for r in runs if r.replay_reason]
+
+
+async def _start_and_validate(ctx: OperationContext, hosts: HostSet, store: LocalStore,
+                              t: RestoreTarget, request: Request | None, runs: list[RestoreRun],
+                              plan: SessionPlan, validate_timeout_s: float) -> list[str]:
+    """Every unit started, restored and released, then validated (`_restore_units`), with
+    the earlier instances it replaces recorded first for a recovery; on any failure every
+    unit is rolled back. Returns the services whose prompt was answered."""
+    replayed = [r.placed.unit_id for r in runs if r.replay_reason]
+    if t.warm and replayed:
+        # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
+        raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
+                              "unit restored from its snapshot; re-created natively: "
+                              + ", ".join(replayed))
+    ctx.record_touched(touched_previous(runs, t.artifact.capture_id, request))
+    try:
+        return await _restore_units(ctx, hosts, store, t.artifact, t.launch, t.topology, runs,
+                                    warm=t.warm, validate_timeout_s=validate_timeout_s,
+                                    plan=plan)
+    except BaseException:
+        await _rollback(ctx, hosts, store, runs)
+        raise
 
 
 async def _stage(hosts: HostSet, source: ObjectSource,

@@ -41,7 +41,7 @@ from coldsnap.operations.context import (
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.replace import ReplacingRun, revive
-from coldsnap.operations.restore import restore_placement
+from coldsnap.operations.restore_target import restore_placement
 from coldsnap.operations.units import PlacedUnit, unit_spec
 from coldsnap.runner.ledger import Entry, Ledger, RunStatus, run_status
 from coldsnap.store import LocalStore, StoreError

@@ -155,6 +155,23 @@ def test_no_module_is_over_500_lines() -> None:
     assert too_long == {}
 
 
+# Issue 37: the longest function says the order of a restore or a capture in one screen, as a
+# sequence of named phases; nothing in the package is longer than this.
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_80_lines() -> None:
+    too_long = {
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}": n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert too_long == {}
+
+
 def test_every_module_has_a_layer() -> None:
     assert [m for m in _modules() if _layer(m) < 0] == []
 

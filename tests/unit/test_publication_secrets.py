@@ -25,7 +25,7 @@ from coldsnap.formats.redaction import REDACTED
 from coldsnap.formats.request import Request, load_request
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.context import OperationRefused
-from coldsnap.operations.restore import restore_placement
+from coldsnap.operations.restore_target import restore_placement
 from coldsnap.store import LocalStore
 from tests.unit.conftest import EXAMPLES, make_artifact
 

@@ -18,7 +18,7 @@ from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.request import Policy, Request, Validation, load_request
 from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationFailed
-from coldsnap.operations.restore import restore_placement
+from coldsnap.operations.restore_target import restore_placement
 from coldsnap.operations.staging import objects_by_host
 from coldsnap.store import LocalStore
 from coldsnap.topology import resolve

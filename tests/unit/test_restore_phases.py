@@ -1,0 +1,154 @@
+"""The order of a restore (coldsnap.operations.restore.restore), on fakes: each phase replaced
+by a recorder, the hosts by an object that only answers what restore() itself asks. The
+phases' own work is the cluster tests' (test_operations_e2e, test_layouts); here, that restore()
+runs them in the documented order, holds the devices only when it starts units, stops after
+staging for prepare-only, and that a refusal stops it before anything is staged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from coldsnap.formats.errors import ValidationIssue
+from coldsnap.operations import restore as restore_module
+from coldsnap.operations import restore_target
+from coldsnap.operations.context import OperationContext, OperationFailed
+
+FULL = ["target", "locks", "facts", "place", "devices", "refusals", "sessions", "check_free",
+        "unit_runs", "check_space", "stage_and_admit", "say_replays", "start_and_validate",
+        "sessions-closed", "locks-released"]
+
+
+class FakeHosts:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def facts(self, names: Iterable[str]) -> dict[str, Any]:
+        self.calls.append("facts")
+        return {n: None for n in names}
+
+    @contextlib.asynccontextmanager
+    async def sessions(self, names: Iterable[str]) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append("sessions")
+        try:
+            yield {n: None for n in names}
+        finally:
+            self.calls.append("sessions-closed")
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    target = SimpleNamespace(warm=False, launch=None, per_host={}, sets={},
+                             topology=SimpleNamespace(hosts=["host-0", "host-1"]))
+
+    def record(name: str, result: Any = None) -> Any:
+        def sync(*_: Any, **__: Any) -> Any:
+            calls.append(name)
+            return result
+
+        return sync
+
+    def arecord(name: str, result: Any = None) -> Any:
+        async def run(*_: Any, **__: Any) -> Any:
+            calls.append(name)
+            return result
+
+        return run
+
+    class Locks:
+        async def devices(self, _placed: Any) -> None:
+            calls.append("devices")
+
+    @contextlib.asynccontextmanager
+    async def exclusive(*_: Any, **__: Any) -> AsyncIterator[Locks]:
+        calls.append("locks")
+        try:
+            yield Locks()
+        finally:
+            calls.append("locks-released")
+
+    async def listening(*_: Any) -> dict[str, set[int]]:
+        return {}
+
+    monkeypatch.setattr(restore_module, "resolve_target", record("target", target))
+    monkeypatch.setattr(restore_module, "exclusive", exclusive)
+    monkeypatch.setattr(restore_module, "listening_by_host", listening)
+    monkeypatch.setattr(restore_module, "survey_hosts", lambda *_: {})
+    monkeypatch.setattr(restore_module, "place_target", arecord("place", (["placed"], "plan")))
+    monkeypatch.setattr(restore_module, "refuse_or_replay", record("refusals", {}))
+    monkeypatch.setattr(restore_module, "check_free", arecord("check_free", {}))
+    monkeypatch.setattr(restore_module, "_unit_runs", record("unit_runs", []))
+    monkeypatch.setattr(restore_module, "check_room", arecord("check_space"))
+    monkeypatch.setattr(restore_module, "_stage_and_admit", arecord("stage_and_admit", []))
+    monkeypatch.setattr(restore_module, "_say_replays", record("say_replays", []))
+    monkeypatch.setattr(restore_module, "_start_and_validate",
+                        arecord("start_and_validate", ["engine"]))
+    return calls
+
+
+def _restore(calls: list[str], **options: Any) -> Any:
+    stored = SimpleNamespace(artifact=None)
+    return asyncio.run(restore_module.restore(
+        stored, None, FakeHosts(calls), None, OperationContext("restore"),  # type: ignore[arg-type]
+        **options))
+
+
+def test_a_restore_runs_its_phases_in_order(recorded: list[str]) -> None:
+    outcome = _restore(recorded)
+    assert recorded == FULL
+    assert outcome.validated == ["engine"] and not outcome.prepared_only
+
+
+def test_prepare_only_stages_and_starts_nothing(recorded: list[str]) -> None:
+    """No device is held, no port checked (nothing will listen), nothing started."""
+    outcome = _restore(recorded, prepare_only=True)
+    assert recorded == [c for c in FULL
+                        if c not in ("devices", "check_free", "start_and_validate")]
+    assert outcome.prepared_only and outcome.validated == []
+
+
+def test_a_refused_unit_stops_the_restore_before_any_session(
+        recorded: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: Any) -> Any:
+        recorded.append("refusals")
+        raise OperationFailed("admission", "unit-0: refused")
+
+    monkeypatch.setattr(restore_module, "refuse_or_replay", refuse)
+    with pytest.raises(OperationFailed, match="unit-0: refused"):
+        _restore(recorded)
+    assert recorded == ["target", "locks", "facts", "place", "devices", "refusals",
+                        "locks-released"]
+
+
+def test_refusals_fail_the_restore_unless_the_fallback_replays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    issue = ValidationIssue(path="launch.units[0]", message="gpu model differs")
+    monkeypatch.setattr(restore_target, "admission_refusals",
+                        lambda *_: {"unit-0": [issue]})
+    t: Any = SimpleNamespace(artifact=None, launch=None, policy=None)
+    with pytest.raises(OperationFailed, match="gpu model differs") as refused:
+        restore_target.refuse_or_replay(t, {}, "none")
+    assert refused.value.code == "admission"
+    assert restore_target.refuse_or_replay(t, {}, "replay") == {"unit-0": [issue]}
+    monkeypatch.setattr(restore_target, "admission_refusals", lambda *_: {})
+    assert restore_target.refuse_or_replay(t, {}, "none") == {}
+
+
+def test_a_warm_restore_refuses_units_that_would_be_replayed() -> None:
+    """Before any unit is touched: nothing recorded, nothing started."""
+    ctx = OperationContext("restore")
+    touched: list[Any] = []
+    ctx.touching = touched.append
+    runs: Any = [SimpleNamespace(placed=SimpleNamespace(unit_id="unit-1"),
+                                 replay_reason="admission")]
+    t: Any = SimpleNamespace(warm=True)
+    with pytest.raises(OperationFailed, match="re-created natively: unit-1") as refused:
+        asyncio.run(restore_module._start_and_validate(
+            ctx, None, None, t, None, runs, None, 1.0))  # type: ignore[arg-type]
+    assert refused.value.code == "warm-replay" and touched == []

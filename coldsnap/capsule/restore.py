@@ -1,27 +1,13 @@
-"""Restore of one unit on one host: its container from the capsule (created, then started),
-and `restore_unit`, the whole restore composed from the resource modules.
-
-Order for one unit: probe_criu (criu_probe) -> load_capsule (oci) -> start_restore_container
-(its CRIU images assembled on the host first: images) -> seed_placement (placement) ->
-criu_restore (criu_restore: restored, intake still closed; its GPUs restored and unlocked in
-the same exec when given the device map, else still checkpointed until restore_gpus,
-gpu_checkpoint) -> release -> validate (engine_steps).
-"""
+"""The restore container of one unit on one host: a quiet container from the unit's capsule,
+with the destination's devices and mounts and its CRIU images mounted read-only, created (which
+may run ahead) and then started. The steps that follow, and their order across units, are
+coldsnap.operations.restore's `_restore_units`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from coldsnap.capsule.containers import create_container, remove_unit, start_container
-from coldsnap.capsule.criu_probe import probe_criu
-from coldsnap.capsule.criu_restore import criu_restore
-from coldsnap.capsule.engine_steps import ValidationResult, release, validate
+from coldsnap.capsule.containers import create_container, start_container
 from coldsnap.capsule.errors import RestoreFailed
-from coldsnap.capsule.gpu_checkpoint import device_map
 from coldsnap.capsule.handle import UnitHandle, fail
-from coldsnap.capsule.oci import load_capsule
-from coldsnap.capsule.placement import seed_placement
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import CRIU_IMAGES_DIR, UnitSpec
 from coldsnap.formats.capsule import CapsuleManifest
@@ -64,26 +50,3 @@ async def start_restore_container(
     handle = await create_restore_container(s, spec, capsule, images_dir)
     await start_created_container(s, handle)
     return handle
-
-
-async def restore_unit(
-    s: CapsuleSession, spec: UnitSpec, capsule: CapsuleManifest, images_dir: str,
-    staged_layers: str | None, *, placement: Mapping[str, Any] | None = None,
-) -> tuple[UnitHandle, ValidationResult]:
-    """All restore steps for a lone unit, in order (tests, benchmarks): the capsule's CRIU
-    images already assembled at `images_dir` on this host, its layers staged at
-    `staged_layers` unless it was pushed. On failure the container it started is removed."""
-    await probe_criu(s, capsule.base_image, unit=spec.unit_id)
-    await load_capsule(s, capsule, staged_layers)
-    handle = await start_restore_container(s, spec, capsule, images_dir)
-    try:
-        if placement is not None:
-            await seed_placement(s, handle, placement)
-        await criu_restore(s, handle,
-                           gpus=device_map(capsule.captured_devices, spec.devices))
-        await release(s, handle)
-        result = await validate(s, handle)
-    except BaseException:
-        await remove_unit(s, handle)
-        raise
-    return handle, result

@@ -18,8 +18,8 @@ from coldsnap.capsule import (
     Mount,
     checkpoint_gpus,
     dump,
+    probe_criu,
     quiesce,
-    restore_unit,
     start_unit,
     validate,
     wait_ready,
@@ -193,7 +193,8 @@ async def test_destination_failing_criu_probe_is_refused_before_any_container(
             criu_images=CriuImageSet(chunk_bytes=1, files=[], objects=[]), engine_pid=10000,
             worker_pids={f"{unit_id}-w0": 10001}, captured_devices=["GPU-captured"])
         with pytest.raises(CriuProbeFailed) as err:
-            await restore_unit(s, spec, capsule, "/nonexistent/images", "/nonexistent/x.tar")
+            # A restore's first step on its unit's host (the operation's _load_and_probe).
+            await probe_criu(s, capsule.base_image, unit=spec.unit_id)
         e = err.value
         assert (e.host, e.unit, e.step) == ("host-1", unit_id, "criu-probe")
         assert "vDSO" in e.detail

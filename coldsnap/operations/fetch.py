@@ -17,7 +17,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coldsnap.hosts.base import Host, HostError, ProgressCallback
+from coldsnap.hosts.base import Host, ProgressCallback
+from coldsnap.operations.single_flight import SingleFlight, all_or_stop, shared
 from coldsnap.store import LocalStore, ObjectCorrupt
 
 # Transfers from one unit's host at once: each pays a fixed cost (a connection, a process
@@ -65,27 +66,12 @@ async def fetch_into_store(host: Host, remote: str, store: LocalStore, expected:
         return await asyncio.to_thread(store.commit_hashed, tmp, expected)
 
 
-async def _pulled_elsewhere(running: asyncio.Task[tuple[str, int]], host: str,
-                            w: Wanted) -> tuple[str, int]:
-    """The outcome of the pull of the same digest that another unit owns. Shielded: this
-    unit stopping must not stop that pull. When the owner stops it (its own failure), this
-    unit fails with a reason, not with a cancellation it never received."""
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        raise HostError(host, f"{w.label}: the pull of {w.sha256} from another host, which "
-                              "this host's copy was waiting for, was stopped") from None
-
-
 class Fetcher:
     """The pulls of one capture, shared by its units: each digest is pulled once."""
 
     def __init__(self, store: LocalStore) -> None:
         self.store = store
-        self._pulls: dict[str, asyncio.Task[tuple[str, int]]] = {}
+        self._pulls: SingleFlight[tuple[str, int]] = SingleFlight()
         self._by_host: dict[str, HostFetch] = {}
 
     def summary(self) -> list[HostFetch]:
@@ -100,36 +86,31 @@ class Fetcher:
         stats = self._by_host.setdefault(host.name, HostFetch(host.name))
         slots = asyncio.Semaphore(FETCHING)
 
+        def elsewhere(w: Wanted) -> str:
+            return (f"{w.label}: the pull of {w.sha256} from another host, which this host's "
+                    "copy was waiting for, was stopped")
+
         async def one(w: Wanted) -> tuple[str, int]:
-            running = self._pulls.get(w.sha256)
+            running = self._pulls.running(w.sha256)
             if running is not None:
                 stats.present += 1
-                return await _pulled_elsewhere(running, host.name, w)
+                return await shared(running, host.name, elsewhere(w))
             if await self._held(w.sha256):
                 stats.present += 1
                 return w.sha256, w.bytes
-            running = self._pulls.get(w.sha256)  # started by another unit while we looked
+            running = self._pulls.running(w.sha256)  # started by another unit while we looked
             if running is not None:
                 stats.present += 1
-                return await _pulled_elsewhere(running, host.name, w)
-            task = asyncio.ensure_future(self._pull(host, w, slots, progress))
-            self._pulls[w.sha256] = task
-            digest, size = await task
+                return await shared(running, host.name, elsewhere(w))
+            digest, size = await self._pulls.start(w.sha256,
+                                                   self._pull(host, w, slots, progress))
             stats.fetched += 1
             stats.fetched_bytes += size
             return digest, size
 
         # Largest first: the long transfer starts at once, the small ones fill the slots.
-        tasks = [asyncio.ensure_future(one(w)) for w in sorted(wanted, key=lambda w: -w.bytes)]
-        try:
-            return dict(await asyncio.gather(*tasks))
-        except BaseException:
-            # One failed (or the capture is cancelled): the unit's other transfers stop
-            # here rather than run on behind the rollback.
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return dict(await all_or_stop([asyncio.ensure_future(one(w))
+                                       for w in sorted(wanted, key=lambda w: -w.bytes)]))
 
     async def _held(self, object_digest: str) -> bool:
         """Whether the store holds the object intact: a copy whose bytes no longer match

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 
-from coldsnap.hosts.base import Host, HostError
+from coldsnap.hosts.base import Host
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import push_blob, transfer_timeout
 from coldsnap.operations.fetch import FETCHING, HostFetch, Wanted
+from coldsnap.operations.single_flight import SingleFlight, all_or_stop, shared
 
 
 def split_repository(target: str) -> tuple[str, str]:
@@ -32,7 +33,7 @@ class Pusher:
     def __init__(self, access: RegistryAccess, repository: str) -> None:
         self.access = access
         self.repository = repository
-        self._pushes: dict[str, asyncio.Task[int]] = {}
+        self._pushes: SingleFlight[int] = SingleFlight()
         self._by_host: dict[str, HostFetch] = {}
 
     def summary(self) -> list[HostFetch]:
@@ -46,14 +47,14 @@ class Pusher:
         slots = asyncio.Semaphore(FETCHING)
 
         async def one(w: Wanted) -> tuple[str, int]:
-            running = self._pushes.get(w.sha256)
+            running = self._pushes.running(w.sha256)
             if running is not None:
                 stats.present += 1
-                await _pushed_elsewhere(running, host.name, w)
+                await shared(running, host.name, f"{w.label}: the push of {w.sha256} from "
+                             "another host, which this host's copy was waiting for, was "
+                             "stopped")
                 return w.sha256, w.bytes
-            task = asyncio.ensure_future(self._push(host, w, slots))
-            self._pushes[w.sha256] = task
-            sent = await task
+            sent = await self._pushes.start(w.sha256, self._push(host, w, slots))
             if sent:
                 stats.fetched += 1
                 stats.fetched_bytes += sent
@@ -61,14 +62,8 @@ class Pusher:
                 stats.present += 1
             return w.sha256, w.bytes
 
-        tasks = [asyncio.ensure_future(one(w)) for w in sorted(wanted, key=lambda w: -w.bytes)]
-        try:
-            return dict(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return dict(await all_or_stop([asyncio.ensure_future(one(w))
+                                       for w in sorted(wanted, key=lambda w: -w.bytes)]))
 
     async def _push(self, host: Host, w: Wanted, slots: asyncio.Semaphore) -> int:
         async with slots:
@@ -76,19 +71,6 @@ class Pusher:
                                      w.bytes, timeout=transfer_timeout(w.bytes),
                                      root=w.root or None)
             return pushed.sent
-
-
-async def _pushed_elsewhere(running: asyncio.Task[int], host: str, w: Wanted) -> None:
-    """The push of the same digest by another unit's host. Shielded: this unit stopping must
-    not stop that push."""
-    try:
-        await asyncio.shield(running)
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        raise HostError(host, f"{w.label}: the push of {w.sha256} from another host, which "
-                              "this host's copy was waiting for, was stopped") from None
 
 
 __all__ = ["Pusher", "split_repository"]

@@ -93,7 +93,7 @@ from coldsnap.operations.sessions import (
     release_locks,
     unlock_all,
 )
-from coldsnap.operations.sources import ObjectSource, StoreSource
+from coldsnap.operations.sources import ObjectSource
 from coldsnap.operations.staging import (
     HostHoldings,
     HostStaging,
@@ -133,17 +133,18 @@ async def restore(
     store: LocalStore,
     ctx: OperationContext,
     *,
+    source: ObjectSource,
     prepare_only: bool = False,
     fallback: Fallback = "none",
     roots: HostRoots = (None, None),
     validate_timeout_s: float = VALIDATE_TIMEOUT_S,
-    source: ObjectSource | None = None,
 ) -> RestoreOutcome:
-    """`roots`: what the host's realpath of each mount source and log path must stay under
-    (None: unrestricted). `validate_timeout_s`: what each service gets to answer its
-    validation prompt. `source`: where staging takes the objects from (default: the store;
-    a `RegistrySource` has each host pull its own)."""
-    t = resolve_target(stored, request, hosts, store, ctx, source or StoreSource(store))
+    """`source`: where staging takes the objects from, as `--stage-from` chose it
+    (coldsnap.operations.sources.choose_source: the store, or a `RegistrySource` from which
+    each host pulls its own). `roots`: what the host's realpath of each mount source and log
+    path must stay under (None: unrestricted). `validate_timeout_s`: what each service gets
+    to answer its validation prompt."""
+    t = resolve_target(stored, request, hosts, store, ctx, source)
     outcome = RestoreOutcome(stored, prepared_only=prepare_only, warm=t.warm)
     # The ports the hosts listen on are read beside the facts: a read, and one round trip
     # fewer between admission and the first container.

@@ -96,7 +96,7 @@ def _restore(calls: list[str], **options: Any) -> Any:
     stored = SimpleNamespace(artifact=None)
     return asyncio.run(restore_module.restore(
         stored, None, FakeHosts(calls), None, OperationContext("restore"),  # type: ignore[arg-type]
-        **options))
+        source=None, **options))  # type: ignore[arg-type]
 
 
 def test_a_restore_runs_its_phases_in_order(recorded: list[str]) -> None:

@@ -85,7 +85,7 @@ from typing import Any
 import yaml
 from bench_common import REPO, emit, log, sized
 
-from coldsnap.operations.publish import IMPORTED_ROLES
+from coldsnap.operations.artifact_registry import IMPORTED_ROLES
 from devtools import shaping
 from devtools.layout import Layout
 

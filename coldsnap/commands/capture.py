@@ -1,4 +1,5 @@
-"""`coldsnapd capture --request-json PATH|-` (the operation itself: coldsnap.runner.kinds)."""
+"""`coldsnapd capture --request-json PATH|-`; the operation itself is
+coldsnap.runner.operation_kinds's."""
 
 from __future__ import annotations
 

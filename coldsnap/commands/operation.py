@@ -47,7 +47,7 @@ from coldsnap.hosts.inventory import (
 from coldsnap.progress import ProgressBoard
 from coldsnap.runner.claim import claim
 from coldsnap.runner.execute import Outcome, run_context, run_here
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Refused, RunOptions
 from coldsnap.runner.report import Report
 from coldsnap.store import default_store_root

@@ -1,6 +1,6 @@
 """`coldsnapd publish --artifact REF --to REGISTRY/REPOSITORY[:TAG] [--native]` (or
 `--request-json` of operation `publish` / `publish-native`): an artifact of the local store
-pushed to an OCI registry as one OCI artifact (coldsnap.operations.publish).
+pushed to an OCI registry as one OCI artifact (coldsnap.operations.artifact_registry).
 
 A plain command, not an operation of the runner: it changes nothing on any host and takes no
 lock; a registry keeps what it received, and a publish cut short leaves only blobs, which
@@ -39,8 +39,8 @@ from coldsnap.hosts.inventory import (
 from coldsnap.hosts.registry.access import RegistryAccess, RegistryAccessError, access_for
 from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
+from coldsnap.operations.artifact_registry import PublishFailed, publish_artifact
 from coldsnap.operations.context import OperationCancelled
-from coldsnap.operations.publish import PublishFailed, publish_artifact
 from coldsnap.runner.artifact_owners import check_artifact_owner
 from coldsnap.runner.prepared import Refused
 from coldsnap.runner.report import human_bytes

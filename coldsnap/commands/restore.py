@@ -1,5 +1,5 @@
 """`coldsnapd restore --artifact REF | --request-json PATH|- [--prepare-only]` (the operation
-itself: coldsnap.runner.kinds)."""
+itself: coldsnap.runner.operation_kinds)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,7 @@ from coldsnap.formats.service_policy import HostRoots
 from coldsnap.hosts.base import ProgressCallback
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.retry import is_transient
+from coldsnap.operations.capture_publication import publish_capture
 from coldsnap.operations.capture_space import check_capture_space, record_dumped
 from coldsnap.operations.context import (
     OperationContext,
@@ -69,7 +70,6 @@ from coldsnap.operations.host_locks import check_gpus_free, exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import check_ports_free, unit_ports
 from coldsnap.operations.operation_dirs import remove_empty_operation_dirs
-from coldsnap.operations.publishing import publish_capture
 from coldsnap.operations.push import Pusher, split_repository
 from coldsnap.operations.service_checks import unit_labels
 from coldsnap.operations.sessions import (

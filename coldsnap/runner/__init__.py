@@ -1,7 +1,7 @@
 """The operation runner: what the CLI and the service share, below both.
 
 One operation, whichever front end asks for it, goes through the same steps here:
-- `kinds`, `lifecycle_kinds`: each operation's `prepare`, from typed `RunOptions` and the
+- `operation_kinds`, `lifecycle_kinds`: each operation's `prepare`, from typed `RunOptions` and the
   request to a `Prepared` operation (its body, receipt key, what it touches), before any host
   is touched; bad input raises `Refused`.
 - `claim`: the operation id claimed in the operation's ledger (`ledger`), after the front

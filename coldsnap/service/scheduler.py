@@ -45,8 +45,8 @@ from coldsnap.formats.redaction import redact, secret_values
 from coldsnap.formats.service_policy import ServicePolicy
 from coldsnap.logs import get_logger
 from coldsnap.runner.claim import Claim, claim, release
-from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.ledger import state_of
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import AlreadyDone, Prepared, Refused
 from coldsnap.runner.service_api import JobState
 from coldsnap.service.conflicts import ConflictIndex

@@ -31,7 +31,7 @@ from coldsnap.formats.receipt import Operation
 from coldsnap.formats.request import Request, parse_request
 from coldsnap.formats.service_policy import ServicePolicy, host_roots
 from coldsnap.runner.claim import Outputs
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import ReceiptKey, Refused, RunOptions
 
 # option -> (its type, its default, a check that says what is wrong or None)

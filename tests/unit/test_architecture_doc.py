@@ -96,7 +96,7 @@ def test_the_picture_names_every_layer() -> None:
 def test_the_restore_walk_names_the_modules_a_restore_passes_through() -> None:
     walk = _text().split("## The walk of one restore", 1)[1].split("\n## ", 1)[0]
     for module in ("coldsnap/cli.py", "coldsnap/commands/operation.py",
-                   "coldsnap/runner/kinds.py", "coldsnap/runner/claim.py",
+                   "coldsnap/runner/operation_kinds.py", "coldsnap/runner/claim.py",
                    "coldsnap/runner/execute.py", "coldsnap/operations/restore.py",
                    "coldsnap/operations/restore_checks.py", "coldsnap/operations/sessions.py",
                    "coldsnap/operations/staging.py", "coldsnap/capsule/restore.py"):

@@ -12,8 +12,8 @@ import pytest
 
 from coldsnap.formats.artifact import ROLE_CAPSULE_MANIFEST, ArtifactObject
 from coldsnap.hosts.inventory import load_inventory
-from coldsnap.operations.publish import import_reference
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.operations.artifact_registry import import_reference
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.store import LocalStore
 from coldsnap.store.refs import ArtifactRefInvalid, resolve_reference

@@ -24,7 +24,7 @@ from coldsnap.runner.artifact_owners import (
     check_artifact_owner,
     record_artifact_owner,
 )
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.service.policy import shares_artifacts
 from coldsnap.store import LocalStore

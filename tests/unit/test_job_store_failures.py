@@ -14,8 +14,8 @@ from structlog.testing import capture_logs
 
 from coldsnap.formats.request import parse_request
 from coldsnap.runner.claim import claim
-from coldsnap.runner.kinds import OPERATIONS
 from coldsnap.runner.ledger import Ledger
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.owners import owner_of
 from coldsnap.runner.prepared import RunOptions
 from coldsnap.service.job_store import JobStore

@@ -13,7 +13,7 @@ from coldsnap.cli import main
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.publication import published_form
 from coldsnap.hosts.inventory import Inventory
-from coldsnap.operations.publish import import_reference, is_registry_reference
+from coldsnap.operations.artifact_registry import import_reference, is_registry_reference
 from coldsnap.store import LocalStore
 from devtools.registry_server import RegistryServer
 from tests.unit.conftest import minimal_request, new_repository, stored_artifact

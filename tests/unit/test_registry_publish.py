@@ -15,7 +15,7 @@ from coldsnap.formats.publication import PublishedForm, published_form
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
-from coldsnap.operations.publish import (
+from coldsnap.operations.artifact_registry import (
     PublishFailed,
     import_published,
     publish_artifact,

@@ -28,7 +28,7 @@ from coldsnap.formats.service_policy import (
 )
 from coldsnap.runner.artifact_owners import record_artifact_owner
 from coldsnap.runner.claim import claim
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.owners import claim_workload, gc_refusal, owner_of, record_owner
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.service.api import sees

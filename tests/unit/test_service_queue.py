@@ -19,8 +19,8 @@ import pytest
 from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import parse_service_policy
 from coldsnap.hosts.inventory import load_inventory
-from coldsnap.runner.kinds import OPERATIONS, Kind
 from coldsnap.runner.ledger import Ledger
+from coldsnap.runner.operation_kinds import OPERATIONS, Kind
 from coldsnap.runner.prepared import Prepared, ReceiptKey, RunOptions, Touches
 from coldsnap.service import scheduler as scheduler_module
 from coldsnap.service.conflicts import ConflictIndex

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.formats.request import parse_request
-from coldsnap.runner.kinds import OPERATIONS
+from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import Refused, RunOptions
 from coldsnap.store import LocalStore
 from coldsnap.store.user_file import UserFileMissing

@@ -15,11 +15,15 @@ from coldsnap.formats.service_policy import restore_image_refusals
 from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
 from coldsnap.hosts.registry.client import RegistryError
+from coldsnap.operations.artifact_registry import (
+    PublishFailed,
+    import_reference,
+    is_registry_reference,
+)
 from coldsnap.operations.capture import capture
 from coldsnap.operations.captured import capsule_meta
 from coldsnap.operations.context import OperationContext, OperationFailed, new_operation_id
 from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.publish import PublishFailed, import_reference, is_registry_reference
 from coldsnap.operations.restore import restore
 from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.operations.sources import ObjectSource, choose_source, published_at

@@ -2,8 +2,8 @@
 control node publishes the artifact (its document, its own small objects and the manifest
 that names every blob) and records where, so that a restore of it pulls from the registry.
 
-The publishing itself is the publish operation's (`coldsnap.operations.publish`, with the
-registry client and references of `coldsnap.hosts.registry`): `publish_capture` is the one
+The publishing itself is `coldsnapd publish`'s (coldsnap.operations.artifact_registry, with
+the registry client and references of coldsnap.hosts.registry): `publish_capture` is the one
 place a capture calls it.
 """
 
@@ -13,7 +13,7 @@ from coldsnap.formats.artifact import Artifact
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.client import RegistryClient
 from coldsnap.hosts.registry.reference import RegistryRef
-from coldsnap.operations.publish import publish_document
+from coldsnap.operations.artifact_registry import publish_document
 from coldsnap.store import LocalStore
 
 

@@ -164,9 +164,6 @@ class OperationContext:
         # Per host, the bytes its staged objects hold and the bytes actually sent there (a
         # restore's staging), for whoever reports on operations (the service's metrics).
         self.staged: dict[str, tuple[int, int]] = {}
-        # A capture's artifact (format 9, as JSON) once it is committed, for the front end
-        # to write to the request's `output`: never written by whoever runs the operation.
-        self.artifact_document: dict[str, Any] | None = None
         # Called before the operation changes units that exist without it (a replaced
         # instance, a unit put to sleep or woken): whoever runs the operation records them
         # durably (the ledger), so that a recovery after a kill -9 can bring them back.

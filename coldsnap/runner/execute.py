@@ -17,7 +17,7 @@ from typing import Any
 
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.exits import EXIT_OK
-from coldsnap.formats.receipt import Receipt, ReceiptResult
+from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.timing import TimingEvent
 from coldsnap.hosts.base import HostError, ProgressCallback
 from coldsnap.hosts.pool import HostPool
@@ -26,7 +26,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.claim import Claim
 from coldsnap.runner.deadline import default_deadline, within_deadline
 from coldsnap.runner.ledger import OperationRun
-from coldsnap.runner.prepared import Prepared
+from coldsnap.runner.prepared import Prepared, Produced
 from coldsnap.runner.report import Report
 from coldsnap.runner.signals import OperationSignals
 from coldsnap.store import LocalStore, StoreError
@@ -36,11 +36,11 @@ AfterBody = Callable[[Prepared, HostSet, OperationContext, Report], Awaitable[No
 
 
 async def execute(prepared: Prepared, ctx: OperationContext, report: Report, *,
-                  after: AfterBody) -> ReceiptResult:
+                  after: AfterBody) -> Produced:
     """The operation's body, then `after`, on a pool of connections to its inventory's hosts,
     within its deadline (given, else derived from the bytes it moves)."""
 
-    async def body() -> ReceiptResult:
+    async def body() -> Produced:
         async with HostPool(prepared.inventory) as pool:
             hosts = HostSet(prepared.inventory, pool)
             with ctx.span(prepared.operation):
@@ -98,14 +98,16 @@ def operation_run(prepared: Prepared, ctx: OperationContext) -> OperationRun:
 
 
 def conclude(prepared: Prepared, claim: Claim, ctx: OperationContext,
-             result: ReceiptResult | None, error: OperationFailed | None) -> Outcome:
-    """The receipt, recorded in the ledger, and the exit status."""
+             produced: Produced | None, error: OperationFailed | None) -> Outcome:
+    """The receipt, recorded in the ledger, and the exit status; `produced`: what the body
+    returned (None when it did not return)."""
+    result = produced.result if produced is not None else None
     receipt = ctx.finish(request_sha256=prepared.key.request_sha256, engine=prepared.engine,
                          snapshot_driver=prepared.snapshot_driver,
                          prepare_only=prepared.prepare_only, result=claim.result(result),
                          error=error)
     outcome = Outcome(receipt, EXIT_OK if error is None else error.exit_status,
-                      artifact=ctx.artifact_document if error is None else None)
+                      artifact=produced.artifact if error is None and produced else None)
     try:
         claim.complete(receipt)
     except (OSError, StoreError) as exc:
@@ -124,11 +126,11 @@ def run_here(prepared: Prepared, claim: Claim, ctx: OperationContext, report: Re
     on failure, 130/143 when SIGINT/SIGTERM cancelled it (coldsnap.runner.signals)."""
     ctx.progress = progress
     error: OperationFailed | None = None
-    result: ReceiptResult | None = None
+    produced: Produced | None = None
     try:
         with OperationSignals(ctx.operation_id) as signals, operation_run(prepared, ctx):
-            result = asyncio.run(signals.cancellable(
+            produced = asyncio.run(signals.cancellable(
                 execute(prepared, ctx, report, after=after)))
     except Exception as exc:
         error = as_failure(exc, verbose=verbose, report=report)
-    return conclude(prepared, claim, ctx, result, error)
+    return conclude(prepared, claim, ctx, produced, error)

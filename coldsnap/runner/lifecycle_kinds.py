@@ -16,7 +16,15 @@ from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.service_checks import answers_line
 from coldsnap.runner.owners import check_owner, workload_name
-from coldsnap.runner.prepared import Prepare, Prepared, ReceiptKey, Refused, RunOptions, Touches
+from coldsnap.runner.prepared import (
+    Prepare,
+    Prepared,
+    Produced,
+    ReceiptKey,
+    Refused,
+    RunOptions,
+    Touches,
+)
 from coldsnap.runner.report import Report
 from coldsnap.store import LocalStore, StoreError, resolve_reference
 from coldsnap.store.user_file_as import reader_for
@@ -62,7 +70,7 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
         check_owner(store.root, workload_name(request, stored.capture_id),
                     options.caller_uid, operation)
 
-        async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
+        async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> Produced:
             # The status table is what `status` was asked for; the others only say it.
             shown: Callable[[str], None] = report.out if operation == "status" else report.say
             if operation == "sleep":
@@ -80,7 +88,7 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
             else:
                 for line in table_lines(units):
                     shown(line)
-            return ReceiptResult(artifact=stored.capture_id)
+            return Produced(ReceiptResult(artifact=stored.capture_id))
 
         return Prepared(operation, ReceiptKey(request.id, operation, request.request_sha256),
                         engine=request.launch.engine,

@@ -33,6 +33,7 @@ from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
     Prepare,
     Prepared,
+    Produced,
     ReceiptKey,
     Refused,
     RunOptions,
@@ -55,7 +56,7 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
     workload = workload_name(request, request.id)
     check_owner(store.root, workload, options.caller_uid, "capture")
 
-    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
+    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> Produced:
         out = await capture(request, hosts, store, ctx,
                             roots=(options.mount_roots, options.log_roots))
         moved, held = ("pushed", "already in the registry") if out.published else \
@@ -69,14 +70,15 @@ def prepare_capture(options: RunOptions, request: Request | None) -> Prepared:
         # Whose it is: only they (and root, and the policy's artifacts.shared_with) may
         # restore, publish or delete it.
         record_artifact_owner(store.root, stored.capture_id, options.caller_uid, request.id)
-        # The front end writes it to `output`, as its user (coldsnap.runner.execute.Outcome).
-        ctx.artifact_document = stored.artifact.to_json()
         size = sum(o.bytes for o in stored.artifact.objects)
         report.say(f"captured {stored.capture_id} ({stored.digest[:19]}): "
                    f"{len(stored.artifact.capsule.images)} capsule(s), "
                    f"{len(stored.artifact.objects)} objects, {human_bytes(size)}")
-        return ReceiptResult(artifact=stored.capture_id, output=request.output,
-                             units=[UnitQuiesce.of(m) for m in out.manifests])
+        # The front end writes the document to `output`, as its user
+        # (coldsnap.runner.execute.Outcome).
+        return Produced(ReceiptResult(artifact=stored.capture_id, output=request.output,
+                                      units=[UnitQuiesce.of(m) for m in out.manifests]),
+                        artifact=stored.artifact.to_json())
 
     return Prepared("capture", ReceiptKey(request.id, "capture", request.request_sha256),
                     engine=request.launch.engine, snapshot_driver=request.snapshot_driver.id,
@@ -170,7 +172,7 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
 
     source = _source(options, store, inventory, artifact.capture_id)
 
-    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> ReceiptResult:
+    async def body(hosts: HostSet, ctx: OperationContext, report: Report) -> Produced:
         out = await restore(stored, request, hosts, store, ctx, prepare_only=prepare_only,
                             fallback=options.fallback,
                             validate_timeout_s=options.validation_timeout or VALIDATE_TIMEOUT_S,
@@ -188,7 +190,7 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
                        "GPU state checkpointed; `coldsnapd wake` makes it serve")
         elif not prepare_only:
             report.say(f"restored {artifact.capture_id}: {answers_line(ctx.services or [])}")
-        return ReceiptResult(artifact=artifact.capture_id, prepared=prepare_only)
+        return Produced(ReceiptResult(artifact=artifact.capture_id, prepared=prepare_only))
 
     return Prepared("restore", key, engine=artifact.launch.engine,
                     snapshot_driver=artifact.snapshot_driver.id, inventory=inventory,

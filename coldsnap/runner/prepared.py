@@ -7,7 +7,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from coldsnap.formats.engines import EngineName
 from coldsnap.formats.receipt import Operation, Receipt, ReceiptResult
@@ -125,7 +125,16 @@ class Touches:
         return [k for k in self.keys() if k in theirs]
 
 
-Body = Callable[[HostSet, OperationContext, Report], Awaitable[ReceiptResult]]
+@dataclass(frozen=True)
+class Produced:
+    """What an operation's body returns: its receipt's result and, for a capture, the artifact
+    document (format 9, as JSON) that its front end writes to the request's `output`."""
+
+    result: ReceiptResult
+    artifact: dict[str, Any] | None = None
+
+
+Body = Callable[[HostSet, OperationContext, Report], Awaitable[Produced]]
 
 
 @dataclass

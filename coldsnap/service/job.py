@@ -13,9 +13,9 @@ import asyncio
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO, cast
+from typing import Any, TextIO, cast
 
-from coldsnap.formats.receipt import Receipt, ReceiptResult
+from coldsnap.formats.receipt import Receipt
 from coldsnap.operations.context import OperationCancelled, OperationContext, OperationFailed
 from coldsnap.progress import ProgressBoard
 from coldsnap.runner.cancel import cancelled_by
@@ -28,7 +28,7 @@ from coldsnap.runner.execute import (
     operation_run,
     run_context,
 )
-from coldsnap.runner.prepared import Prepared
+from coldsnap.runner.prepared import Prepared, Produced
 from coldsnap.runner.report import Report
 from coldsnap.service.output import JobOutput, JobStream
 from coldsnap.upkeep.cache_budgets import after_operation
@@ -42,6 +42,8 @@ class Ended:
     exit_status: int
     ctx: OperationContext
     started: bool
+    # A succeeded capture's artifact document, for its client to write to `output`.
+    artifact: dict[str, Any] | None = None
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Job:
     waiting_for: str | None = None
     cancel_signal: signal.Signals | None = None
     task: asyncio.Task[None] | None = None
-    _operation: asyncio.Future[ReceiptResult] | None = field(default=None, repr=False)
+    _operation: asyncio.Future[Produced] | None = field(default=None, repr=False)
 
     @property
     def id(self) -> str:
@@ -93,9 +95,9 @@ class Job:
     def _context(self) -> OperationContext:
         return run_context(self.prepared, self.claim, timing_sink=self.output.timing)
 
-    def _conclude(self, ctx: OperationContext, result: ReceiptResult | None,
+    def _conclude(self, ctx: OperationContext, produced: Produced | None,
                   error: OperationFailed | None) -> Outcome:
-        outcome = conclude(self.prepared, self.claim, ctx, result, error)
+        outcome = conclude(self.prepared, self.claim, ctx, produced, error)
         for line in [*outcome.notes, *([outcome.failure] if outcome.failure else [])]:
             self.output.write("stderr", line + "\n")
         return outcome
@@ -109,7 +111,7 @@ class Job:
         ctx = self._context()
         board = ProgressBoard(cast(TextIO, JobStream(self.output)), tty=False)
         ctx.progress = board
-        result: ReceiptResult | None = None
+        produced: Produced | None = None
         error: OperationFailed | None = None
         try:
             with board, operation_run(self.prepared, ctx):
@@ -119,12 +121,13 @@ class Job:
                                                                 self.report,
                                                                 after=after_operation))
                 try:
-                    result = await self._operation
+                    produced = await self._operation
                 except (asyncio.CancelledError, Exception) as exc:
                     if self.cancel_signal is None:
                         raise
                     raise cancelled_by(self.cancel_signal, exc) from exc
         except Exception as exc:
             error = as_failure(exc, verbose=self.verbose, report=self.report)
-        outcome = self._conclude(ctx, result, error)
-        self.on_end(self, Ended(outcome.receipt, outcome.exit_status, ctx, started=True))
+        outcome = self._conclude(ctx, produced, error)
+        self.on_end(self, Ended(outcome.receipt, outcome.exit_status, ctx, started=True,
+                                artifact=outcome.artifact))

@@ -325,11 +325,11 @@ class Scheduler:
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)
         end: dict[str, Any] = {"exit_status": ended.exit_status, "receipt": receipt.to_json()}
-        if ended.ctx.artifact_document is not None:
+        if ended.artifact is not None:
             # The client writes it to the request's `output`, as its user: it asks for it
             # (GET /v1/jobs/ID/artifact, the submitter's and root's only), since the document
             # holds the request's environment, which no job view shows.
-            self.artifacts[job.id] = ended.ctx.artifact_document
+            self.artifacts[job.id] = ended.artifact
             end["artifact"] = True
             if job.id in self.wants_artifact:
                 self.unfetched.add(job.id)

@@ -337,13 +337,6 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     placements = ({} if warm else
                   placement_documents(launch, topology, hosts.entries, maps))
 
-    async def start(r: RestoreRun) -> None:
-        assert r.capsule_meta is not None
-        images = image_set_dir(hosts.entries[r.placed.host].data_dir,
-                               r.capsule_meta.criu_images)
-        r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta,
-                                                 images)
-
     async def restore_engine(r: RestoreRun) -> None:
         # The placement is written by the restore's own exec: the engine reads it on wake.
         assert r.capsule_meta is not None
@@ -355,22 +348,11 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                            address_map=plan.address_map if kept else None,
                            leave_stopped=kept)
 
-    captured = {u.id: u for u in artifact.launch.units}
-
-    async def start_native(r: RestoreRun) -> None:
-        # The image the capture ran, which the artifact pins: the restore request's own image
-        # is never compared by the identity check, so it is not what replays.
-        unit = captured[r.placed.unit_id]
-        spec = replace(payload_spec(r.placed, hosts, store, artifact), image=unit.image,
-                       image_digest=unit.image_digest)
-        r.handle = await start_unit(r.session, spec, role="replay")
-        await wait_ready(r.session, r.handle)
-
     # The earlier instances stop while the new containers start: until CRIU brings the
     # engine back (next phase), a new container runs only its init, which holds no port and
     # no GPU memory.
     await both(phase(ctx, "stop-previous", [r for r in runs if r.previous], stop_previous),
-                phase(ctx, "start-restore", snap, start))
+                phase(ctx, "start-restore", snap, lambda r: _start_snapshot(hosts, r)))
     # With its GPU state restored onto the destination's devices and unlocked in the same
     # exec (not for a unit held warm): no unit's GPUs wait for another unit's tree.
     if keeping:
@@ -386,13 +368,33 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
-        await phase(ctx, "replay", native, start_native)
+        await phase(ctx, "replay", native,
+                    lambda r: _start_native(hosts, store, artifact, r))
 
     # One validation per service, on the unit that holds the service's first world rank,
     # all services at once (service_checks).
     answers = await validate_services(ctx, runs, topology, timeout_s=validate_timeout_s)
     await remove_previous(ctx, runs)
     return [a.service for a in answers]
+
+
+async def _start_snapshot(hosts: HostSet, r: RestoreRun) -> None:
+    """The unit's restore container, its init alone running, with the CRIU images mounted."""
+    assert r.capsule_meta is not None
+    images = image_set_dir(hosts.entries[r.placed.host].data_dir, r.capsule_meta.criu_images)
+    r.handle = await start_restore_container(r.session, r.placed.spec, r.capsule_meta, images)
+
+
+async def _start_native(hosts: HostSet, store: LocalStore, artifact: Artifact,
+                        r: RestoreRun) -> None:
+    """A replayed unit started from its image and waited on until ready."""
+    # The image the capture ran, which the artifact pins: the restore request's own image
+    # is never compared by the identity check, so it is not what replays.
+    unit = {u.id: u for u in artifact.launch.units}[r.placed.unit_id]
+    spec = replace(payload_spec(r.placed, hosts, store, artifact), image=unit.image,
+                   image_digest=unit.image_digest)
+    r.handle = await start_unit(r.session, spec, role="replay")
+    await wait_ready(r.session, r.handle)
 
 
 async def hold_warm(r: RestoreRun) -> None:

@@ -50,7 +50,7 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
-from coldsnap.formats.request import Launch, Request
+from coldsnap.formats.request import Launch, Request, Unit
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.operations.context import (
     OperationContext,
@@ -171,7 +171,8 @@ async def restore(
             if prepare_only:
                 return outcome
             outcome.validated = await _start_and_validate(
-                ctx, hosts, store, t, request, runs, plan, validate_timeout_s)
+                ctx, hosts, store, t, request, runs, outcome.replayed_units, plan,
+                validate_timeout_s)
         return outcome
 
 
@@ -233,11 +234,12 @@ def _say_replays(ctx: OperationContext, runs: list[RestoreRun]) -> list[str]:
 
 async def _start_and_validate(ctx: OperationContext, hosts: HostSet, store: LocalStore,
                               t: RestoreTarget, request: Request | None, runs: list[RestoreRun],
-                              plan: SessionPlan, validate_timeout_s: float) -> list[str]:
+                              replayed: list[str], plan: SessionPlan,
+                              validate_timeout_s: float) -> list[str]:
     """Every unit started, restored and released, then validated (`_restore_units`), with
     the earlier instances it replaces recorded first for a recovery; on any failure every
-    unit is rolled back. Returns the services whose prompt was answered."""
-    replayed = [r.placed.unit_id for r in runs if r.replay_reason]
+    unit is rolled back. `replayed`: the units re-created natively (`_say_replays`). Returns
+    the services whose prompt was answered."""
     if t.warm and replayed:
         # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
         raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
@@ -368,8 +370,9 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
 
     await phase(ctx, "release", snap, lambda r: release(r.session, r.started))
     if native:
-        await phase(ctx, "replay", native,
-                    lambda r: _start_native(hosts, store, artifact, r))
+        captured = {u.id: u for u in artifact.launch.units}
+        await phase(ctx, "replay", native, lambda r: _start_native(
+            hosts, store, artifact, captured[r.placed.unit_id], r))
 
     # One validation per service, on the unit that holds the service's first world rank,
     # all services at once (service_checks).
@@ -386,11 +389,11 @@ async def _start_snapshot(hosts: HostSet, r: RestoreRun) -> None:
 
 
 async def _start_native(hosts: HostSet, store: LocalStore, artifact: Artifact,
-                        r: RestoreRun) -> None:
-    """A replayed unit started from its image and waited on until ready."""
+                        unit: Unit, r: RestoreRun) -> None:
+    """A replayed unit started from its image and waited on until ready; `unit`: the unit as
+    the artifact captured it."""
     # The image the capture ran, which the artifact pins: the restore request's own image
     # is never compared by the identity check, so it is not what replays.
-    unit = {u.id: u for u in artifact.launch.units}[r.placed.unit_id]
     spec = replace(payload_spec(r.placed, hosts, store, artifact), image=unit.image,
                    image_digest=unit.image_digest)
     r.handle = await start_unit(r.session, spec, role="replay")

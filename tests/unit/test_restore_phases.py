@@ -150,5 +150,5 @@ def test_a_warm_restore_refuses_units_that_would_be_replayed() -> None:
     t: Any = SimpleNamespace(warm=True)
     with pytest.raises(OperationFailed, match="re-created natively: unit-1") as refused:
         asyncio.run(restore_module._start_and_validate(
-            ctx, None, None, t, None, runs, None, 1.0))  # type: ignore[arg-type]
+            ctx, None, None, t, None, runs, ["unit-1"], None, 1.0))  # type: ignore[arg-type]
     assert refused.value.code == "warm-replay" and touched == []

@@ -26,7 +26,7 @@ from typing import Literal
 
 from coldsnap.formats.artifact import CompatibilityUnit
 from coldsnap.formats.errors import ValidationIssue
-from coldsnap.placement_rules import InterfaceFact
+from coldsnap.network_admission import InterfaceFact
 
 # The same machine architecture has several names (uname vs Debian vs OCI); compare meanings.
 _ARCH_ALIASES = {"amd64": "x86_64", "x86-64": "x86_64", "x64": "x86_64", "arm64": "aarch64",
@@ -52,7 +52,7 @@ class HostFacts:
     docker: str | None = None
     docker_instance: str | None = None
     # The network its units see (they share the host's): placement admission
-    # (coldsnap.placement_rules). None: the probe could not list the interfaces.
+    # (coldsnap.network_admission). None: the probe could not list the interfaces.
     hostname: str | None = None
     interfaces: Sequence[InterfaceFact] | None = None
 

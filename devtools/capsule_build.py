@@ -35,7 +35,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from coldsnap.hosts.durable import publish
+from coldsnap.durable import publish
 from devtools import capsule_tools as tools
 from devtools.capsule_tools import EPOCH as EPOCH  # the tests read it here
 from devtools.layout import REGISTRY_ADDR, REPO

@@ -27,7 +27,7 @@ import yaml
 
 # The cache that other runs and clones trust must never hold half a tarball after a crash:
 # the file and its rename are synced (coldsnap's own publish, stdlib only).
-from coldsnap.hosts.durable import publish
+from coldsnap.durable import publish
 from devtools import procs, registry_host
 from devtools.layout import REGISTRY_ADDR, RegistryNet, current_net_base
 

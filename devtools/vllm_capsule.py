@@ -42,7 +42,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from coldsnap.hosts.durable import publish
+from coldsnap.durable import publish
 from devtools import capsule_tools as tools
 from devtools.layout import REGISTRY_ADDR, REPO
 

@@ -52,7 +52,7 @@ from coldsnap.capsule.oci import (
     load_capsule,
 )
 from coldsnap.capsule.placement import deliver_placement
-from coldsnap.capsule.restore import (
+from coldsnap.capsule.restore_container import (
     create_restore_container,
     start_created_container,
     start_restore_container,

@@ -3,7 +3,7 @@ a device map, captured GPU UUID -> GPU UUID now) and unlock, the state of each w
 GPU record a unit put to sleep keeps in its container (RUNTIME_DIR/gpu-checkpoint.json).
 
 The GPU record says on which devices the workers' GPU state was checkpointed and which PIDs
-they are (coldsnap.capsule.lifecycle reads it on a wake).
+they are (coldsnap.capsule.running_unit reads it on a wake).
 """
 
 from __future__ import annotations

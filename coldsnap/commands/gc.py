@@ -29,7 +29,7 @@ from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.pool import HostPool
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.ledger import prune_locks
-from coldsnap.runner.owners import gc_refusal
+from coldsnap.runner.workload_owners import gc_refusal
 from coldsnap.store import LocalStore
 from coldsnap.upkeep.orphans import HostResult, Judge
 from coldsnap.upkeep.reclaim import Reclaimed, reclaim

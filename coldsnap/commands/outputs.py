@@ -19,11 +19,11 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
+from coldsnap.durable import atomic_write_bytes
 from coldsnap.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from coldsnap.formats.fields import is_clean_absolute
 from coldsnap.formats.receipt import Receipt
 from coldsnap.formats.timing import TimingEvent
-from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.runner.prepared import AlreadyDone, ReceiptKey, Refused
 
 

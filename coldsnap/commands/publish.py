@@ -37,7 +37,6 @@ from coldsnap.hosts.inventory import (
     load_inventory,
 )
 from coldsnap.hosts.registry.access import RegistryAccess, RegistryAccessError, access_for
-from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.operations.artifact_registry import PublishFailed, publish_artifact
 from coldsnap.operations.context import OperationCancelled
@@ -46,6 +45,7 @@ from coldsnap.runner.prepared import Refused
 from coldsnap.runner.report import human_bytes
 from coldsnap.runner.signals import OperationSignals
 from coldsnap.store import StoreError, resolve_reference
+from coldsnap.store.registry_client import RegistryClient, RegistryError
 
 
 def _what(args: argparse.Namespace) -> tuple[str, str, bool] | int:

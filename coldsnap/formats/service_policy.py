@@ -19,7 +19,7 @@ Without a policy file only root may submit, and root is then unrestricted
 (`ServicePolicy.root_only()`).
 
 Pure: the checks take the request and paths as given; the service reads the file and the
-submitter's groups (coldsnap.service.policy), and the capsule layer checks the host's
+submitter's groups (coldsnap.service.submitter_checks), and the capsule layer checks the host's
 `realpath` of each mount and log path against the same roots (`host_roots`).
 """
 

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from coldsnap.durable import publish
 from coldsnap.hosts.base import (
     DEFAULT_OUTPUT_LIMIT,
     DEFAULT_RUN_TIMEOUT,
@@ -27,7 +28,6 @@ from coldsnap.hosts.base import (
     TransferResult,
     check_get_bounds,
 )
-from coldsnap.hosts.durable import publish
 from coldsnap.hosts.helper.beneath import Refused, open_beneath
 from coldsnap.hosts.helper.stamps import stamp
 

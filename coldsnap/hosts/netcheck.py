@@ -1,7 +1,7 @@
 """What a host's network says about an address: what a name resolves to there, and whether a
 TCP connection from the host reaches `address:port`.
 
-Placement admission (coldsnap.placement_rules) asks these for rendezvous values only; the host's
+Network admission (coldsnap.network_admission) asks these for rendezvous values only; the host's
 own interfaces and addresses come with its facts (coldsnap.hosts.probe). The name is an argv
 element, never part of a shell string.
 """

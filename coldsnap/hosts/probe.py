@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from coldsnap.admission import GpuFact, HostFacts
 from coldsnap.hosts.base import Host, HostError, HostUnreachable
 from coldsnap.hosts.inventory import HostEntry
-from coldsnap.placement_rules import InterfaceFact
+from coldsnap.network_admission import InterfaceFact
 
 if TYPE_CHECKING:
     from coldsnap.hosts.pool import HostPool

@@ -55,11 +55,11 @@ from coldsnap.formats.oci_artifact import (
 from coldsnap.formats.publication import PublishedForm, published_form
 from coldsnap.hosts.inventory import Inventory
 from coldsnap.hosts.registry.access import RegistryAccess, access_for
-from coldsnap.hosts.registry.client import RegistryClient
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.store import LocalStore, StoredArtifact, StoreError
 from coldsnap.store.object_kinds import kind_problem
 from coldsnap.store.refs import MAX_ARTIFACT_BYTES
+from coldsnap.store.registry_client import RegistryClient
 
 # Objects only the control node uses: a capture with a registry pushes them from the store.
 CONTROL_NODE_ROLES = frozenset({ROLE_CAPSULE_MANIFEST, ROLE_CAPTURE_REQUEST})

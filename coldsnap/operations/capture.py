@@ -236,7 +236,7 @@ async def _dump_at_one_cut(ctx: OperationContext, runs: list[UnitRun],
                              lambda r: dumped_sockets(r.session, r.started))
         sockets = {r.placed.unit_id: x for r, x in zip(keeping, listed, strict=True)}
         await unlock_all(ctx, keeping)
-    ctx.crossings = crossings(runs, sockets, {}, {
+    ctx.record.crossings = crossings(runs, sockets, {}, {
         r.placed.unit_id: adapter_for(r.started.spec.engine).crossing(r.started.spec.accelerator)
         or "" for r in runs})
     return dumped, sockets

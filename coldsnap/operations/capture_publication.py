@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from coldsnap.formats.artifact import Artifact
 from coldsnap.hosts.registry.access import RegistryAccess
-from coldsnap.hosts.registry.client import RegistryClient
 from coldsnap.hosts.registry.reference import RegistryRef
 from coldsnap.operations.artifact_registry import publish_document
 from coldsnap.store import LocalStore
+from coldsnap.store.registry_client import RegistryClient
 
 
 async def publish_capture(access: RegistryAccess, repository: str, artifact: Artifact,

@@ -48,15 +48,16 @@ async def check_capture_space(ctx: OperationContext, hosts: HostSet,
                               runs: Sequence[UnitRun]) -> None:
     """Each unit's dump estimated and each host's free space read; OperationFailed
     (`no-space`) naming every host without the room. The estimates go to the receipt
-    (`ctx.space`), the actual image bytes are added once dumped (`record_dumped`)."""
+    (`ctx.record.space`), the actual image bytes are added once dumped (`record_dumped`)."""
     estimates = await phase(ctx, "space", runs, lambda r: estimate_dump(r.session, r.started))
     names = sorted({r.placed.host for r in runs})
     data_dirs = {n: hosts.entries[n].data_dir for n in names}
     frees = await asyncio.gather(*(data_dir_free(hosts.host(n), data_dirs[n]) for n in names))
     free = dict(zip(names, frees, strict=True))
-    ctx.space = [UnitSpace(unit=r.placed.unit_id, host=r.placed.host, path=data_dirs[r.placed.host],
-                           free_bytes=free[r.placed.host], estimated_bytes=e.total)
-                 for r, e in zip(runs, estimates, strict=True)]
+    ctx.record.space = [
+        UnitSpace(unit=r.placed.unit_id, host=r.placed.host, path=data_dirs[r.placed.host],
+                  free_bytes=free[r.placed.host], estimated_bytes=e.total)
+        for r, e in zip(runs, estimates, strict=True)]
     refuse_short(space_needs([(r.placed.host, e) for r, e in zip(runs, estimates, strict=True)],
                              data_dirs, free),
                  what=(f"for the dumps, refused before any ran (each needs {COPIES_AT_PEAK} x "
@@ -66,9 +67,9 @@ async def check_capture_space(ctx: OperationContext, hosts: HostSet,
 
 def record_dumped(ctx: OperationContext, images_bytes: dict[str, int]) -> None:
     """The actual bytes of each unit's CRIU images beside its estimate."""
-    if ctx.space is not None:
-        ctx.space = [s.model_copy(update={"images_bytes": images_bytes.get(s.unit)})
-                     for s in ctx.space]
+    if ctx.record.space is not None:
+        ctx.record.space = [s.model_copy(update={"images_bytes": images_bytes.get(s.unit)})
+                            for s in ctx.record.space]
 
 
 __all__ = ["COPIES_AT_PEAK", "check_capture_space", "data_dir_free", "record_dumped",

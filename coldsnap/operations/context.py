@@ -1,4 +1,5 @@
-"""What every running operation carries: its id, timing spans, log binding, and its receipt.
+"""What every running operation carries: its id, timing spans, log binding, the record of what
+it did so far (`OperationRecord`), and its receipt.
 
 Spans nest through a context variable, so a span opened inside a task that was started from
 another span's body becomes that span's child without threading parents through every call.
@@ -12,7 +13,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
@@ -108,7 +109,7 @@ class UnitRepaired:
     final: bool = True
 
 
-class TouchedUnit(StrictModel):
+class JournalUnit(StrictModel):
     """A unit an operation is about to change, as a recovery after that operation's death
     (coldsnap.upkeep.repair) must find it and bring it back: `container` and `name` are the
     container changed, `earlier` its state before (`serving` for an earlier instance a
@@ -122,19 +123,44 @@ class TouchedUnit(StrictModel):
     head: bool = False  # holds a service's first rank: the validation prompt goes there
 
 
-class Touched(StrictModel):
-    """What an operation hands `OperationContext.touching` before it changes units: the
-    artifact it acts with, its request as a document (None: a restore without one), and
-    the units."""
+class JournalEntry(StrictModel):
+    """What an operation writes to the repair journal (`OperationContext.journal`) before it
+    changes units: the artifact it acts with, its request as a document (None: a restore
+    without one), and the units."""
 
     artifact: str
     request: dict[str, Any] | None = None
-    units: list[TouchedUnit] = []
+    units: list[JournalUnit] = []
 
 
 def new_operation_id(operation: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return f"{operation}-{stamp}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class OperationRecord:
+    """What an operation has done so far, as its receipt, its failure message, the ledger and
+    the service's metrics report it, also when it fails part-way: each field is written once,
+    by the step that does the thing, and read only by those reports. What a step produces for
+    the next one, and an operation's results, go by return value."""
+
+    # One entry per unit once a rollback ran (filled in as units finish, so that a rollback
+    # cut short still reports what it did); None when none ran.
+    rollback: list[UnitRollback] | None = None
+    # Every unit's state when an operation without a rollback (wake) was cancelled.
+    units_now: str | None = None
+    # Per host, the bytes its staged objects hold and the bytes actually sent there (a
+    # restore's staging).
+    staged: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Each service's validation once it ran (the receipt's `result.services`, also on a
+    # failed receipt); None when no validation ran.
+    services: list[ServiceAnswer] | None = None
+    # A capture's space admission once it ran (`result.space`); None before.
+    space: list[UnitSpace] | None = None
+    # Per unit, how it crossed the capture or restore (`result.crossings`); None when no
+    # unit's sockets were looked at.
+    crossings: list[UnitCrossing] | None = None
 
 
 class OperationContext:
@@ -144,6 +170,7 @@ class OperationContext:
         *,
         operation_id: str | None = None,
         timing_sink: Callable[[TimingEvent], None] | None = None,
+        journal: Callable[[JournalEntry], None] | None = None,
     ) -> None:
         self.operation = operation
         self.operation_id = operation_id or new_operation_id(operation)
@@ -156,39 +183,25 @@ class OperationContext:
         self.log = get_logger()
         # label -> per-transfer progress callback; the CLI sets it when a terminal is attached
         self.progress: Callable[[str], ProgressCallback | None] | None = None
-        # One entry per unit once a rollback ran (filled in as units finish, so that a
-        # rollback cut short still reports what it did); None when none ran.
-        self.rollback: list[UnitRollback] | None = None
-        # Every unit's state when an operation without a rollback (wake) was cancelled.
-        self.units_now: str | None = None
-        # Per host, the bytes its staged objects hold and the bytes actually sent there (a
-        # restore's staging), for whoever reports on operations (the service's metrics).
-        self.staged: dict[str, tuple[int, int]] = {}
-        # Called before the operation changes units that exist without it (a replaced
-        # instance, a unit put to sleep or woken): whoever runs the operation records them
-        # durably (the ledger), so that a recovery after a kill -9 can bring them back.
-        self.touching: Callable[[Touched], None] | None = None
+        # Whoever runs the operation records durably (the ledger) what it is about to
+        # change, so that a recovery after a kill -9 can bring it back (`journal`).
+        self._journal = journal
         # unit id -> the service(s) it serves, as a failed step of that unit names them
         # first (operations.service_checks.unit_labels; set once the topology is known).
         self.unit_services: dict[str, str] = {}
-        # Each service's validation once it ran (the receipt's `result.services`, also on a
-        # failed receipt); None when no validation ran.
-        self.services: list[ServiceAnswer] | None = None
-        # A capture's space admission once it ran (the receipt's `result.space`, also on a
-        # failed receipt); None before.
-        self.space: list[UnitSpace] | None = None
-        # Per unit, how it crossed the capture or restore (the receipt's `result.crossings`,
-        # also on a failed receipt); None when no unit's sockets were looked at.
-        self.crossings: list[UnitCrossing] | None = None
+        self.record = OperationRecord()
 
-    def record_touched(self, touched: Touched) -> None:
-        if self.touching is not None and touched.units:
-            self.touching(touched)
+    def journal(self, touched: JournalEntry) -> None:
+        """The one call through which an operation writes the repair journal: before it
+        changes units that exist without it (a replaced instance, a unit put to sleep or
+        woken)."""
+        if self._journal is not None and touched.units:
+            self._journal(touched)
 
     def rollback_summary(self) -> str | None:
-        if self.rollback is None:
+        if self.record.rollback is None:
             return None
-        return "; ".join(u.describe() for u in self.rollback) or "no unit to undo"
+        return "; ".join(u.describe() for u in self.record.rollback) or "no unit to undo"
 
     def failure_message(self, error: OperationFailed) -> str:
         """The error's message and what the rollback did, for the receipt and stderr."""
@@ -196,8 +209,8 @@ class OperationContext:
         summary = self.rollback_summary()
         if summary is not None:
             parts.append(f"rollback: {summary}")
-        if self.units_now is not None:
-            parts.append(f"units now: {self.units_now}")
+        if self.record.units_now is not None:
+            parts.append(f"units now: {self.record.units_now}")
         if len(parts) == 1 and isinstance(error, OperationCancelled):
             parts.append("no unit had to be rolled back")
         return "; ".join(parts)
@@ -206,8 +219,8 @@ class OperationContext:
         """The result with what the operation recorded on its way (validation, space,
         crossings), which a failed receipt carries too."""
         update: dict[str, Any] = {
-            k: v for k, v in (("services", self.services), ("space", self.space),
-                              ("crossings", self.crossings)) if v is not None}
+            k: v for k, v in (("services", self.record.services), ("space", self.record.space),
+                              ("crossings", self.record.crossings)) if v is not None}
         if not update:
             return result
         return (result or ReceiptResult()).model_copy(update=update)

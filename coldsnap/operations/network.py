@@ -24,9 +24,7 @@ from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.netcheck import resolve_name, tcp_refusal
 from coldsnap.hosts.ports import listening_ports
 from coldsnap.identity import is_transport_variable
-from coldsnap.operations.context import OperationFailed, OperationRefused
-from coldsnap.operations.hostset import HostSet
-from coldsnap.placement_rules import (
+from coldsnap.network_admission import (
     RendezvousValue,
     host_addresses,
     interface_refusals,
@@ -34,6 +32,8 @@ from coldsnap.placement_rules import (
     rendezvous_refusal,
     rendezvous_values,
 )
+from coldsnap.operations.context import OperationFailed, OperationRefused
+from coldsnap.operations.hostset import HostSet
 from coldsnap.topology import Topology
 
 T = TypeVar("T")

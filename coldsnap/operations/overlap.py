@@ -38,4 +38,24 @@ async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
     return a, b
 
 
-__all__ = ["ahead", "both"]
+async def checked_beside(work: Awaitable[T], check: Awaitable[U]) -> tuple[T, U]:
+    """Run `work` beside the `check` that decides whether it is wanted: a failed check
+    cancels the work, waits for it to clean up after itself, and raises the check's failure;
+    a failed work raises once the check has ended too (so that no step outlives the call)."""
+    w, c = asyncio.ensure_future(work), asyncio.ensure_future(check)
+    try:
+        await asyncio.wait([c])
+        if c.exception() is not None:
+            w.cancel()
+    finally:
+        if not c.done():  # this call was cancelled: so is all it started
+            c.cancel()
+            w.cancel()
+        await asyncio.gather(w, c, return_exceptions=True)
+    failure = c.exception() or w.exception()
+    if failure is not None:
+        raise failure
+    return w.result(), c.result()
+
+
+__all__ = ["ahead", "both", "checked_beside"]

@@ -35,7 +35,7 @@ from pathlib import Path
 from coldsnap.admission import HostFacts
 from coldsnap.capsule.criu_probe import PROBE_RECIPE, CriuProbe, check_criu_version, probe_criu
 from coldsnap.capsule.session import CapsuleSession
-from coldsnap.hosts.durable import atomic_write_bytes
+from coldsnap.durable import atomic_write_bytes
 from coldsnap.hosts.inventory import HostEntry
 
 PROBES_DIR = "probes"

@@ -37,7 +37,7 @@ from coldsnap.formats.artifact import Artifact
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request import Request
 from coldsnap.operations.captured import capsule_meta
-from coldsnap.operations.context import OperationContext, Touched, TouchedUnit
+from coldsnap.operations.context import JournalEntry, JournalUnit, OperationContext
 from coldsnap.operations.unit_runs import UnitRun
 from coldsnap.operations.units import PlacedUnit
 from coldsnap.store import LocalStore, StoreError
@@ -84,11 +84,11 @@ async def previous_units(placed: Sequence[PlacedUnit], sessions: dict[str, Capsu
 
 
 def touched_previous(runs: Sequence[ReplacingRun], artifact: str,
-                     request: Request | None) -> Touched:
+                     request: Request | None) -> JournalEntry:
     """The earlier instances `stop_previous` is about to stop, for the ledger: should this
     restore die before it removes or revives them, a recovery revives them from this."""
-    return Touched(artifact=artifact, request=request.canonical() if request else None,
-                   units=[TouchedUnit(host=r.placed.host, unit=r.placed.unit_id,
+    return JournalEntry(artifact=artifact, request=request.canonical() if request else None,
+                   units=[JournalUnit(host=r.placed.host, unit=r.placed.unit_id,
                                       container=old.id, name=old.name, earlier="serving",
                                       head=r.head)
                           for r in runs for old in r.previous if old.running])

@@ -40,7 +40,7 @@ from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import GpuRecord, device_map, write_gpu_record
 from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.oci import load_capsule
-from coldsnap.capsule.restore import start_restore_container
+from coldsnap.capsule.restore_container import start_restore_container
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE,
@@ -50,6 +50,7 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.formats.owners import Owner
+from coldsnap.formats.receipt import ServiceAnswer
 from coldsnap.formats.request import Launch, Request, Unit
 from coldsnap.formats.service_policy import HostRoots
 from coldsnap.operations.context import (
@@ -64,7 +65,7 @@ from coldsnap.operations.network import (
     listening_by_host,
     placement_documents,
 )
-from coldsnap.operations.overlap import ahead, both
+from coldsnap.operations.overlap import ahead, both, checked_beside
 from coldsnap.operations.payload_mounts import as_captured, payload_spec
 from coldsnap.operations.probe_cache import ProbeCache, admit_criu, probe_key
 from coldsnap.operations.replace import (
@@ -122,7 +123,7 @@ class RestoreOutcome:
     prepared_only: bool
     staging: list[HostStaging] = field(default_factory=list)
     replayed_units: list[str] = field(default_factory=list)
-    validated: list[str] = field(default_factory=list)  # services whose prompt was answered
+    answers: list[ServiceAnswer] = field(default_factory=list)  # each service's validation
     warm: bool = False  # lifecycle.activation_state warm: restored asleep, nothing validated
 
 
@@ -170,7 +171,7 @@ async def restore(
             outcome.replayed_units = _say_replays(ctx, runs)
             if prepare_only:
                 return outcome
-            outcome.validated = await _start_and_validate(
+            outcome.answers = await _start_and_validate(
                 ctx, hosts, store, t, request, runs, outcome.replayed_units, plan,
                 validate_timeout_s)
         return outcome
@@ -200,13 +201,14 @@ async def _stage_and_admit(ctx: OperationContext, hosts: HostSet, store: LocalSt
                            fallback: Fallback) -> list[HostStaging]:
     """Owner-scoped staging, and each unit's capsule loaded and CRIU probed: a capsule pulled
     from the registry needs nothing staged, so its load and probe run while the objects
-    travel; one loaded from its staged layers waits for them. The hosts' cache locks are
-    released once staging ends."""
+    travel, and a refusal there cancels the staging (which removes what it half-wrote); one
+    loaded from its staged layers waits for them. The hosts' cache locks are released once
+    staging ends."""
     async def staged() -> list[HostStaging]:
         with ctx.span("restore.stage"):
             done = await _stage(hosts, t.source, t.per_host, t.sets, ctx, surveys)
         for st in done:
-            ctx.staged[st.host] = (st.owned_bytes, st.sent_bytes)
+            ctx.record.staged[st.host] = (st.owned_bytes, st.sent_bytes)
         return done
 
     def admit(some: list[RestoreRun]) -> Awaitable[None]:
@@ -214,7 +216,8 @@ async def _stage_and_admit(ctx: OperationContext, hosts: HostSet, store: LocalSt
                                kernel_policy=t.policy.compatibility.kernel, fallback=fallback)
 
     pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
-    staging, _ = await both(staged(), admit(pulled))
+    # A refusal found beside the staging (a CRIU probe the host fails) stops it at once.
+    staging, _ = await checked_beside(staged(), admit(pulled))
     await locks.release_cache()
     await admit([r for r in runs if r not in pulled])
     return staging
@@ -235,17 +238,17 @@ def _say_replays(ctx: OperationContext, runs: list[RestoreRun]) -> list[str]:
 async def _start_and_validate(ctx: OperationContext, hosts: HostSet, store: LocalStore,
                               t: RestoreTarget, request: Request | None, runs: list[RestoreRun],
                               replayed: list[str], plan: SessionPlan,
-                              validate_timeout_s: float) -> list[str]:
+                              validate_timeout_s: float) -> list[ServiceAnswer]:
     """Every unit started, restored and released, then validated (`_restore_units`), with
     the earlier instances it replaces recorded first for a recovery; on any failure every
     unit is rolled back. `replayed`: the units re-created natively (`_say_replays`). Returns
-    the services whose prompt was answered."""
+    each service's validation."""
     if t.warm and replayed:
         # A unit re-created natively starts awake and cannot be held asleep by a snapshot.
         raise OperationFailed("warm-replay", "lifecycle.activation_state warm needs every "
                               "unit restored from its snapshot; re-created natively: "
                               + ", ".join(replayed))
-    ctx.record_touched(touched_previous(runs, t.artifact.capture_id, request))
+    ctx.journal(touched_previous(runs, t.artifact.capture_id, request))
     try:
         return await _restore_units(ctx, hosts, store, t.artifact, t.launch, t.topology, runs,
                                     warm=t.warm, validate_timeout_s=validate_timeout_s,
@@ -266,7 +269,19 @@ async def _stage(hosts: HostSet, source: ObjectSource,
                                     image_sets=sets[name], operation_id=ctx.operation_id,
                                     holdings=await surveys[name])
 
-    results = await asyncio.gather(*(one(n) for n in per_host), return_exceptions=True)
+    tasks = [asyncio.ensure_future(one(n)) for n in per_host]
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:
+        # Cancelled (a refusal found beside it, a signal, the deadline): once every transfer
+        # has ended, what they half-wrote is no object that a retry is about to resume.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.shield(asyncio.gather(*(
+            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
+            for n in per_host)))
+        raise
     failed = [n for n, res in zip(per_host, results, strict=True)
               if isinstance(res, BaseException)]
     if failed and not source.keeps_partials:
@@ -323,14 +338,14 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
                          artifact: Artifact, launch: Launch, topology: Topology,
                          runs: list[RestoreRun], *, warm: bool = False,
                          validate_timeout_s: float = VALIDATE_TIMEOUT_S,
-                         plan: SessionPlan | None = None) -> list[str]:
+                         plan: SessionPlan | None = None) -> list[ServiceAnswer]:
     snap = [r for r in runs if not r.replay_reason]
     native = [r for r in runs if r.replay_reason]
     plan = plan or SessionPlan({}, {}, {})
     # Units whose engines keep their sessions: restored stopped behind their hosts' locks,
     # released together once every one of them exists (operations.sessions).
     keeping = [r for r in snap if r.placed.unit_id in plan.sockets]
-    ctx.crossings = crossings(runs, plan.sockets, plan.address_map, plan.crossing)
+    ctx.record.crossings = crossings(runs, plan.sockets, plan.address_map, plan.crossing)
 
     maps = {r.placed.unit_id: device_map(r.capsule_meta.captured_devices, r.placed.spec.devices)
             for r in snap if r.capsule_meta is not None}
@@ -378,7 +393,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
     # all services at once (service_checks).
     answers = await validate_services(ctx, runs, topology, timeout_s=validate_timeout_s)
     await remove_previous(ctx, runs)
-    return [a.service for a in answers]
+    return answers
 
 
 async def _start_snapshot(hosts: HostSet, r: RestoreRun) -> None:

@@ -38,7 +38,7 @@ from coldsnap.topology import Topology, resolve
 Fallback = Literal["none", "replay"]
 
 
-def restore_placement(artifact: Artifact, request: Request | None,
+def restore_settings(artifact: Artifact, request: Request | None,
                       captured: Request | None = None) -> tuple[Launch, Policy, Validation]:
     """The launch to place (the captured one, or the restore request's after the identity
     check), the policy and the validation to use: the restore request's, else those of the
@@ -100,7 +100,7 @@ def resolve_target(stored: StoredArtifact, request: Request | None, hosts: HostS
     """The identity check, the placement resolved against the inventory, and every object
     the restore needs verified where `source` takes it from: all before any host is asked."""
     artifact = stored.artifact
-    launch, policy, validation = restore_placement(
+    launch, policy, validation = restore_settings(
         artifact, request, captured_request(store, artifact) if request is None else None)
     topology = resolve(launch)
     hosts.check_known(topology.hosts, "the restore placement")
@@ -199,7 +199,7 @@ __all__ = [
     "place_target",
     "refuse_or_replay",
     "resolve_target",
-    "restore_placement",
+    "restore_settings",
     "survey_hosts",
     "verify_objects",
 ]

@@ -92,7 +92,7 @@ async def validate_services(ctx: OperationContext, runs: Sequence[UnitRun],
                             timeout_s: float = VALIDATE_TIMEOUT_S) -> list[ServiceAnswer]:
     """Send every service its validation prompt on the unit that holds its first world rank
     (where the engine adapter serves it), all services at once, each within `timeout_s`.
-    Every answer is kept on `ctx.services` (the receipt's `result.services`, also when one
+    Every answer is kept on `ctx.record.services` (the receipt's `result.services`, also when one
     failed); raises OperationFailed "validate-failed" naming each service that did not
     answer."""
     heads = service_heads(topology)
@@ -124,7 +124,7 @@ async def validate_services(ctx: OperationContext, runs: Sequence[UnitRun],
 
     results = await asyncio.gather(*(one(s) for s in services))
     answers = [a for a, _ in results]
-    ctx.services = answers
+    ctx.record.services = answers
     failed = [(s, why) for s, (_, why) in zip(services, results, strict=True)
               if why is not None]
     if failed:

@@ -125,9 +125,9 @@ async def rollback_units(
 
     A unit whose undo fails, or runs out of time, is reported as failed and the others go
     on: the operation's own error stays the one reported, and the receipt and stderr say,
-    per unit, what the rollback did (ctx.rollback)."""
+    per unit, what the rollback did (ctx.record.rollback)."""
     reports: list[UnitRollback] = []
-    ctx.rollback = reports
+    ctx.record.rollback = reports
 
     async def one(r: R) -> None:
         host, unit = r.placed.host, r.placed.unit_id

@@ -1,20 +1,19 @@
 """Who an artifact belongs to: the uid whose capture made it, or whose import indexed it.
 
-Recorded once, in the store beside the workloads' owners (coldsnap.runner.owners), under the
-name `artifact-owner:<capture id>`, when the capture stores the artifact (or a restore imports
-it from a file or a registry). Restoring, publishing or deleting another uid's artifact is
-refused (`Refused`, exit 2, naming the artifact and its owner) unless the caller may use
-others' artifacts: root always, a member of the service policy's `artifacts.shared_with`
-(`RunOptions.shares_artifacts`). An artifact with no record (stored before owners were
-recorded) is root's: only root and those it is shared with may use it.
-"""
+Recorded once, in the store beside the workloads' owners (coldsnap.runner.workload_owners),
+under the name `artifact-owner:<capture id>`, when the capture stores the artifact (or a
+restore imports it from a file or a registry). Restoring, publishing or deleting another
+uid's artifact is refused (`Refused`, exit 2, naming the artifact and its owner) unless the
+caller may use others' artifacts: root always, a member of the service policy's
+`artifacts.shared_with` (`RunOptions.shares_artifacts`). An artifact with no record (stored
+before owners were recorded) is root's: only root and those it is shared with may use it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from coldsnap.runner.owners import owner_of, record_owner
 from coldsnap.runner.prepared import Refused
+from coldsnap.runner.workload_owners import owner_of, record_owner
 
 PREFIX = "artifact-owner:"
 

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from coldsnap.formats.receipt import Receipt, ReceiptResult
 from coldsnap.runner.ledger import Entry, Ledger
-from coldsnap.runner.owners import claim_workload, release_owner
 from coldsnap.runner.prepared import AlreadyDone, Prepared, ReceiptKey, Refused
+from coldsnap.runner.workload_owners import claim_workload, release_owner
 from coldsnap.store import StoreError
 
 

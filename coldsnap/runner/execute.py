@@ -25,7 +25,7 @@ from coldsnap.operations.context import OperationContext, OperationFailed
 from coldsnap.operations.hostset import HostSet
 from coldsnap.runner.claim import Claim
 from coldsnap.runner.deadline import default_deadline, within_deadline
-from coldsnap.runner.ledger import OperationRun
+from coldsnap.runner.ledger import Ledger, OperationRun
 from coldsnap.runner.prepared import Prepared, Produced
 from coldsnap.runner.report import Report
 from coldsnap.runner.signals import OperationSignals
@@ -53,7 +53,8 @@ async def execute(prepared: Prepared, ctx: OperationContext, report: Report, *,
     LocalStore(prepared.store_root).sweep_tmp()
 
     seconds = prepared.deadline or default_deadline(prepared.operation, prepared.bytes_to_move)
-    return await within_deadline(body(), seconds, rolling_back=lambda: ctx.rollback is not None)
+    return await within_deadline(body(), seconds,
+                                 rolling_back=lambda: ctx.record.rollback is not None)
 
 
 def as_failure(exc: Exception, *, verbose: bool, report: Report) -> OperationFailed:
@@ -88,7 +89,8 @@ class Outcome:
 def run_context(prepared: Prepared, claim: Claim, *,
                 timing_sink: Callable[[TimingEvent], None] | None = None) -> OperationContext:
     return OperationContext(prepared.operation, operation_id=claim.key.operation_id,
-                            timing_sink=timing_sink)
+                            timing_sink=timing_sink,
+                            journal=Ledger(prepared.store_root).journal(claim.key.operation_id))
 
 
 def operation_run(prepared: Prepared, ctx: OperationContext) -> OperationRun:

@@ -28,7 +28,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,10 +36,10 @@ from typing import IO, Any, Final, Literal
 
 from pydantic import ValidationError
 
+from coldsnap.durable import atomic_write_bytes, fsync_dir
 from coldsnap.formats.fields import Digest, Id, StrictModel, is_id
 from coldsnap.formats.receipt import Receipt, rfc3339_ns
-from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir
-from coldsnap.operations.context import OperationContext, OperationFailed, Touched
+from coldsnap.operations.context import JournalEntry, OperationContext, OperationFailed
 from coldsnap.store import StoreError
 
 LEDGER_DIR: Final = "operations"
@@ -101,7 +101,7 @@ class Entry(StrictModel):
     # The units the run was about to change that exist without it (written before it
     # changed them), and, once a recovery after the run's death dealt with them, what it
     # said per unit (coldsnap.upkeep.repair).
-    touched: Touched | None = None
+    touched: JournalEntry | None = None
     repaired: list[str] | None = None
 
     def receipt_of(self, *, prepare_only: bool) -> Receipt | None:
@@ -218,6 +218,12 @@ class Ledger:
                              captures=existing.captures if existing is not None else [],
                              receipt=receipt))
 
+    def journal(self, operation_id: str) -> Callable[[JournalEntry], None]:
+        """The repair journal of one run (`OperationContext(journal=...)`): before it stops
+        or changes a unit, the operation says which; written then, it is there for whoever
+        finds the run dead."""
+        return lambda entry: self.update(operation_id, touched=entry)
+
     def update(self, operation_id: str, **fields: Any) -> None:
         """Set `fields` of an existing record (none: nothing is written)."""
         with self.claiming():
@@ -266,10 +272,6 @@ class OperationRun:
             raise OperationFailed("operation-running", f"operation {self.ctx.operation_id} is "
                                   "already running on this control node") from None
         self._lock = lock
-        # Before it stops or changes a unit, the operation says which: written now, it is
-        # there for whoever finds this run dead.
-        self.ctx.touching = lambda touched: self.ledger.update(self.ctx.operation_id,
-                                                               touched=touched)
         try:
             self._publish("running", ())
         except BaseException:
@@ -280,7 +282,7 @@ class OperationRun:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            kept = tuple(u.unit for u in self.ctx.rollback or ()
+            kept = tuple(u.unit for u in self.ctx.record.rollback or ()
                          if exc is not None and u.outcome == "returned to serving")
             self._publish(ended_state(exc), kept)
         finally:

@@ -11,11 +11,10 @@ from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.receipt import ReceiptResult
 from coldsnap.formats.request import Request
 from coldsnap.hosts.inventory import load_inventory
-from coldsnap.operations import lifecycle
+from coldsnap.operations import sleep_wake_status
 from coldsnap.operations.context import OperationContext
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.service_checks import answers_line
-from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
     Prepare,
     Prepared,
@@ -26,6 +25,7 @@ from coldsnap.runner.prepared import (
     Touches,
 )
 from coldsnap.runner.report import Report
+from coldsnap.runner.workload_owners import check_owner, workload_name
 from coldsnap.store import LocalStore, StoreError, resolve_reference
 from coldsnap.store.user_file_as import reader_for
 
@@ -34,7 +34,7 @@ LifecycleOperation = Literal["sleep", "wake", "status"]
 _COLUMNS = ("UNIT", "WORKER", "HOST", "CONTAINER", "STATE", "DEVICES")
 
 
-def status_rows(units: Sequence[lifecycle.UnitStatus]) -> list[tuple[str, ...]]:
+def status_rows(units: Sequence[sleep_wake_status.UnitStatus]) -> list[tuple[str, ...]]:
     """One row per worker (a unit without a container gets one row of its own)."""
     rows: list[tuple[str, ...]] = []
     for u in units:
@@ -46,7 +46,7 @@ def status_rows(units: Sequence[lifecycle.UnitStatus]) -> list[tuple[str, ...]]:
     return rows
 
 
-def table_lines(units: Sequence[lifecycle.UnitStatus]) -> list[str]:
+def table_lines(units: Sequence[sleep_wake_status.UnitStatus]) -> list[str]:
     rows = [_COLUMNS, *status_rows(units)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -74,12 +74,12 @@ def prepare_lifecycle(operation: LifecycleOperation) -> Prepare:
             # The status table is what `status` was asked for; the others only say it.
             shown: Callable[[str], None] = report.out if operation == "status" else report.say
             if operation == "sleep":
-                units = await lifecycle.sleep(stored, request, hosts, store, ctx)
+                units = await sleep_wake_status.sleep(stored, request, hosts, store, ctx)
             elif operation == "wake":
-                units, _ = await lifecycle.wake(stored, request, hosts, store, ctx)
-                shown(f"woke {stored.capture_id}: {answers_line(ctx.services or [])}")
+                units, answers = await sleep_wake_status.wake(stored, request, hosts, store, ctx)
+                shown(f"woke {stored.capture_id}: {answers_line(answers)}")
             else:
-                units = await lifecycle.status(stored, request, hosts, ctx)
+                units = await sleep_wake_status.status(stored, request, hosts, ctx)
             if options.json:
                 doc = {"cluster_id": request.workload.cluster_id if request.workload else None,
                        "artifact": stored.capture_id, "units": [u.to_json() for u in units]}

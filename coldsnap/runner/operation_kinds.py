@@ -14,7 +14,6 @@ from coldsnap.formats.request import Request
 from coldsnap.formats.service_policy import restore_image_refusals
 from coldsnap.hosts.inventory import Inventory, load_inventory
 from coldsnap.hosts.registry.access import RegistryAccessError, access_for
-from coldsnap.hosts.registry.client import RegistryError
 from coldsnap.operations.artifact_registry import (
     PublishFailed,
     import_reference,
@@ -29,7 +28,6 @@ from coldsnap.operations.service_checks import VALIDATE_TIMEOUT_S, answers_line
 from coldsnap.operations.sources import ObjectSource, choose_source, published_at
 from coldsnap.runner.artifact_owners import check_artifact_owner, record_artifact_owner
 from coldsnap.runner.lifecycle_kinds import prepare_lifecycle
-from coldsnap.runner.owners import check_owner, workload_name
 from coldsnap.runner.prepared import (
     Prepare,
     Prepared,
@@ -40,7 +38,9 @@ from coldsnap.runner.prepared import (
     Touches,
 )
 from coldsnap.runner.report import Report, human_bytes
+from coldsnap.runner.workload_owners import check_owner, workload_name
 from coldsnap.store import LocalStore, StoredArtifact, StoreError, resolve_reference
+from coldsnap.store.registry_client import RegistryError
 from coldsnap.store.user_file_as import reader_for
 
 
@@ -189,7 +189,7 @@ def prepare_restore(options: RunOptions, request: Request | None) -> Prepared:
             report.say(f"restored {artifact.capture_id} warm: every unit asleep with its "
                        "GPU state checkpointed; `coldsnapd wake` makes it serve")
         elif not prepare_only:
-            report.say(f"restored {artifact.capture_id}: {answers_line(ctx.services or [])}")
+            report.say(f"restored {artifact.capture_id}: {answers_line(out.answers)}")
         return Produced(ReceiptResult(artifact=artifact.capture_id, prepared=prepare_only))
 
     return Prepared("restore", key, engine=artifact.launch.engine,

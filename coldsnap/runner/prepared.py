@@ -50,7 +50,7 @@ class RunOptions:
     # restore: seconds each service gets to answer its validation; None: the default.
     validation_timeout: float | None = None
     # Who runs it: the service's submitter (SO_PEERCRED); None: this process's uid (--local).
-    # A workload belongs to the uid that first started it (coldsnap.runner.owners).
+    # A workload belongs to the uid that first started it (coldsnap.runner.workload_owners).
     uid: int | None = None
     # The roots that the host's `realpath` of each mount source and of the log path must
     # stay under (the service's policy: mounts.allow, log_paths.allow); None: unrestricted
@@ -154,7 +154,7 @@ class Prepared:
     deadline: float | None = None  # seconds; None: derived from bytes_to_move
     bytes_to_move: int = 0
     # (workload name, uid): the workload this operation starts, whose owner the claim records
-    # (coldsnap.runner.owners) once the id is held; None: it starts none.
+    # (coldsnap.runner.workload_owners) once the id is held; None: it starts none.
     starts_workload: tuple[str, int] | None = None
 
 

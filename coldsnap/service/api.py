@@ -43,8 +43,8 @@ from coldsnap.formats.request import MAX_REQUEST_BYTES
 from coldsnap.runner.service_api import JOB_STATES
 from coldsnap.service.job_store import JobRow
 from coldsnap.service.metrics import CONTENT_TYPE, Metrics
-from coldsnap.service.policy import submitter_refusal
 from coldsnap.service.scheduler import Scheduler
+from coldsnap.service.submitter_checks import submitter_refusal
 
 _CANCEL_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 

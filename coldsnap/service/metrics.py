@@ -67,10 +67,10 @@ class Metrics:
 
     def job_ended(self, receipt: Receipt, ctx: OperationContext) -> None:
         self.duration.labels(receipt.operation, receipt.state).observe(receipt.duration_seconds)
-        for host, (staged, sent) in ctx.staged.items():
+        for host, (staged, sent) in ctx.record.staged.items():
             self.staged.labels(host).inc(staged)
             self.sent.labels(host).inc(sent)
-        for unit in ctx.rollback or ():
+        for unit in ctx.record.rollback or ():
             self.rollbacks.labels(receipt.operation, unit.outcome).inc()
 
     def render(self) -> bytes:

@@ -69,7 +69,7 @@ async def _recover(jobs: JobStore, hosts: HostSet, judge: Judge, store_root: Pat
     if row.started_ns is not None:
         ctx.started_ns = row.started_ns
     if row.state == "running":
-        ctx.rollback = await _roll_back(hosts, judge, row, LocalStore(store_root))
+        ctx.record.rollback = await _roll_back(hosts, judge, row, LocalStore(store_root))
         why = "coldsnapd stopped while this job was running; recovered when it started again"
     else:
         why = "coldsnapd stopped before this job started; nothing ran"

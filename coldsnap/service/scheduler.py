@@ -54,7 +54,6 @@ from coldsnap.service.job import Ended, Job
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.output import JobOutput
-from coldsnap.service.policy import shares_artifacts, submission_refusals
 from coldsnap.service.submission import (
     Submission,
     SubmissionInvalid,
@@ -62,6 +61,7 @@ from coldsnap.service.submission import (
     imports_from_registry,
     parse_submission,
 )
+from coldsnap.service.submitter_checks import shares_artifacts, submission_refusals
 
 # After the drain's grace period, how long the cancelled jobs' rollbacks may take (each
 # rollback bounds itself at about 150 s; this is the backstop).
@@ -321,7 +321,7 @@ class Scheduler:
         self.unrecorded.pop(job.id, None)
         if not self._write("finished", job.id, finished):
             self.unrecorded[job.id] = finished
-        if any(u.outcome == "failed" for u in ended.ctx.rollback or ()):
+        if any(u.outcome == "failed" for u in ended.ctx.record.rollback or ()):
             self.unclean.append(job.id)
         self.metrics.job_ended(receipt, ended.ctx)
         end: dict[str, Any] = {"exit_status": ended.exit_status, "receipt": receipt.to_json()}

@@ -47,7 +47,7 @@ _OPTIONS: dict[str, tuple[type, Any, Callable[[Any], str | None]]] = {
     "validation_timeout": (float, None,
                            lambda v: None if 0 < v < float("inf") else "a positive number"),
     # Where the client writes its receipt and timing events: the service never writes them,
-    # it holds them to its policy's outputs.allow (coldsnap.service.policy).
+    # it holds them to its policy's outputs.allow (coldsnap.service.submitter_checks).
     "receipt_json": (str, None, lambda v: None if _client_path(v) else _CLIENT_PATH),
     "timing_events": (str, None, lambda v: None if _client_path(v) else _CLIENT_PATH),
 }

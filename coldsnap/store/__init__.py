@@ -16,7 +16,7 @@ Layout under the store root:
 id, digest prefix) into the indexed artifact.
 """
 
-from coldsnap.store.local import (
+from coldsnap.store.local_store import (
     ArtifactAmbiguous,
     ArtifactExists,
     ArtifactNotFound,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from coldsnap.formats.artifact import Artifact
 from coldsnap.formats.oci_artifact import published_objects
-from coldsnap.store.local import PUBLICATIONS_DIR, LocalStore, StoreError
+from coldsnap.store.local_store import PUBLICATIONS_DIR, LocalStore, StoreError
 
 
 def in_registry(store: LocalStore, artifact: Artifact) -> dict[str, str]:

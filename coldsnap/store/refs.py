@@ -24,7 +24,7 @@ from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.fields import is_clean_absolute, is_id
-from coldsnap.store.local import (
+from coldsnap.store.local_store import (
     ArtifactAmbiguous,
     ArtifactExists,
     ArtifactNotFound,

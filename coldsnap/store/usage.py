@@ -21,13 +21,13 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from coldsnap.durable import atomic_write_bytes
 from coldsnap.formats.artifact import ROLE_CAPTURE_REQUEST
 from coldsnap.formats.budget import CacheBudget
 from coldsnap.formats.documents import DocumentUnreadable, decode_document, read_document
 from coldsnap.formats.fields import is_id
-from coldsnap.hosts.durable import atomic_write_bytes
 from coldsnap.store.eviction import Eviction, Held, plan_eviction
-from coldsnap.store.local import LocalStore, StoredArtifact, StoreError
+from coldsnap.store.local_store import LocalStore, StoredArtifact, StoreError
 
 RESTORED_DIR: Final = "restored"
 CONFIG_FILE: Final = "config.yaml"

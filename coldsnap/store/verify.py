@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coldsnap.digests import is_digest, sha256_file
+from coldsnap.durable import atomic_write_bytes
 from coldsnap.formats.canonical import canonical_json
-from coldsnap.hosts.durable import atomic_write_bytes
-from coldsnap.store.local import LocalStore
+from coldsnap.store.local_store import LocalStore
 from coldsnap.store.publications import in_registry
 
 STAMPS_FILE = "verified.json"

@@ -30,18 +30,18 @@ from coldsnap.capsule.errors import CapsuleError
 from coldsnap.formats.fields import is_id
 from coldsnap.formats.request import Request
 from coldsnap.hosts.base import HostError
-from coldsnap.operations import lifecycle
+from coldsnap.operations import sleep_wake_status
 from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import (
+    JournalEntry,
+    JournalUnit,
     OperationContext,
     OperationFailed,
-    Touched,
-    TouchedUnit,
     UnitRepaired,
 )
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.replace import ReplacingRun, revive
-from coldsnap.operations.restore_target import restore_placement
+from coldsnap.operations.restore_target import restore_settings
 from coldsnap.operations.units import PlacedUnit, unit_spec
 from coldsnap.runner.ledger import Entry, Ledger, RunStatus, run_status
 from coldsnap.store import LocalStore, StoreError
@@ -106,19 +106,19 @@ async def repair(hosts: HostSet, store: LocalStore, entry: Entry) -> list[UnitRe
     return results
 
 
-def _request(touched: Touched) -> Request | None:
+def _request(touched: JournalEntry) -> Request | None:
     return None if touched.request is None else Request.model_validate(touched.request)
 
 
 async def _revive_previous(hosts: HostSet, store: LocalStore,
-                           touched: Touched) -> list[UnitRepaired]:
+                           touched: JournalEntry) -> list[UnitRepaired]:
     """Each earlier instance the dead restore stopped, revived with the spec that restore
     gave its unit (its request's launch and validation), as its own rollback would."""
     request = _request(touched)
     stored = store.indexed(touched.artifact)
     if stored is None:
         raise StoreError(f"artifact {touched.artifact} is no longer in this store")
-    launch, _policy, validation = restore_placement(
+    launch, _policy, validation = restore_settings(
         stored.artifact, request,
         captured_request(store, stored.artifact) if request is None else None)
     topology = resolve(launch)
@@ -129,7 +129,7 @@ async def _revive_previous(hosts: HostSet, store: LocalStore,
            for u in touched.units if u not in known]
 
     async with hosts.sessions(u.host for u in known) as sessions:
-        async def one(u: TouchedUnit) -> UnitRepaired:
+        async def one(u: JournalUnit) -> UnitRepaired:
             s = sessions[u.host]
             try:
                 found = [c for c in await list_unit_containers(s, u.unit, [], step="repair")
@@ -154,12 +154,12 @@ async def _revive_previous(hosts: HostSet, store: LocalStore,
 
 
 async def _lifecycle(hosts: HostSet, store: LocalStore, entry: Entry,
-                     touched: Touched) -> list[UnitRepaired]:
+                     touched: JournalEntry) -> list[UnitRepaired]:
     request = _request(touched)
     stored = store.indexed(touched.artifact)
     if request is None or stored is None:
         raise StoreError(f"the request or artifact {touched.artifact} of "
                          f"{entry.operation} {entry.operation_id} is no longer at hand")
     ctx = OperationContext(entry.operation, operation_id=entry.operation_id)  # type: ignore[arg-type]
-    return await lifecycle.restore_states(stored, request, hosts, store, ctx,
+    return await sleep_wake_status.restore_states(stored, request, hosts, store, ctx,
                                           {u.unit: u.earlier for u in touched.units})

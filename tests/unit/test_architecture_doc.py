@@ -99,5 +99,5 @@ def test_the_restore_walk_names_the_modules_a_restore_passes_through() -> None:
                    "coldsnap/runner/operation_kinds.py", "coldsnap/runner/claim.py",
                    "coldsnap/runner/execute.py", "coldsnap/operations/restore.py",
                    "coldsnap/operations/restore_checks.py", "coldsnap/operations/sessions.py",
-                   "coldsnap/operations/staging.py", "coldsnap/capsule/restore.py"):
+                   "coldsnap/operations/staging.py", "coldsnap/capsule/restore_container.py"):
         assert f"`{module}`" in walk, module

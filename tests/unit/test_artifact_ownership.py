@@ -26,7 +26,7 @@ from coldsnap.runner.artifact_owners import (
 )
 from coldsnap.runner.operation_kinds import OPERATIONS
 from coldsnap.runner.prepared import Refused, RunOptions
-from coldsnap.service.policy import shares_artifacts
+from coldsnap.service.submitter_checks import shares_artifacts
 from coldsnap.store import LocalStore
 from tests.unit.conftest import make_artifact, minimal_request
 

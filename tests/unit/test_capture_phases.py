@@ -100,7 +100,7 @@ def test_the_cut_locks_every_keeping_unit_before_any_dump_and_unlocks_after_all(
     assert calls == ["lock:unit-1", "dump:unit-0,unit-1", "record", "dumped-sockets:unit-1",
                      "unlock:unit-1"]
     assert sorted(dumped) == ["unit-0", "unit-1"] and sockets == {"unit-1": []}
-    assert ctx.crossings == []
+    assert ctx.record.crossings == []
 
 
 def test_a_cut_without_sessions_to_keep_takes_no_lock(monkeypatch: pytest.MonkeyPatch) -> None:

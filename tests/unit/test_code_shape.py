@@ -25,10 +25,11 @@ MAX_MODULE_LINES = 500
 # of the runner that never import each other (docs/ARCHITECTURE.md). A prefix names a package
 # or a module; the longest wins.
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("leaf helpers", 0, ("coldsnap", "coldsnap.digests", "coldsnap.exits", "coldsnap.logs")),
+    ("leaf helpers", 0, ("coldsnap", "coldsnap.digests", "coldsnap.durable", "coldsnap.exits",
+                         "coldsnap.logs")),
     ("formats", 1, ("coldsnap.formats",)),
     ("topology, admission", 2, ("coldsnap.topology", "coldsnap.identity",
-                                "coldsnap.admission", "coldsnap.placement_rules",
+                                "coldsnap.admission", "coldsnap.network_admission",
                                 "coldsnap.session_moves")),
     ("hosts", 3, ("coldsnap.hosts",)),
     ("engines", 4, ("coldsnap.engines",)),

@@ -16,8 +16,8 @@ from coldsnap.formats.request import parse_request
 from coldsnap.runner.claim import claim
 from coldsnap.runner.ledger import Ledger
 from coldsnap.runner.operation_kinds import OPERATIONS
-from coldsnap.runner.owners import owner_of
 from coldsnap.runner.prepared import RunOptions
+from coldsnap.runner.workload_owners import owner_of
 from coldsnap.service.job_store import JobStore
 from coldsnap.service.metrics import Metrics
 from coldsnap.service.scheduler import Scheduler

@@ -18,7 +18,7 @@ from coldsnap.capsule.spec import ENGINE_LOG, UnitSpec, container_name
 from coldsnap.cli import main
 from coldsnap.formats.receipt import replay_semantics_for
 from coldsnap.formats.request import Mount, Validation, Workload, parse_request
-from coldsnap.operations.lifecycle import UnitStatus, WorkerStatus, unit_state, worker_state
+from coldsnap.operations.sleep_wake_status import UnitStatus, WorkerStatus, unit_state, worker_state
 from coldsnap.operations.units import workload_labels
 from coldsnap.runner.lifecycle_kinds import status_rows
 from tests.unit.conftest import issues_for, minimal_request

@@ -62,7 +62,7 @@ def test_a_failed_run_keeps_only_the_units_its_rollback_returned_to_serving(
         tmp_path: Path) -> None:
     ctx = OperationContext("capture", operation_id="cap-1")
     with pytest.raises(OperationFailed), OperationRun(tmp_path, ctx, request_sha256=SHA):
-        ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
+        ctx.record.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
                         UnitRollback("host-1", "unit-1", "failed", "host-1 unreachable")]
         raise OperationFailed("dump-failed", "host-1: dump failed")
     status = run_status(tmp_path, "cap-1")
@@ -131,7 +131,7 @@ def test_record_round_trips() -> None:
 
 def test_the_receipt_says_what_the_rollback_did() -> None:
     ctx = OperationContext("capture")
-    ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
+    ctx.record.rollback = [UnitRollback("host-0", "unit-0", "returned to serving"),
                     UnitRollback("host-1", "unit-1", "failed", "timed out after 120 s")]
     receipt = ctx.finish(request_sha256=SHA, engine="vllm", snapshot_driver="n610",
                          error=OperationCancelled(signal.SIGTERM))
@@ -149,10 +149,10 @@ def test_a_cancellation_before_any_unit_started_says_so() -> None:
     assert error.exit_status == 130
     assert ctx.failure_message(error) == "cancelled by SIGINT; no unit had to be rolled back"
     # A cancelled operation without a rollback (wake) says where it left every unit instead.
-    ctx.units_now = "unit-0 on host-2 running; unit-1 on host-3 checkpointed"
+    ctx.record.units_now = "unit-0 on host-2 running; unit-1 on host-3 checkpointed"
     assert ctx.failure_message(error) == (
         "cancelled by SIGINT; units now: unit-0 on host-2 running; unit-1 on host-3 checkpointed")
-    ctx.units_now = None
+    ctx.record.units_now = None
     plain = OperationFailed("staging", "host-2: disk full")
     assert plain.exit_status == 1
     assert ctx.failure_message(plain) == "host-2: disk full"
@@ -170,7 +170,7 @@ def test_one_state_set_from_claim_to_end(tmp_path: Path) -> None:
     ctx = OperationContext("restore", operation_id="restore-c")
     with pytest.raises(OperationCancelled), OperationRun(tmp_path, ctx, request_sha256=SHA):
         assert run_status(tmp_path, "restore-c").record.state == "running"  # type: ignore[union-attr]
-        ctx.rollback = [UnitRollback("host-0", "unit-0", "returned to serving")]
+        ctx.record.rollback = [UnitRollback("host-0", "unit-0", "returned to serving")]
         raise OperationCancelled(signal.SIGTERM)
     status = run_status(tmp_path, "restore-c")
     assert status.record is not None and status.record.state == "cancelled"

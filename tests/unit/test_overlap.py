@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from coldsnap.operations.overlap import ahead, both
+from coldsnap.operations.overlap import ahead, both, checked_beside
 
 
 async def test_a_step_started_ahead_and_never_awaited_is_cancelled_at_the_end_of_the_block(
@@ -64,3 +64,64 @@ async def test_both_waits_for_the_second_step_before_raising_the_first_ones_fail
     with pytest.raises(ValueError, match="first"):
         await both(fails(), slower())
     assert ended == ["second"]
+
+
+async def test_a_failed_check_cancels_the_work_and_waits_for_its_cleanup() -> None:
+    """A refusal found beside a staging stops it at once, and the staging's own cleanup has
+    run by the time the refusal is raised."""
+    seen: list[str] = []
+
+    async def staging() -> str:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # its cleanup takes a while
+            seen.append("cleaned up")
+            raise
+        return "staged"
+
+    async def probe() -> None:
+        raise RuntimeError("refused by the probe")
+
+    with pytest.raises(RuntimeError, match="refused by the probe"):
+        await asyncio.wait_for(checked_beside(staging(), probe()), 10)
+    assert seen == ["cleaned up"]
+
+
+async def test_a_failed_work_waits_for_the_check_and_a_passing_pair_returns_both() -> None:
+    seen: list[str] = []
+
+    async def staging() -> str:
+        raise OSError("link down")
+
+    async def probe() -> str:
+        await asyncio.sleep(0.01)
+        seen.append("probed")
+        return "admitted"
+
+    with pytest.raises(OSError, match="link down"):
+        await checked_beside(staging(), probe())
+    assert seen == ["probed"]
+
+    async def fine() -> str:
+        return "staged"
+
+    assert await checked_beside(fine(), probe()) == ("staged", "admitted")
+
+
+async def test_cancelling_the_pair_cancels_both_and_waits_for_them() -> None:
+    seen: list[str] = []
+
+    async def step(name: str) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen.append(name)
+            raise
+
+    task = asyncio.ensure_future(checked_beside(step("staging"), step("probe")))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(seen) == ["probe", "staging"]

@@ -25,7 +25,7 @@ from coldsnap.formats.redaction import REDACTED
 from coldsnap.formats.request import Request, load_request
 from coldsnap.identity import compare_restore_identity
 from coldsnap.operations.context import OperationRefused
-from coldsnap.operations.restore_target import restore_placement
+from coldsnap.operations.restore_target import restore_settings
 from coldsnap.store import LocalStore
 from tests.unit.conftest import EXAMPLES, make_artifact
 
@@ -158,7 +158,7 @@ def test_withheld_names_every_value(tmp_path: Path) -> None:
 def test_a_restore_without_a_request_is_refused_naming_the_keys(tmp_path: Path) -> None:
     artifact = published_launch(tmp_path)
     with pytest.raises(OperationRefused) as err:
-        restore_placement(artifact, None, None)
+        restore_settings(artifact, None, None)
     assert err.value.code == "secrets" and err.value.exit_status == 2
     assert "launch.units[0].environment.HF_TOKEN" in err.value.message
     assert TOKEN not in err.value.message
@@ -167,17 +167,17 @@ def test_a_restore_without_a_request_is_refused_naming_the_keys(tmp_path: Path) 
 def test_a_request_that_lacks_a_withheld_key_is_refused_naming_it(tmp_path: Path) -> None:
     artifact = published_launch(tmp_path)
     with pytest.raises(OperationRefused) as err:
-        restore_placement(artifact, restore_request({"HF_TOKEN": None}), None)  # type: ignore[dict-item]
+        restore_settings(artifact, restore_request({"HF_TOKEN": None}), None)  # type: ignore[dict-item]
     assert "launch.units[0].environment.HF_TOKEN" in err.value.message
     assert "VLLM_HOST_IP" not in err.value.message  # given, so not named
     with pytest.raises(OperationRefused, match="HF_TOKEN"):
-        restore_placement(artifact, restore_request({"HF_TOKEN": REDACTED}), None)
+        restore_settings(artifact, restore_request({"HF_TOKEN": REDACTED}), None)
 
 
 def test_a_request_that_gives_the_values_restores_with_them(tmp_path: Path) -> None:
     artifact = published_launch(tmp_path)
     request = restore_request({"HF_TOKEN": "another-token-value"})
-    launch, _, _ = restore_placement(artifact, request, None)
+    launch, _, _ = restore_settings(artifact, request, None)
     assert launch.units[0].environment["HF_TOKEN"] == "another-token-value"
     assert launch.units[0].command[-1] == API_KEY
 

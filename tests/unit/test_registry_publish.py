@@ -13,7 +13,6 @@ from coldsnap.formats.canonical import canonical_json, digest_bytes
 from coldsnap.formats.oci_artifact import parse_manifest
 from coldsnap.formats.publication import PublishedForm, published_form
 from coldsnap.hosts.registry.access import RegistryAccess
-from coldsnap.hosts.registry.client import RegistryClient, RegistryError
 from coldsnap.hosts.registry.reference import RegistryRef, parse_ref
 from coldsnap.operations.artifact_registry import (
     PublishFailed,
@@ -23,6 +22,7 @@ from coldsnap.operations.artifact_registry import (
 )
 from coldsnap.store import LocalStore, StoredArtifact
 from coldsnap.store.refs import resolve_reference
+from coldsnap.store.registry_client import RegistryClient, RegistryError
 from coldsnap.store.verify import verify_store
 from devtools.registry_server import RegistryServer
 from tests.unit.conftest import access_of, new_repository, stored_artifact

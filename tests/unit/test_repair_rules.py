@@ -12,33 +12,34 @@ from pathlib import Path
 import pytest
 
 from coldsnap.operations.context import (
+    JournalEntry,
+    JournalUnit,
     OperationContext,
     OperationFailed,
-    Touched,
-    TouchedUnit,
     UnitRepaired,
     UnitRollback,
 )
-from coldsnap.operations.lifecycle import repair_action
+from coldsnap.operations.sleep_wake_status import repair_action
 from coldsnap.runner.ledger import Ledger, OperationRun, run_status
 from coldsnap.service.recovery import _with_repair
 from coldsnap.upkeep.repair import needs_repair, pending, planned
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "sha256:" + "cd" * 32
-PREVIOUS = TouchedUnit(host="host-0", unit="unit-0", container="c0ffee", name="c1-unit-0",
+PREVIOUS = JournalUnit(host="host-0", unit="unit-0", container="c0ffee", name="c1-unit-0",
                        earlier="serving", head=True)
 
 
-def _touched() -> Touched:
-    return Touched(artifact="cap-1", request=None, units=[PREVIOUS])
+def _touched() -> JournalEntry:
+    return JournalEntry(artifact="cap-1", request=None, units=[PREVIOUS])
 
 
 def test_touched_units_are_recorded_while_running_and_kept_by_the_outcome(
         tmp_path: Path) -> None:
-    ctx = OperationContext("restore", operation_id="restore-ok")
+    ctx = OperationContext("restore", operation_id="restore-ok",
+                           journal=Ledger(tmp_path).journal("restore-ok"))
     with OperationRun(tmp_path, ctx, request_sha256=SHA):
-        ctx.record_touched(_touched())
+        ctx.journal(_touched())
         status = run_status(tmp_path, "restore-ok")
         assert status.record is not None and status.record.touched == _touched()
         assert not needs_repair(status)  # running: its own rollback decides
@@ -49,9 +50,10 @@ def test_touched_units_are_recorded_while_running_and_kept_by_the_outcome(
 
 
 def test_a_failed_run_is_not_repaired_its_rollback_ran(tmp_path: Path) -> None:
-    ctx = OperationContext("sleep", operation_id="sleep-1")
+    ctx = OperationContext("sleep", operation_id="sleep-1",
+                           journal=Ledger(tmp_path).journal("sleep-1"))
     with pytest.raises(OperationFailed), OperationRun(tmp_path, ctx, request_sha256=SHA):
-        ctx.record_touched(_touched())
+        ctx.journal(_touched())
         raise OperationFailed("engine-down", "no")
     assert not needs_repair(run_status(tmp_path, "sleep-1"))
     assert pending(tmp_path, None) == []
@@ -62,11 +64,13 @@ def test_a_run_killed_after_recording_is_repaired_once(tmp_path: Path) -> None:
     the units; once a repair recorded its outcome it is not repaired again."""
     script = ("import sys, time\n"
               "from pathlib import Path\n"
-              "from coldsnap.operations.context import OperationContext, Touched, TouchedUnit\n"
-              "from coldsnap.runner.ledger import OperationRun\n"
-              "ctx = OperationContext('restore', operation_id='restore-dies')\n"
+              "from coldsnap.operations.context import JournalEntry, JournalUnit, "
+              "OperationContext\n"
+              "from coldsnap.runner.ledger import Ledger, OperationRun\n"
+              "ctx = OperationContext('restore', operation_id='restore-dies',\n"
+              "                       journal=Ledger(Path(sys.argv[1])).journal('restore-dies'))\n"
               f"with OperationRun(Path(sys.argv[1]), ctx, request_sha256='{SHA}'):\n"
-              "    ctx.record_touched(Touched(artifact='cap-1', units=[TouchedUnit(host='host-0',"
+              "    ctx.journal(JournalEntry(artifact='cap-1', units=[JournalUnit(host='host-0',"
               " unit='unit-0', container='c0ffee', name='c1-unit-0', earlier='serving',"
               " head=True)]))\n"
               "    print('touched', flush=True)\n"
@@ -90,7 +94,7 @@ def test_a_run_killed_after_recording_is_repaired_once(tmp_path: Path) -> None:
 def test_a_run_that_touched_nothing_needs_no_repair(tmp_path: Path) -> None:
     ctx = OperationContext("restore", operation_id="restore-fresh")
     with OperationRun(tmp_path, ctx, request_sha256=SHA):
-        ctx.record_touched(Touched(artifact="cap-1", units=[]))  # nothing replaced
+        ctx.journal(JournalEntry(artifact="cap-1", units=[]))  # nothing replaced
     entry = run_status(tmp_path, "restore-fresh").record
     assert entry is not None and entry.touched is None
 

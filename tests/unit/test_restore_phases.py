@@ -88,7 +88,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(restore_module, "_stage_and_admit", arecord("stage_and_admit", []))
     monkeypatch.setattr(restore_module, "_say_replays", record("say_replays", []))
     monkeypatch.setattr(restore_module, "_start_and_validate",
-                        arecord("start_and_validate", ["engine"]))
+                        arecord("start_and_validate", ["answer"]))
     return calls
 
 
@@ -102,7 +102,7 @@ def _restore(calls: list[str], **options: Any) -> Any:
 def test_a_restore_runs_its_phases_in_order(recorded: list[str]) -> None:
     outcome = _restore(recorded)
     assert recorded == FULL
-    assert outcome.validated == ["engine"] and not outcome.prepared_only
+    assert outcome.answers == ["answer"] and not outcome.prepared_only
 
 
 def test_prepare_only_stages_and_starts_nothing(recorded: list[str]) -> None:
@@ -110,7 +110,7 @@ def test_prepare_only_stages_and_starts_nothing(recorded: list[str]) -> None:
     outcome = _restore(recorded, prepare_only=True)
     assert recorded == [c for c in FULL
                         if c not in ("devices", "check_free", "start_and_validate")]
-    assert outcome.prepared_only and outcome.validated == []
+    assert outcome.prepared_only and outcome.answers == []
 
 
 def test_a_refused_unit_stops_the_restore_before_any_session(
@@ -142,9 +142,8 @@ def test_refusals_fail_the_restore_unless_the_fallback_replays(
 
 def test_a_warm_restore_refuses_units_that_would_be_replayed() -> None:
     """Before any unit is touched: nothing recorded, nothing started."""
-    ctx = OperationContext("restore")
     touched: list[Any] = []
-    ctx.touching = touched.append
+    ctx = OperationContext("restore", journal=touched.append)
     runs: Any = [SimpleNamespace(placed=SimpleNamespace(unit_id="unit-1"),
                                  replay_reason="admission")]
     t: Any = SimpleNamespace(warm=True)
@@ -152,3 +151,81 @@ def test_a_warm_restore_refuses_units_that_would_be_replayed() -> None:
         asyncio.run(restore_module._start_and_validate(
             ctx, None, None, t, None, runs, ["unit-1"], None, 1.0))  # type: ignore[arg-type]
     assert refused.value.code == "warm-replay" and touched == []
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_a_refusal_found_beside_the_staging_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pulled capsule's CRIU probe refuses while the objects still travel: the staging is
+    cancelled (it would otherwise run for a minute), the cache locks are not released by
+    this phase, the refusal is what the restore raises, and no unit is admitted after."""
+    seen: list[str] = []
+
+    async def staging(*_: Any, **__: Any) -> list[Any]:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen.append("staging cancelled")
+            raise
+        return []
+
+    async def probe(_ctx: Any, _hosts: Any, _artifact: Any, some: list[Any], *_: Any,
+                    **__: Any) -> None:
+        seen.append(f"admit {[r.placed.unit_id for r in some]}")
+        if some:
+            raise _Refused("host-1: unit-0: step criu-probe: vDSO")
+
+    monkeypatch.setattr(restore_module, "_stage", staging)
+    monkeypatch.setattr(restore_module, "_load_and_probe", probe)
+    monkeypatch.setattr(restore_module, "ProbeCache", lambda _root: None)
+    locks = SimpleNamespace(release_cache=lambda: seen.append("cache released"))
+    pulled = SimpleNamespace(placed=SimpleNamespace(unit_id="unit-0"),
+                             capsule_meta=SimpleNamespace(pushed=True))
+    t: Any = SimpleNamespace(source=None, per_host={}, sets={}, artifact=None,
+                             policy=SimpleNamespace(compatibility=SimpleNamespace(kernel="x")))
+    with pytest.raises(_Refused, match="criu-probe"):
+        asyncio.run(asyncio.wait_for(restore_module._stage_and_admit(
+            OperationContext("restore"), None, SimpleNamespace(root=None), t,  # type: ignore[arg-type]
+            [pulled], {}, {}, locks, "none"), 10))  # type: ignore[arg-type]
+    assert seen == ["admit ['unit-0']", "staging cancelled"]
+
+
+def test_a_cancelled_staging_removes_what_it_half_wrote_on_every_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host's transfers end first, then each host's partial objects go, also for a
+    source whose partials a failed retry would resume (a registry's)."""
+    seen: list[str] = []
+
+    async def stage_host(host: str, *_: Any, **__: Any) -> Any:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)
+            seen.append(f"{host} transfer ended")
+            raise
+
+    async def discard(host: str, data_dir: str, objects: list[str]) -> None:
+        seen.append(f"{host} partials of {objects} in {data_dir} removed")
+
+    monkeypatch.setattr(restore_module, "stage_host", stage_host)
+    monkeypatch.setattr(restore_module, "discard_partial_objects", discard)
+    hosts: Any = SimpleNamespace(host=lambda n: n, entries={
+        n: SimpleNamespace(data_dir=f"/data/{n}") for n in ("host-0", "host-1")})
+    ctx = OperationContext("restore")
+
+    async def cancelled() -> None:
+        surveys: Any = {n: asyncio.sleep(0) for n in ("host-0", "host-1")}
+        task = asyncio.ensure_future(restore_module._stage(
+            hosts, SimpleNamespace(keeps_partials=True),  # type: ignore[arg-type]
+            {"host-0": ["a"], "host-1": ["b"]}, {"host-0": [], "host-1": []}, ctx, surveys))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert sorted(seen[:2]) == ["host-0 transfer ended", "host-1 transfer ended"]
+    assert sorted(seen[2:]) == ["host-0 partials of ['a'] in /data/host-0 removed",
+                                "host-1 partials of ['b'] in /data/host-1 removed"]

@@ -18,7 +18,7 @@ from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.request import Policy, Request, Validation, load_request
 from coldsnap.operations.captured import captured_request
 from coldsnap.operations.context import OperationFailed
-from coldsnap.operations.restore_target import restore_placement
+from coldsnap.operations.restore_target import restore_settings
 from coldsnap.operations.staging import objects_by_host
 from coldsnap.store import LocalStore
 from coldsnap.topology import resolve
@@ -46,7 +46,7 @@ def test_without_a_request_the_captured_policy_and_validation_apply(tmp_path: Pa
     artifact = with_request(store, make_artifact("cap"), captured)
     got = captured_request(store, artifact)
     assert got == captured
-    launch, policy, validation = restore_placement(artifact, None, got)
+    launch, policy, validation = restore_settings(artifact, None, got)
     assert launch == artifact.launch
     assert policy.compatibility.enforce_captured_driver_floor is False
     assert policy.compatibility.kernel == "exact"
@@ -59,7 +59,7 @@ def test_a_restore_request_brings_its_own_policy(tmp_path: Path) -> None:
     restore.update(operation="restore", artifact="cap")
     del restore["output"]
     request = Request.model_validate(restore)
-    _, policy, validation = restore_placement(artifact, request, relaxed_request())
+    _, policy, validation = restore_settings(artifact, request, relaxed_request())
     assert policy == request.policy and validation == request.validation
     assert policy.compatibility.kernel == "capability"  # not the captured "exact"
 
@@ -68,7 +68,7 @@ def test_an_artifact_from_before_keeps_the_defaults(tmp_path: Path) -> None:
     store = LocalStore(tmp_path).ensure()
     artifact = make_artifact("cap")
     assert captured_request(store, artifact) is None
-    _, policy, validation = restore_placement(artifact, None, None)
+    _, policy, validation = restore_settings(artifact, None, None)
     assert policy == Policy() and validation == Validation()
 
 

@@ -74,7 +74,7 @@ async def test_each_unit_reports_what_was_done_and_a_hung_host_is_bounded(
         "unit-3 on host-3 removed",
         "unit-4 on host-4 removed (it could not return to serving: engine exited)",
     ]
-    assert ctx.rollback == reports
+    assert ctx.record.rollback == reports
     lines = [json.loads(x) for x in log_lines.getvalue().splitlines()]
     said = {(x["unit"], x["outcome"], x["level"]) for x in lines if x["event"] == "rollback.unit"}
     assert said == {("unit-0", "returned to serving", "info"), ("unit-1", "failed", "error"),
@@ -101,7 +101,7 @@ async def test_a_cancelled_rollback_still_finishes_every_unit() -> None:
     await asyncio.sleep(0.4)
     assert sorted(undone) == ["unit-0", "unit-1"]
     # What it did is still on record, though its caller was gone.
-    assert ctx.rollback is not None and len(ctx.rollback) == 2
+    assert ctx.record.rollback is not None and len(ctx.record.rollback) == 2
 
 
 @pytest.mark.parametrize("fail_fast", [False, True])

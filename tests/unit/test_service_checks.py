@@ -76,7 +76,7 @@ def test_receipt_result_services_is_optional_and_strict() -> None:
 
 def test_a_failed_receipt_carries_the_services_that_ran() -> None:
     ctx = OperationContext("restore", operation_id="r1")
-    ctx.services = [_answer("replica-0"), _answer("replica-1", False)]
+    ctx.record.services = [_answer("replica-0"), _answer("replica-1", False)]
     receipt = ctx.finish(request_sha256="sha256:" + "0" * 64, engine="vllm",
                          snapshot_driver="n610",
                          error=OperationFailed("validate-failed", "service replica-1 ..."))
@@ -141,11 +141,11 @@ async def test_every_service_is_validated_on_its_head_and_a_failure_names_it(
         "service decode (unit unit-1 on host-1): validation failed: ")
     assert "not ready: 503" in err.value.message
     assert err.value.message.endswith("(answered: prefill)")
-    assert ctx.services is not None
-    assert [(a.service, a.unit, a.answered) for a in ctx.services] == [
+    assert ctx.record.services is not None
+    assert [(a.service, a.unit, a.answered) for a in ctx.record.services] == [
         ("prefill", "unit-0", True), ("decode", "unit-1", False)]
-    assert ctx.services[0].reply == "coldsnap-cuda-snapshot-ok"
-    assert "503" in ctx.services[1].reply
+    assert ctx.record.services[0].reply == "coldsnap-cuda-snapshot-ok"
+    assert "503" in ctx.record.services[1].reply
     spans = [s for s in ctx.recorder.timing().spans if s.name == "restore.validate"]
     assert sorted(str((s.attributes or {})["service"]) for s in spans) == ["decode", "prefill"]
 

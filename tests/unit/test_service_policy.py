@@ -29,12 +29,12 @@ from coldsnap.formats.service_policy import (
 from coldsnap.runner.artifact_owners import record_artifact_owner
 from coldsnap.runner.claim import claim
 from coldsnap.runner.operation_kinds import OPERATIONS
-from coldsnap.runner.owners import claim_workload, gc_refusal, owner_of, record_owner
 from coldsnap.runner.prepared import Refused, RunOptions
+from coldsnap.runner.workload_owners import claim_workload, gc_refusal, owner_of, record_owner
 from coldsnap.service.api import sees
 from coldsnap.service.job_store import JobStore
-from coldsnap.service.policy import submission_refusals, submitter_refusal
 from coldsnap.service.submission import parse_submission
+from coldsnap.service.submitter_checks import submission_refusals, submitter_refusal
 from coldsnap.store import LocalStore
 from devtools.served import Served
 from tests.unit.conftest import IMAGE_DIGEST, make_artifact, minimal_request

@@ -129,7 +129,7 @@ def test_verify_trusts_a_matching_stamp_and_hashes_once_without_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    import coldsnap.store.local as local
+    import coldsnap.store.local_store as local
     from coldsnap.hosts.helper.stamps import STAMP_ATTR
 
     store = LocalStore(tmp_path).ensure()

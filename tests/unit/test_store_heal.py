@@ -53,7 +53,7 @@ def test_a_commit_of_the_right_bytes_replaces_a_corrupt_copy(tmp_path: Path) -> 
 
 def test_a_commit_of_an_intact_object_is_deduplicated_without_a_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import coldsnap.store.local as local
+    import coldsnap.store.local_store as local
 
     store = LocalStore(tmp_path).ensure()
     data = os.urandom(4096)

@@ -28,8 +28,8 @@ from typing import Any
 
 import structlog
 
+from coldsnap.durable import publish
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
-from coldsnap.hosts.durable import publish
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import EXIT_OFFSET, EXIT_USAGE
 from coldsnap.hosts.helper.files import Writeback

@@ -14,8 +14,8 @@ import asyncssh
 import structlog
 
 from coldsnap.digests import check_digest
+from coldsnap.durable import publish
 from coldsnap.hosts.base import ProgressCallback, TransferError, TransferResult
-from coldsnap.hosts.durable import publish
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import EXIT_OFFSET
 from coldsnap.hosts.transfer.protocol import (

@@ -1,4 +1,4 @@
-"""Placement admission at restore: do a unit's transport interfaces and its rendezvous address
+"""Network admission at restore: do a unit's transport interfaces and its rendezvous address
 fit the hosts it is placed on?
 
 Pure. The captured argv and environment come back with the process; a restore that moves units

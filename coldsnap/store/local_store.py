@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.digests import CHUNK, check_digest, sha256_file
+from coldsnap.durable import atomic_write_bytes, fsync_dir, publish
 from coldsnap.formats.artifact import Artifact, parse_artifact
 from coldsnap.formats.canonical import canonical_json, digest
 from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.oci_artifact import KINDS
-from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir, publish
 from coldsnap.hosts.helper.stamps import stamp, stamped_digest
 
 PUBLICATIONS_DIR = "publications"

@@ -15,7 +15,7 @@ artifact as a restore checks it). Each unit's container is found on its host by 
 
 A failure rolls a sleep back (every unit it changed returns to its earlier state); a wake is
 not undone. Either way the error ends with what `status` would say of every unit then.
-Before changing any unit, sleep and wake record every unit's state (`ctx.record_touched`);
+Before changing any unit, sleep and wake record every unit's state (`ctx.journal`);
 `restore_states` brings each back to it after the operation died (coldsnap.upkeep.repair).
 """
 
@@ -31,7 +31,8 @@ from coldsnap.capsule.containers import UnitContainer
 from coldsnap.capsule.engine_steps import quiesce, release, return_to_serving
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.gpu_checkpoint import device_map, gpu_return_to_running
-from coldsnap.capsule.lifecycle import (
+from coldsnap.capsule.placement import deliver_placement
+from coldsnap.capsule.running_unit import (
     EngineState,
     checkpoint_unit,
     engine_state,
@@ -41,25 +42,25 @@ from coldsnap.capsule.lifecycle import (
     restore_unit_gpus,
     unit_workers,
 )
-from coldsnap.capsule.placement import deliver_placement
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import UnitSpec, spec_as_captured
 from coldsnap.formats.capsule import CapsuleManifest
+from coldsnap.formats.receipt import ServiceAnswer
 from coldsnap.formats.request import Launch, Request, Validation
 from coldsnap.hosts.base import HostError
 from coldsnap.operations.captured import capsule_meta
 from coldsnap.operations.context import (
+    JournalEntry,
+    JournalUnit,
     OperationContext,
     OperationFailed,
     RollbackOutcome,
-    Touched,
-    TouchedUnit,
     UnitRepaired,
 )
 from coldsnap.operations.host_locks import exclusive
 from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.network import placement_documents
-from coldsnap.operations.restore_target import restore_placement
+from coldsnap.operations.restore_target import restore_settings
 from coldsnap.operations.service_checks import unit_labels, validate_services
 from coldsnap.operations.unit_runs import UnitRun, phase, rollback_units
 from coldsnap.operations.units import PlacedUnit, service_heads, unit_spec
@@ -142,7 +143,7 @@ class Target:
 
 
 def target(stored: StoredArtifact, request: Request, hosts: HostSet) -> Target:
-    launch, _policy, validation = restore_placement(stored.artifact, request)
+    launch, _policy, validation = restore_settings(stored.artifact, request)
     topology = resolve(launch)
     hosts.check_known(topology.hosts, "the request's launch")
     return Target(request, stored, launch, validation, topology)
@@ -287,9 +288,9 @@ async def _running_workload(
         await _find(ctx, t, hosts, runs)
         # Each unit's state before anything changes it, for a recovery should this die.
         heads = set(service_heads(t.topology).values())
-        ctx.record_touched(Touched(
+        ctx.journal(JournalEntry(
             artifact=stored.capture_id, request=request.canonical(),
-            units=[TouchedUnit(host=r.placed.host, unit=r.placed.unit_id,
+            units=[JournalUnit(host=r.placed.host, unit=r.placed.unit_id,
                                container=r.started.container_id, name=r.started.container_name,
                                earlier=unit_status(r).state, head=r.placed.unit_id in heads)
                    for r in runs]))
@@ -355,8 +356,8 @@ async def _rollback_sleep(ctx: OperationContext, hosts: HostSet,
 
 
 async def wake(stored: StoredArtifact, request: Request, hosts: HostSet, store: LocalStore,
-               ctx: OperationContext) -> tuple[list[UnitStatus], list[str]]:
-    """Returns every unit's state afterwards and the services whose prompt was answered."""
+               ctx: OperationContext) -> tuple[list[UnitStatus], list[ServiceAnswer]]:
+    """Returns every unit's state afterwards and each service's validation."""
     async with _running_workload(stored, request, hosts, store, ctx) as (t, captured, runs):
         try:
             validated = await _wake_units(ctx, t, hosts, runs, captured)
@@ -365,14 +366,14 @@ async def wake(stored: StoredArtifact, request: Request, hosts: HostSet, store: 
         except asyncio.CancelledError:
             # A wake has no rollback: cancelled (SIGINT/SIGTERM), it says where it left
             # every unit, as after a failure.
-            ctx.units_now = await _units_now(ctx, t, hosts, runs)
+            ctx.record.units_now = await _units_now(ctx, t, hosts, runs)
             raise
         return await _statuses(t, hosts, runs), validated
 
 
 async def _wake_units(ctx: OperationContext, t: Target, hosts: HostSet,
                       runs: Sequence[LifecycleRun],
-                      captured: Mapping[str, tuple[str, ...]]) -> list[str]:
+                      captured: Mapping[str, tuple[str, ...]]) -> list[ServiceAnswer]:
     ctx.unit_services = unit_labels(t.topology)
     await phase(ctx, "gpu-restore", [r for r in runs if r.engine is None],
                 lambda r: _gpus_running(r, captured))
@@ -384,8 +385,7 @@ async def _wake_units(ctx: OperationContext, t: Target, hosts: HostSet,
     await phase(ctx, "placement", asleep,
                 lambda r: deliver_placement(r.session, r.started, placements[r.placed.unit_id]))
     await phase(ctx, "release", asleep, lambda r: release(r.session, r.started))
-    answers = await validate_services(ctx, runs, t.topology)
-    return [a.service for a in answers]
+    return await validate_services(ctx, runs, t.topology)
 
 
 RepairAction = Literal["none", "wake", "sleep", "checkpoint", "report"]

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldsnap.durable import atomic_write_bytes, fsync_dir
 from coldsnap.formats.receipt import rfc3339_ns
 from coldsnap.formats.request import Request
-from coldsnap.hosts.durable import atomic_write_bytes, fsync_dir
 from coldsnap.runner.prepared import Refused
 
 OWNERS_DIR = "owners"

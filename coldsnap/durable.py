@@ -1,9 +1,8 @@
 """Writing a file on the control node so that a power loss leaves the whole file or nothing
 under its name: fsync the file, rename it into place, fsync the directory.
 
-The one home of that sequence on the control node. The host-side helper's `publish` and
-`sync_dir` (`coldsnap.hosts.helper.common`) are the same steps, and serve here too: what the
-helper cannot import, it defines, and this side imports it from there.
+The one home of that sequence on the control node (the host-side helper, which can import
+nothing of coldsnap, writes its own in `coldsnap.hosts.helper.common`).
 """
 
 from __future__ import annotations
@@ -13,12 +12,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from coldsnap.hosts.helper.common import publish as publish_open
-from coldsnap.hosts.helper.common import sync_dir
-
 
 def fsync_dir(path: Path) -> None:
-    sync_dir(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def publish(part: Path, dst: Path, *, replace: bool = True) -> None:
@@ -26,11 +26,11 @@ def publish(part: Path, dst: Path, *, replace: bool = True) -> None:
     `dst` is never replaced (FileExistsError): the name is a hard link, which fails when it
     exists, and `part` stays for the caller to remove."""
     with open(part, "rb") as f:
-        if replace:
-            publish_open(f, str(part), str(dst))  # fsync, rename, fsync of the directory
-            return
         os.fsync(f.fileno())
-    os.link(part, dst)
+    if replace:
+        os.replace(part, dst)
+    else:
+        os.link(part, dst)
     fsync_dir(dst.parent)
 
 

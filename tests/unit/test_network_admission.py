@@ -18,10 +18,7 @@ from coldsnap.formats.request import parse_request
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.probe import _sections, parse_interfaces
-from coldsnap.operations.context import OperationFailed
-from coldsnap.operations.hostset import HostSet
-from coldsnap.operations.network import check_placement_network
-from coldsnap.placement_rules import (
+from coldsnap.network_admission import (
     IfList,
     InterfaceFact,
     RendezvousValue,
@@ -31,6 +28,9 @@ from coldsnap.placement_rules import (
     rendezvous_refusal,
     rendezvous_values,
 )
+from coldsnap.operations.context import OperationFailed
+from coldsnap.operations.hostset import HostSet
+from coldsnap.operations.network import check_placement_network
 from coldsnap.topology import resolve
 from tests.unit.conftest import minimal_request
 

@@ -106,6 +106,9 @@ async def test_assembly_in_any_order_gives_back_the_dump(tmp_path: Path) -> None
     assert not Path(part).exists()
     for name, data in files.items():
         assert (Path(final) / name).read_bytes() == data
+    # The zero chunks were left holes, not written (the file, all zeros, ends in one).
+    assert (Path(final) / "pages-2.img").stat().st_blocks == 0
+    assert (Path(final) / "pages-1.img").stat().st_blocks * 512 >= 3 * CHUNK
     assert stat.S_IMODE((Path(final) / "core-10000.img").stat().st_mode) == 0o644
     assert stat.S_IMODE(Path(final).stat().st_mode) == 0o700
     assert await image_set_ready(host, data_dir, image_set)

@@ -17,7 +17,6 @@ holds one of its channel slots.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 import shlex
@@ -43,7 +42,6 @@ from coldsnap.hosts.transfer.openssh_client import (
 )
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
-    PART_SUFFIX,
     REPORT_EVERY,
     DigestMismatch,
     Retry,
@@ -51,7 +49,7 @@ from coldsnap.hosts.transfer.protocol import (
     check_announced,
     classify,
     far_get_argv,
-    hash_file_prefix,
+    local_part,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
 
@@ -184,10 +182,7 @@ async def get_once_openssh(
     beneath: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
-    part = local.with_name(local.name + PART_SUFFIX)
-    offset = part.stat().st_size if part.exists() else 0
-    h = (await loop.run_in_executor(None, hash_file_prefix, part, offset) if offset
-         else hashlib.sha256())
+    part, offset, h = await local_part(local)
 
     report = loop_progress(progress, loop)
     if beneath is not None:

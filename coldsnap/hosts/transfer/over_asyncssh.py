@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
@@ -28,7 +27,7 @@ from coldsnap.hosts.transfer.protocol import (
     check_announced,
     classify,
     far_get_argv,
-    hash_file_prefix,
+    local_part,
     parse_part,
     resume_offset,
 )
@@ -164,13 +163,7 @@ async def get_once_stream(
     beneath: str | None = None,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
-    part = local.with_name(local.name + PART_SUFFIX)
-    offset = part.stat().st_size if part.exists() else 0
-    h = (
-        await loop.run_in_executor(None, hash_file_prefix, part, offset)
-        if offset
-        else (hashlib.sha256())
-    )
+    part, offset, h = await local_part(local)
     far = (far_get_argv(remote, offset, known=False, beneath=beneath) if beneath is not None
            else helper_argv("get", remote, str(offset)))
     async with host.open_stream(far) as s:

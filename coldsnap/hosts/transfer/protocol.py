@@ -4,6 +4,7 @@ digests of files on a host."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -94,6 +95,16 @@ def hash_file_prefix(path: Path, n: int) -> Any:
             h.update(data)
             left -= len(data)
     return h
+
+
+async def local_part(local: Path) -> tuple[Path, int, Any]:
+    """Where a get of `local` resumes, whichever transport runs it: the partial copy beside
+    it, how many bytes it holds, and the running sha256 of those bytes (hashed in a thread)."""
+    part = local.with_name(local.name + PART_SUFFIX)
+    offset = part.stat().st_size if part.exists() else 0
+    if not offset:
+        return part, 0, hashlib.sha256()
+    return part, offset, await asyncio.to_thread(hash_file_prefix, part, offset)
 
 
 def parse_part(line: bytes) -> tuple[int, str] | None:

@@ -121,6 +121,18 @@ def _check_host(value: str) -> str:
     return value
 
 
+def whole_match(pattern: re.Pattern[str], message: str) -> AfterValidator:
+    """A text field that `pattern` must match whole; else ValueError(`message`), which
+    pydantic reports as "Value error, <message>" at the field's path."""
+
+    def check(value: str) -> str:
+        if pattern.fullmatch(value) is None:
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
+
+
 Id = Annotated[str, AfterValidator(_check_id)]
 QualifiedName = Annotated[str, AfterValidator(_check_qualified)]
 Digest = Annotated[str, AfterValidator(_check_digest)]

@@ -28,7 +28,7 @@ from pydantic import Field, ValidationError, model_validator
 from coldsnap.formats.artifact import CapsuleImage
 from coldsnap.formats.canonical import digest as canonical_digest
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.fields import whole_match
+from coldsnap.formats.fields import text_rule
 from coldsnap.formats.request import Digest, Id, NonEmpty, NonNegative, StrictModel
 
 CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
@@ -38,8 +38,10 @@ CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
-ImageName = Annotated[str, whole_match(_IMAGE_NAME, "must be a plain file name: a letter or "
-                                                   "digit, then letters, digits, '.', '_' or '-'")]
+ImageName = Annotated[str, text_rule(
+    _IMAGE_NAME.fullmatch,
+    "must be a plain file name: a letter or digit, then letters, digits, '.', '_' or '-'",
+    ValueError)]
 
 
 class CriuExtent(StrictModel):

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from coldsnap.formats.fields import ID_CORE, whole_match
+from coldsnap.formats.fields import ID_CORE, text_rule
 
 OwnerKind = Literal["unit", "worker", "service", "group"]
 
@@ -52,5 +52,6 @@ class Owner:
         return cls("group", group_id)
 
 
-OwnerText = Annotated[str, whole_match(_OWNER, "must be a typed owner: unit/<id>, worker/<id>, "
-                                                "service/<id> or group/<id>")]
+OwnerText = Annotated[str, text_rule(
+    _OWNER.fullmatch, "must be a typed owner: unit/<id>, worker/<id>, service/<id> or group/<id>",
+    ValueError)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,23 @@ async def gpu_return_to_running(
     return [r for r in results if r]
 
 
+async def _every_worker(
+    s: CapsuleSession, container: Any, handle: UnitHandle, step: str,
+    kind: type[CapsuleError], calls: Callable[[int], Sequence[Sequence[str]]],
+) -> list[BaseException]:
+    """Every worker's cuda-checkpoint `calls(pid)` at once, all of them run to their end;
+    the failures in the workers' order, each a `kind` naming its worker and PID."""
+
+    async def one(wid: str, pid: int) -> None:
+        out = await cuda_sequence(s, container, calls(pid))
+        if not out.ok:
+            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}", kind)
+
+    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
+                                   return_exceptions=True)
+    return [r for r in results if isinstance(r, BaseException)]
+
+
 async def checkpoint_gpus(
     s: CapsuleSession, handle: UnitHandle, *, lock_timeout_ms: int = 30_000
 ) -> None:
@@ -106,18 +123,9 @@ async def checkpoint_gpus(
                  step=step)
         return
     container = await s.container(handle.container_id, handle.unit, step)
-
-    async def one(wid: str, pid: int) -> None:
-        out = await cuda_sequence(s, container, [
-            ["--action", "lock", "--pid", str(pid), "--timeout", str(lock_timeout_ms)],
-            ["--action", "checkpoint", "--pid", str(pid)]])
-        if not out.ok:
-            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}",
-                       GpuCheckpointFailed)
-
-    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
-                                   return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
+    errors = await _every_worker(s, container, handle, step, GpuCheckpointFailed, lambda pid: [
+        ["--action", "lock", "--pid", str(pid), "--timeout", str(lock_timeout_ms)],
+        ["--action", "checkpoint", "--pid", str(pid)]])
     if errors:
         problems = await gpu_return_to_running(s, container, handle.worker_pids)
         detail = "; ".join(e.detail if isinstance(e, CapsuleError) else repr(e) for e in errors)
@@ -135,20 +143,11 @@ async def restore_gpus(s: CapsuleSession, handle: UnitHandle,
         return
     container = await s.container(handle.container_id, handle.unit, step)
     map_args = device_map_args(devices)
-
-    async def one(wid: str, pid: int) -> None:
-        out = await cuda_sequence(s, container, [
-            ["--action", "restore", "--pid", str(pid), *map_args],
-            ["--action", "unlock", "--pid", str(pid)]])
-        if not out.ok:
-            raise fail(s, handle.unit, step, f"worker {wid} (pid {pid}): {out.tail(400)}",
-                       RestoreFailed)
-
-    results = await asyncio.gather(*(one(w, p) for w, p in handle.worker_pids.items()),
-                                   return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    errors = await _every_worker(s, container, handle, step, RestoreFailed, lambda pid: [
+        ["--action", "restore", "--pid", str(pid), *map_args],
+        ["--action", "unlock", "--pid", str(pid)]])
+    if errors:
+        raise errors[0]
 
 
 @dataclass(frozen=True)

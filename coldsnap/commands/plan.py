@@ -11,9 +11,8 @@ import argparse
 import sys
 from typing import Any
 
-from coldsnap.commands.common import print_issues
-from coldsnap.commands.validate import add_request_argument, emit_json, request_or_issues
-from coldsnap.exits import EXIT_BAD_INPUT, EXIT_OK
+from coldsnap.commands.validate import checked_request, emit_json, register_request_command
+from coldsnap.exits import EXIT_OK
 from coldsnap.formats.request import Request
 from coldsnap.topology import Topology, resolve
 
@@ -90,13 +89,9 @@ def plan_text(req: Request, topo: Topology) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = request_or_issues(args)
-    if isinstance(result, list):
-        if args.json:
-            emit_json({"valid": False, "errors": [i.to_json() for i in result]})
-        else:
-            print_issues(result, args.request)
-        return EXIT_BAD_INPUT
+    result = checked_request(args, summary=False)
+    if isinstance(result, int):
+        return result
     topo = resolve(result)
     if args.json:
         emit_json(plan_document(result, topo))
@@ -106,7 +101,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("plan", help=HELP, description=DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_request_argument(parser)
-    parser.set_defaults(handler=run)
+    register_request_command(subparsers, "plan", HELP, DESCRIPTION, run)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from coldsnap.commands.common import (
@@ -54,16 +55,26 @@ def emit_json(document: dict[str, Any]) -> None:
     print(json.dumps(document, indent=2, sort_keys=False))
 
 
-def run(args: argparse.Namespace) -> int:
+def checked_request(args: argparse.Namespace, *, summary: bool) -> Request | int:
+    """`args.request` loaded, or its issues reported (a JSON document with --json, else one
+    line each on stderr and, with `summary`, their count) and the exit status to end with."""
     result = request_or_issues(args)
-    if isinstance(result, list):
-        if args.json:
-            emit_json({"valid": False, "errors": [i.to_json() for i in result]})
-        else:
-            print_issues(result, args.request)
+    if not isinstance(result, list):
+        return result
+    if args.json:
+        emit_json({"valid": False, "errors": [i.to_json() for i in result]})
+    else:
+        print_issues(result, args.request)
+        if summary:
             print(f"{request_label(args.request)}: invalid ({len(result)} problem"
                   f"{'' if len(result) == 1 else 's'})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return EXIT_BAD_INPUT
+
+
+def run(args: argparse.Namespace) -> int:
+    result = checked_request(args, summary=True)
+    if isinstance(result, int):
+        return result
     if args.json:
         emit_json({"valid": True, "request_sha256": result.request_sha256})
     else:
@@ -71,8 +82,17 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("validate", help=HELP, description=DESCRIPTION,
+def register_request_command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str,
+    description: str, handler: Callable[[argparse.Namespace], int],
+) -> None:
+    """A command that reads one request file (`validate`, `plan`): its description as
+    written, the request argument and --json."""
+    parser = subparsers.add_parser(name, help=help, description=description,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_request_argument(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=handler)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    register_request_command(subparsers, "validate", HELP, DESCRIPTION, run)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -60,16 +60,24 @@ class EngineEndpoint:
 
 def port_flag(command: Sequence[str], default: int) -> int:
     """The engine's serving port from `--port`, or the engine's default."""
-    value = flag_value(command, ("--port",))
-    if value is None:
+    port = optional_int(flag_value(command, ("--port",)),
+                        lambda v: ValueError(f"--port {v!r} is not a port number"))
+    if port is None:
         return default
-    try:
-        port = int(value)
-    except ValueError:
-        raise ValueError(f"--port {value!r} is not a port number") from None
     if not 1 <= port <= 65535:
         raise ValueError(f"--port {port} is out of range")
     return port
+
+
+def optional_int(value: str | None, refusal: Callable[[str], Exception]) -> int | None:
+    """A number read from a command line or an environment: None when absent, else `value`
+    as an int, or the error `refusal` makes of a value that is not one."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise refusal(value) from None
 
 
 def master_port(command: Sequence[str], environment: dict[str, str] | None = None) -> int | None:
@@ -77,12 +85,7 @@ def master_port(command: Sequence[str], environment: dict[str, str] | None = Non
     value = flag_value(command, ("--master-port",))
     if value is None and environment:
         value = environment.get("MASTER_PORT")
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"--master-port {value!r} is not a port number") from None
+    return optional_int(value, lambda v: ValueError(f"--master-port {v!r} is not a port number"))
 
 
 def master_addr(command: Sequence[str], environment: dict[str, str] | None = None) -> str | None:

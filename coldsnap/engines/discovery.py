@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coldsnap.engines import simulated_gpus
+from coldsnap.engines.base import optional_int
 from coldsnap.hosts.base import Host
 
 # One host command for every PID: its PID inside the container (last NSpid field), the rank
@@ -109,13 +110,8 @@ async def read_processes(host: Host, host_pids: Sequence[int], *, simulated: boo
 
 
 def _int_var(proc: ProcessFacts, name: str) -> int | None:
-    raw = proc.env.get(name)
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise DiscoveryError(f"process {proc.pid} has {name}={raw!r}, not a number") from None
+    return optional_int(proc.env.get(name), lambda raw: DiscoveryError(
+        f"process {proc.pid} has {name}={raw!r}, not a number"))
 
 
 def match_workers(procs: Sequence[ProcessFacts], workers: Sequence[WorkerLike],

@@ -17,6 +17,7 @@ null inside the adapter payload is kept (its digest depends on it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
@@ -217,3 +218,20 @@ def parse_artifact(data: Mapping[str, Any]) -> Artifact:
     if issues:
         raise ArtifactInvalid(issues)
     return artifact
+
+
+def artifact_from_bytes(data: bytes, what: str) -> Artifact:
+    """A format-9 artifact from a document's bytes (a file, a registry's config blob). Bytes
+    that are not one raise ValueError with a message that begins with `what` and says which
+    step refused them (not JSON, not an object, not an artifact: its first five issues)."""
+    try:
+        raw: Any = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    try:
+        return parse_artifact(raw)
+    except ArtifactInvalid as exc:
+        problems = "; ".join(str(i) for i in exc.issues[:5])
+        raise ValueError(f"{what} is not a format-9 artifact: {problems}") from None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from coldsnap.formats.artifact import CapsuleImage
 from coldsnap.formats.canonical import digest as canonical_digest
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
+from coldsnap.formats.fields import text_rule
 from coldsnap.formats.request import Digest, Id, NonEmpty, NonNegative, StrictModel
 
 CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
@@ -37,14 +38,10 @@ CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
-def _check_image_name(value: str) -> str:
-    if _IMAGE_NAME.fullmatch(value) is None:
-        raise ValueError("must be a plain file name: a letter or digit, then letters, digits, "
-                         "'.', '_' or '-'")
-    return value
-
-
-ImageName = Annotated[str, AfterValidator(_check_image_name)]
+ImageName = Annotated[str, text_rule(
+    _IMAGE_NAME.fullmatch,
+    "must be a plain file name: a letter or digit, then letters, digits, '.', '_' or '-'",
+    ValueError)]
 
 
 class CriuExtent(StrictModel):

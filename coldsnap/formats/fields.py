@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import (
@@ -65,70 +66,59 @@ def is_clean_absolute(value: str) -> bool:
     )
 
 
-def _check_id(value: str) -> str:
-    if not is_id(value):
-        raise invalid(f"must match {ID_PATTERN}")
-    return value
-
-
-def _check_qualified(value: str) -> str:
-    parts = value.split(":")
-    if len(parts) != 2 or not all(is_id(p) for p in parts):
-        raise invalid("must be NAMESPACE:NAME, exactly one ':' with an id on each side")
-    return value
-
-
-def _check_digest(value: str) -> str:
-    if not is_digest(value):
-        raise invalid("must be sha256: followed by 64 lowercase hex digits")
-    return value
-
-
-def _check_non_empty(value: str) -> str:
-    if not value:
-        raise invalid("must not be empty")
-    return value
-
-
 def check_abs_path(value: str) -> str:
     if not is_clean_absolute(value):
-        raise invalid("must be an absolute, clean path (no '.', '..', '//' or trailing '/')")
+        raise invalid(_ABS_PATH)
     return value
 
 
-def _check_rel_path(value: str) -> str:
-    if (
+def _is_qualified(value: str) -> bool:
+    parts = value.split(":")
+    return len(parts) == 2 and all(is_id(p) for p in parts)
+
+
+def _is_clean_relative(value: str) -> bool:
+    return not (
         not value
         or value.startswith("/")
         or "\0" in value
         or posixpath.normpath(value) != value
         or value == "."
         or value.split("/")[0] == ".."
-    ):
-        raise invalid("must be a clean relative path that stays inside its root")
-    return value
+    )
 
 
-def _check_env_name(value: str) -> str:
-    if _ENV_NAME.fullmatch(value) is None:
-        raise invalid("is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
-    return value
+def _is_host_name(value: str) -> bool:
+    return bool(value) and not any(c.isspace() for c in value)
 
 
-def _check_host(value: str) -> str:
-    if not value or any(c.isspace() for c in value):
-        raise invalid("must be a non-empty host name without whitespace")
-    return value
+def text_rule(holds: Callable[[str], object], message: str,
+              refusal: Callable[[str], Exception] = invalid) -> AfterValidator:
+    """A text field that `holds` must accept; else `refusal(message)` at the field's path:
+    this module's own error (its message as written), or ValueError (pydantic prefixes
+    "Value error, ")."""
+
+    def check(value: str) -> str:
+        if not holds(value):
+            raise refusal(message)
+        return value
+
+    return AfterValidator(check)
 
 
-Id = Annotated[str, AfterValidator(_check_id)]
-QualifiedName = Annotated[str, AfterValidator(_check_qualified)]
-Digest = Annotated[str, AfterValidator(_check_digest)]
-NonEmpty = Annotated[str, AfterValidator(_check_non_empty)]
-AbsPath = Annotated[str, AfterValidator(check_abs_path)]
-RelPath = Annotated[str, AfterValidator(_check_rel_path)]
-EnvName = Annotated[str, AfterValidator(_check_env_name)]
-HostName = Annotated[str, AfterValidator(_check_host)]
+_ABS_PATH = "must be an absolute, clean path (no '.', '..', '//' or trailing '/')"
+Id = Annotated[str, text_rule(is_id, f"must match {ID_PATTERN}")]
+QualifiedName = Annotated[str, text_rule(
+    _is_qualified, "must be NAMESPACE:NAME, exactly one ':' with an id on each side")]
+Digest = Annotated[str, text_rule(is_digest, "must be sha256: followed by 64 lowercase hex digits")]
+NonEmpty = Annotated[str, text_rule(bool, "must not be empty")]
+AbsPath = Annotated[str, text_rule(is_clean_absolute, _ABS_PATH)]
+RelPath = Annotated[str, text_rule(
+    _is_clean_relative, "must be a clean relative path that stays inside its root")]
+EnvName = Annotated[str, text_rule(
+    _ENV_NAME.fullmatch, "is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)")]
+HostName = Annotated[str, text_rule(
+    _is_host_name, "must be a non-empty host name without whitespace")]
 NonNegative = Annotated[int, Field(ge=0)]
 
 

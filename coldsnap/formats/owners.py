@@ -11,9 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator
-
-from coldsnap.formats.fields import ID_CORE
+from coldsnap.formats.fields import ID_CORE, text_rule
 
 OwnerKind = Literal["unit", "worker", "service", "group"]
 
@@ -54,11 +52,6 @@ class Owner:
         return cls("group", group_id)
 
 
-def _check_owner(value: str) -> str:
-    if _OWNER.fullmatch(value) is None:
-        raise ValueError("must be a typed owner: unit/<id>, worker/<id>, service/<id> or "
-                         "group/<id>")
-    return value
-
-
-OwnerText = Annotated[str, AfterValidator(_check_owner)]
+OwnerText = Annotated[str, text_rule(
+    _OWNER.fullmatch, "must be a typed owner: unit/<id>, worker/<id>, service/<id> or group/<id>",
+    ValueError)]

@@ -6,6 +6,7 @@ Operations and capsule code speak only to `Host`; they never import asyncssh. `S
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -165,6 +166,43 @@ def check_get_bounds(size: int | None, max_bytes: int | None) -> None:
         raise ValueError("a get needs the object's size or a cap on its bytes")
     if (size is not None and size < 0) or (max_bytes is not None and max_bytes < 0):
         raise ValueError("a negative size or cap")
+
+
+class CommandRunner(ABC):
+    """`Host.run` for the hosts that run a real command (LocalHost, SSHHost): the argv
+    check, the bounded output buffers and the result with its check are the same for both;
+    a subclass says only how its command starts, is fed, waited for and killed
+    (`_execute`)."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
+        input: bytes | None = None,
+        check: bool = True,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+    ) -> CommandResult:
+        args = tuple(argv)
+        if not args:
+            raise ValueError("empty argv")
+        out, err = TailBuffer(output_limit), TailBuffer(output_limit)
+        status = await self._execute(args, timeout, input, out, err)
+        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
+                               self.name)
+        if check and not result.ok:
+            raise CommandFailed(self.name, result)
+        return result
+
+    @abstractmethod
+    async def _execute(self, args: tuple[str, ...], timeout: float | None,  # noqa: ASYNC109
+                       input: bytes | None, out: TailBuffer, err: TailBuffer) -> int:
+        """Run `args` to its end, its output into `out` and `err`; its exit status. On
+        timeout or cancellation the process is killed before this returns or raises."""
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ import os
 import posixpath
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -51,6 +51,7 @@ from coldsnap.formats.documents import (
     read_document,
     value_issues,
 )
+from coldsnap.formats.fields import text_rule
 
 # A few thousand hosts fit in far less; the bound only stops a wrong file from being read whole.
 MAX_INVENTORY_BYTES = 16 * 1024 * 1024
@@ -74,30 +75,19 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 class SimulatedGpu(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    uuid: str
+    uuid: Annotated[str, text_rule(
+        _GPU_UUID.match, "must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", ValueError)]
     name: str = Field(min_length=1)
-    compute_capability: str
+    compute_capability: Annotated[str, text_rule(
+        _CC.match, 'must be "MAJOR.MINOR", e.g. "12.1"', ValueError)]
     memory_bytes: int = Field(gt=0)
-
-    @field_validator("uuid")
-    @classmethod
-    def _uuid_shape(cls, v: str) -> str:
-        if not _GPU_UUID.match(v):
-            raise ValueError("must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
-        return v
-
-    @field_validator("compute_capability")
-    @classmethod
-    def _cc_shape(cls, v: str) -> str:
-        if not _CC.match(v):
-            raise ValueError('must be "MAJOR.MINOR", e.g. "12.1"')
-        return v
 
 
 class HostEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    name: str
+    name: Annotated[str, text_rule(
+        _NAME.match, "must be 1-63 characters of letters, digits, '.', '_', '-'", ValueError)]
     address: str = Field(min_length=1)
     port: int = Field(default=22, ge=1, le=65535)
     user: str = Field(default="root", min_length=1)
@@ -112,13 +102,6 @@ class HostEntry(BaseModel):
     simulated: bool = False
     driver_version: str | None = None
     simulated_gpus: list[SimulatedGpu] | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name_shape(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("must be 1-63 characters of letters, digits, '.', '_', '-'")
-        return v
 
     @field_validator("data_dir", "docker_socket")
     @classmethod

@@ -14,10 +14,7 @@ from typing import BinaryIO
 
 from coldsnap.durable import publish
 from coldsnap.hosts.base import (
-    DEFAULT_OUTPUT_LIMIT,
-    DEFAULT_RUN_TIMEOUT,
-    CommandFailed,
-    CommandResult,
+    CommandRunner,
     CommandTimeout,
     HeldProcess,
     HostError,
@@ -87,7 +84,7 @@ def _copy_open(fin: BinaryIO, src: Path, dst: Path, total: int,
     return TransferResult(bytes=total, sha256=f"sha256:{h.hexdigest()}", sent_bytes=total)
 
 
-class LocalHost:
+class LocalHost(CommandRunner):
     def __init__(self, name: str = "local") -> None:
         self._name = name
 
@@ -95,18 +92,8 @@ class LocalHost:
     def name(self) -> str:
         return self._name
 
-    async def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
-        input: bytes | None = None,
-        check: bool = True,
-        output_limit: int = DEFAULT_OUTPUT_LIMIT,
-    ) -> CommandResult:
-        args = tuple(argv)
-        if not args:
-            raise ValueError("empty argv")
+    async def _execute(self, args: tuple[str, ...], timeout: float | None,  # noqa: ASYNC109
+                       input: bytes | None, out: TailBuffer, err: TailBuffer) -> int:
         # Its own session, so a timeout can kill the whole process group it spawns.
         proc = await asyncio.create_subprocess_exec(
             *args,
@@ -115,7 +102,6 @@ class LocalHost:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        out, err = TailBuffer(output_limit), TailBuffer(output_limit)
 
         async def feed() -> None:
             assert proc.stdin is not None
@@ -139,11 +125,7 @@ class LocalHost:
         status = proc.returncode if proc.returncode is not None else 255
         if status < 0:
             status = 128 - status
-        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
-                               self.name)
-        if check and not result.ok:
-            raise CommandFailed(self.name, result)
-        return result
+        return status
 
     @staticmethod
     async def _kill(proc: asyncio.subprocess.Process) -> None:

@@ -310,6 +310,12 @@ def probe_command(entry: HostEntry) -> list[str]:
             *(("1", NVML_SCRIPT) if real_gpus else ("0",))]
 
 
+def _no_facts(entry: HostEntry, error: str, *, reachable: bool) -> HostProbe:
+    """A probe that learnt nothing of the host but why (it did not answer, or not sense)."""
+    return HostProbe(host=entry.name, reachable=reachable, error=error,
+                     simulated=entry.simulated)
+
+
 async def probe_host(
     host: Host,
     entry: HostEntry,
@@ -322,26 +328,15 @@ async def probe_host(
     try:
         result = await host.run(probe_command(entry), input=stdin, timeout=timeout)
     except HostUnreachable as exc:
-        return HostProbe(
-            host=entry.name, reachable=False, error=exc.message, simulated=entry.simulated
-        )
+        return _no_facts(entry, exc.message, reachable=False)
     except HostError as exc:
-        return HostProbe(
-            host=entry.name,
-            reachable=True,
-            error=f"probe failed: {exc.message}",
-            simulated=entry.simulated,
-        )
+        return _no_facts(entry, f"probe failed: {exc.message}", reachable=True)
     try:
         raw = parse_probe_output(result.stdout.decode(errors="replace"), entry.data_dir,
                                  entry.docker_socket)
     except ProbeGarbage:
-        return HostProbe(
-            host=entry.name,
-            reachable=True,
-            simulated=entry.simulated,
-            error=f"probe answered garbage: {result.stdout[:200]!r}",
-        )
+        return _no_facts(entry, f"probe answered garbage: {result.stdout[:200]!r}",
+                         reachable=True)
     if entry.simulated:
         gpus = [
             ProbedGpu(i, g.name, g.uuid, g.compute_capability, g.memory_bytes, simulated=True)
@@ -381,12 +376,7 @@ async def probe_hosts(
             async with asyncio.timeout(timeout):
                 return await probe_host(h, entry, timeout=timeout)
         except TimeoutError:
-            return HostProbe(
-                host=entry.name,
-                reachable=False,
-                simulated=entry.simulated,
-                error=f"no answer within {timeout}s",
-            )
+            return _no_facts(entry, f"no answer within {timeout}s", reachable=False)
 
     return list(await asyncio.gather(*(one(h, e) for h, e in hosts)))
 

@@ -25,10 +25,7 @@ import structlog
 from tenacity import RetryCallState
 
 from coldsnap.hosts.base import (
-    DEFAULT_OUTPUT_LIMIT,
-    DEFAULT_RUN_TIMEOUT,
-    CommandFailed,
-    CommandResult,
+    CommandRunner,
     CommandTimeout,
     HeldProcess,
     HostAuthFailed,
@@ -61,7 +58,7 @@ _KILL_GROUP = 'kill -KILL "-$1" 2>/dev/null; kill -KILL "$1" 2>/dev/null; exit 0
 _STREAM_END_S = 5.0
 
 
-class SSHHost:
+class SSHHost(CommandRunner):
     """One destination host reached over SSH. Connects lazily, reconnects on demand."""
 
     def __init__(
@@ -286,19 +283,8 @@ class SSHHost:
 
     # ----------------------------------------------------------------- Host protocol
 
-    async def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109 (expiry kills the process)
-        input: bytes | None = None,
-        check: bool = True,
-        output_limit: int = DEFAULT_OUTPUT_LIMIT,
-    ) -> CommandResult:
-        args = tuple(argv)
-        if not args:
-            raise ValueError("empty argv")
-        out, err = TailBuffer(output_limit), TailBuffer(output_limit)
+    async def _execute(self, args: tuple[str, ...], timeout: float | None,  # noqa: ASYNC109
+                       input: bytes | None, out: TailBuffer, err: TailBuffer) -> int:
         command = "exec " + shlex.join(["sh", "-c", _PID_WRAPPER, "coldsnap-run", *args])
         async with self._channels:
             stream = await self._open_owned(command, kill=True)
@@ -346,11 +332,7 @@ class SSHHost:
                 f"connection closed before {args[0]} reported an exit status "
                 "(it may or may not have finished)",
             )
-        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
-                               self.name)
-        if check and not result.ok:
-            raise CommandFailed(self.name, result)
-        return result
+        return status
 
     async def _kill(self, pid: int | None, stream: RemoteStream) -> None:
         if pid is None:

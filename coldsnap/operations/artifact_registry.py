@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from coldsnap.formats.artifact import (
     ROLE_CAPSULE_MANIFEST,
@@ -38,7 +36,7 @@ from coldsnap.formats.artifact import (
     ROLE_REPLAY_PLAN,
     Artifact,
     ArtifactObject,
-    parse_artifact,
+    artifact_from_bytes,
 )
 from coldsnap.formats.canonical import canonical_json
 from coldsnap.formats.errors import ArtifactInvalid
@@ -255,7 +253,10 @@ async def _import(store: LocalStore, ref: RegistryRef, client: RegistryClient) -
     except ManifestInvalid as exc:
         raise PublishFailed(f"{pinned}: not a ColdSnap artifact manifest: {exc}") from None
     config = await client.get_blob_bytes(repo, manifest.config.digest, MAX_ARTIFACT_BYTES)
-    artifact = _parse_document(config, pinned)
+    try:
+        artifact = artifact_from_bytes(config, f"{pinned}: its config")
+    except ValueError as exc:
+        raise PublishFailed(str(exc)) from None
     try:
         check_layers(manifest, artifact)
     except ManifestInvalid as exc:
@@ -340,21 +341,6 @@ async def _bounded_import(store: LocalStore, ref: RegistryRef,
     except TimeoutError:
         raise PublishFailed(f"{ref.pinned if ref.digest else ref}: the import did not finish "
                             f"within {IMPORT_DEADLINE_S:.0f} s; nothing was indexed") from None
-
-
-def _parse_document(config: bytes, pinned: str) -> Artifact:
-    try:
-        raw: Any = json.loads(config)
-    except (ValueError, RecursionError) as exc:
-        raise PublishFailed(f"{pinned}: its config is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise PublishFailed(f"{pinned}: its config is not a JSON object")
-    try:
-        return parse_artifact(raw)
-    except ArtifactInvalid as exc:
-        problems = "; ".join(str(i) for i in exc.issues[:5])
-        raise PublishFailed(f"{pinned}: its config is not a format-9 artifact: "
-                            f"{problems}") from None
 
 
 __all__ = ["CONTROL_NODE_ROLES", "IMPORTED_ROLES", "PublishFailed", "PublishProgress",

@@ -15,14 +15,11 @@ ones are refused as ambiguous rather than one silently winning.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
-from typing import Any
 
-from coldsnap.formats.artifact import Artifact, parse_artifact
+from coldsnap.formats.artifact import Artifact, artifact_from_bytes
 from coldsnap.formats.canonical import digest
-from coldsnap.formats.errors import ArtifactInvalid
 from coldsnap.formats.fields import is_clean_absolute, is_id
 from coldsnap.store.local_store import (
     ArtifactAmbiguous,
@@ -115,17 +112,9 @@ def read_artifact_file(ref: str, reader: Reader | None = None) -> tuple[Artifact
         raise ArtifactRefInvalid(str(exc)) from None
     shown = ref if real == ref else f"{ref} (-> {real})"
     try:
-        raw: Any = json.loads(blob)
-    except (ValueError, RecursionError) as exc:
-        raise ArtifactRefInvalid(f"artifact file {shown} is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ArtifactRefInvalid(f"artifact file {shown} is not a JSON object")
-    try:
-        artifact = parse_artifact(raw)
-    except ArtifactInvalid as exc:
-        problems = "; ".join(str(i) for i in exc.issues[:5])
-        raise ArtifactRefInvalid(f"artifact file {shown} is not a format-9 artifact: "
-                                 f"{problems}") from None
+        artifact = artifact_from_bytes(blob, f"artifact file {shown}")
+    except ValueError as exc:
+        raise ArtifactRefInvalid(str(exc)) from None
     return artifact, digest(artifact.to_json())
 
 

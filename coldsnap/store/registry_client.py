@@ -366,16 +366,12 @@ class RegistryClient:
                                 scope=self._pull(repo), what=what)
         if r.status != 200:
             raise await self._error(r, what)
-        try:
-            if r.content_length is not None and r.content_length > max_bytes:
-                raise self._fail(what, f"{r.content_length} bytes, over the {max_bytes} bytes "
-                                       "this read accepts")
-            data = await _read_limited(r, max_bytes, lambda: self._fail(
-                what, f"over the {max_bytes} bytes this read accepts"))
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._fail(what, f"cannot be reached mid-read: {_why(exc)}") from None
-        finally:
+        if r.content_length is not None and r.content_length > max_bytes:
             r.release()
+            raise self._fail(what, f"{r.content_length} bytes, over the {max_bytes} bytes "
+                                   "this read accepts")
+        data = await self._body(r, what, max_bytes,
+                                f"over the {max_bytes} bytes this read accepts")
         actual = "sha256:" + hashlib.sha256(data).hexdigest()
         if actual != digest:
             raise self._fail(what, f"its bytes hash to {actual}: refused")
@@ -410,18 +406,23 @@ class RegistryClient:
                                 headers={"Accept": _MANIFEST_TYPES})
         if r.status != 200:
             raise await self._error(r, what)
-        try:
-            media_type = r.headers.get("Content-Type", "").split(";")[0].strip()
-            data = await _read_limited(r, MAX_MANIFEST_BYTES, lambda: self._fail(
-                what, f"larger than {MAX_MANIFEST_BYTES} bytes"))
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._fail(what, f"cannot be reached mid-read: {_why(exc)}") from None
-        finally:
-            r.release()
+        media_type = r.headers.get("Content-Type", "").split(";")[0].strip()
+        data = await self._body(r, what, MAX_MANIFEST_BYTES,
+                                f"larger than {MAX_MANIFEST_BYTES} bytes")
         digest = digest_bytes(data)
         if is_digest(reference) and digest != reference:
             raise self._fail(what, f"its bytes hash to {digest}: refused")
         return data, media_type, digest
+
+    async def _body(self, r: aiohttp.ClientResponse, what: str, limit: int, over: str) -> bytes:
+        """`r`'s body, at most `limit` bytes (more fails, `over` saying why); a connection
+        lost mid-read fails naming `what`; `r` is released whatever happens."""
+        try:
+            return await _read_limited(r, limit, lambda: self._fail(what, over))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._fail(what, f"cannot be reached mid-read: {_why(exc)}") from None
+        finally:
+            r.release()
 
 
 async def _read_limited(r: aiohttp.ClientResponse, limit: int,

@@ -50,6 +50,7 @@ from coldsnap.hosts.transfer.over_asyncssh import get_once_stream, put_once_stre
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
     DigestMismatch,
+    GetLimits,
     Tamper,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
@@ -201,12 +202,12 @@ async def fetch_file(
         found = await host.run(["stat", "-L", "-c", "%s", "--", remote], check=False)
         if found.exit_status == 0 and found.stdout.strip().isdigit():
             size = int(found.stdout)
+    limits = GetLimits(size, max_bytes, beneath)
     got = await over_chosen_transport(
         host, f"get {remote} -> {local}", attempts, transport,
         lambda argv: get_once_openssh(host, argv, remote, local, progress, tamper, expected,
-                                      size=size, max_bytes=max_bytes, beneath=beneath),
-        lambda: get_once_stream(host, remote, local, progress, tamper, size=size,
-                                max_bytes=max_bytes, beneath=beneath),
+                                      limits),
+        lambda: get_once_stream(host, remote, local, progress, tamper, limits),
         size=size)
     if expected is not None and got.sha256 != expected:
         # Only the asyncssh path gets here: both ends agree on a file that changed since.

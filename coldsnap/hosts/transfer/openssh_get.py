@@ -17,7 +17,6 @@ holds one of its channel slots.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import os
 import shlex
@@ -43,15 +42,15 @@ from coldsnap.hosts.transfer.openssh_client import (
 )
 from coldsnap.hosts.transfer.protocol import (
     CHUNK,
-    PART_SUFFIX,
     REPORT_EVERY,
     DigestMismatch,
+    GetLimits,
     Retry,
     Tamper,
     check_announced,
     classify,
     far_get_argv,
-    hash_file_prefix,
+    local_part,
 )
 from coldsnap.hosts.transfer.streams import StreamHost
 
@@ -91,8 +90,7 @@ class _Bounds:
 
     host: str
     what: str
-    size: int | None
-    max_bytes: int | None
+    limits: GetLimits
 
 
 def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Tamper | None,
@@ -104,7 +102,7 @@ def _receive(out: io.BufferedReader, part: Path, offset: int, h: Any, tamper: Ta
     if total is None:
         return None, offset, b""
     try:
-        check_announced(bounds.host, bounds.what, total, bounds.size, bounds.max_bytes)
+        check_announced(bounds.host, bounds.what, total, bounds.limits)
     except TransferError:
         part.unlink(missing_ok=True)
         raise
@@ -177,26 +175,20 @@ async def get_once_openssh(
     local: Path,
     progress: ProgressCallback | None,
     tamper: Tamper | None,
-    expected: str | None = None,
-    *,
-    size: int | None = None,
-    max_bytes: int | None = None,
-    beneath: str | None = None,
+    expected: str | None,
+    limits: GetLimits,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
-    part = local.with_name(local.name + PART_SUFFIX)
-    offset = part.stat().st_size if part.exists() else 0
-    h = (await loop.run_in_executor(None, hash_file_prefix, part, offset) if offset
-         else hashlib.sha256())
+    part, offset, h = await local_part(local)
 
     report = loop_progress(progress, loop)
-    if beneath is not None:
-        far = far_get_argv(remote, offset, known=expected is not None, beneath=beneath)
+    if limits.beneath is not None:
+        far = far_get_argv(remote, offset, known=expected is not None, beneath=limits.beneath)
     else:
         far = (["sh", "-c", _SEND_KNOWN, "sh", remote, str(offset)] if expected
                else helper_argv("get", remote, str(offset)))
     command = "exec " + shlex.join(far)
-    bounds = _Bounds(host.name, f"get {remote}", size, max_bytes)
+    bounds = _Bounds(host.name, f"get {remote}", limits)
     got = await in_client_thread(
         f"get-{host.name}",
         lambda started: _drain([*argv, command], part, offset, h, tamper, report, started,

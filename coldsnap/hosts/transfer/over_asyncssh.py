@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
@@ -23,12 +22,13 @@ from coldsnap.hosts.transfer.protocol import (
     FAR_SIDE_END_S,
     PART_SUFFIX,
     DigestMismatch,
+    GetLimits,
     Retry,
     Tamper,
     check_announced,
     classify,
     far_get_argv,
-    hash_file_prefix,
+    local_part,
     parse_part,
     resume_offset,
 )
@@ -158,21 +158,12 @@ async def get_once_stream(
     local: Path,
     progress: ProgressCallback | None,
     tamper: Tamper | None,
-    *,
-    size: int | None = None,
-    max_bytes: int | None = None,
-    beneath: str | None = None,
+    limits: GetLimits,
 ) -> TransferResult:
     loop = asyncio.get_running_loop()
-    part = local.with_name(local.name + PART_SUFFIX)
-    offset = part.stat().st_size if part.exists() else 0
-    h = (
-        await loop.run_in_executor(None, hash_file_prefix, part, offset)
-        if offset
-        else (hashlib.sha256())
-    )
-    far = (far_get_argv(remote, offset, known=False, beneath=beneath) if beneath is not None
-           else helper_argv("get", remote, str(offset)))
+    part, offset, h = await local_part(local)
+    far = (far_get_argv(remote, offset, known=False, beneath=limits.beneath)
+           if limits.beneath is not None else helper_argv("get", remote, str(offset)))
     async with host.open_stream(far) as s:
         line = (await s.stdout.readline()).split()
         if len(line) != 2 or line[0] != b"size":
@@ -183,7 +174,7 @@ async def get_once_stream(
             _raise_for(host, f"get {remote}", status, err)
         total = int(line[1])
         try:
-            check_announced(host.name, f"get {remote}", total, size, max_bytes)
+            check_announced(host.name, f"get {remote}", total, limits)
         except TransferError:
             await asyncio.to_thread(part.unlink, missing_ok=True)
             raise

@@ -4,8 +4,10 @@ digests of files on a host."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,10 +48,21 @@ class SizeRefused(TransferError):
     caller's cap: refused before a byte is written. Never retried."""
 
 
-def check_announced(host: str, what: str, total: int, size: int | None,
-                    max_bytes: int | None) -> None:
-    """Whether a get may write the `total` bytes the far side announces: exactly `size` when
-    the caller knows the object's size, at most `max_bytes` otherwise."""
+@dataclass(frozen=True)
+class GetLimits:
+    """What bounds a get, whichever transport runs it (see `Host.get`): the object's `size`
+    or a cap (`max_bytes`) on what the far side may announce, and the directory (`beneath`)
+    the far file must resolve under."""
+
+    size: int | None = None
+    max_bytes: int | None = None
+    beneath: str | None = None
+
+
+def check_announced(host: str, what: str, total: int, limits: GetLimits) -> None:
+    """Whether a get may write the `total` bytes the far side announces: exactly its size
+    when the caller knows the object's size, at most its cap otherwise."""
+    size, max_bytes = limits.size, limits.max_bytes
     if size is not None and total != size:
         raise SizeRefused(host, f"{what}: the host announces {total} bytes, the object has "
                                 f"{size}: refused before writing anything")
@@ -94,6 +107,16 @@ def hash_file_prefix(path: Path, n: int) -> Any:
             h.update(data)
             left -= len(data)
     return h
+
+
+async def local_part(local: Path) -> tuple[Path, int, Any]:
+    """Where a get of `local` resumes, whichever transport runs it: the partial copy beside
+    it, how many bytes it holds, and the running sha256 of those bytes (hashed in a thread)."""
+    part = local.with_name(local.name + PART_SUFFIX)
+    offset = part.stat().st_size if part.exists() else 0
+    if not offset:
+        return part, 0, hashlib.sha256()
+    return part, offset, await asyncio.to_thread(hash_file_prefix, part, offset)
 
 
 def parse_part(line: bytes) -> tuple[int, str] | None:

@@ -351,8 +351,7 @@ async def _restore_units(ctx: OperationContext, hosts: HostSet, store: LocalStor
             for r in snap if r.capsule_meta is not None}
     # Seeded into each container before its engine is back; a unit held warm gets its
     # placement from the wake that releases it, and keeps its GPUs checkpointed until then.
-    placements = ({} if warm else
-                  placement_documents(launch, topology, hosts.entries, maps))
+    placements = {} if warm else placement_documents(launch, topology, hosts.entries, maps)
 
     async def restore_engine(r: RestoreRun) -> None:
         # The placement is written by the restore's own exec: the engine reads it on wake.

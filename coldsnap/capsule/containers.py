@@ -46,6 +46,7 @@ from coldsnap.capsule.spec import (
     container_name,
     writable_paths,
 )
+from coldsnap.engines import adapter_for
 from coldsnap.formats.request import Mount
 from coldsnap.formats.request.mount_targets import target_refusal
 
@@ -462,7 +463,15 @@ async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> Uni
                    "weights before the checkpoint, but this unit's capsule is a CPU build "
                    f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
                    "release them; use 'auto' or 'recovery'")
-    return replace(spec, accelerator="cpu", release_weights=False)
+    return on_cpu(spec)
+
+
+def on_cpu(spec: UnitSpec) -> UnitSpec:
+    """The unit as it runs on the CPU: drained, its weights kept in its snapshot, and its KV
+    cache released after the drain unless the policy keeps it (policy.process.kv_discard
+    decided again: on the CPU vLLM can keep it, where its GPU sleep cannot)."""
+    keeps = not spec.kv_discard_asked and adapter_for(spec.engine).can_keep_kv_cache("cpu")
+    return replace(spec, accelerator="cpu", release_weights=False, discard_kv=not keeps)
 
 
 # vLLM registers its dev-mode routes (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache,

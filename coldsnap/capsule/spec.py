@@ -271,8 +271,12 @@ class UnitSpec:
     # policy.weights.mode 'native': the weights must leave the snapshot, so an engine that
     # cannot release them (a CPU build) is refused rather than captured with them.
     must_release_weights: bool = False
-    # Quiesce drops the KV cache (policy.process.kv_discard).
+    # Quiesce drops the KV cache: policy.process.kv_discard, unless the engine cannot keep it
+    # where it runs (vLLM's sleep on a GPU; see `kv_discard_asked`).
     discard_kv: bool = True
+    # policy.process.kv_discard itself: `discard_kv` is decided again once the capsule says
+    # the engine runs on the CPU (coldsnap.capsule.containers.with_accelerator).
+    kv_discard_asked: bool = True
     # "nvidia": a Docker device request for exactly these UUIDs. "simulated": devices go only
     # into the environment (test capsule, cuda-checkpoint simulator), chosen only for the
     # inventory's `simulated` hosts (coldsnap.operations.units).

@@ -180,7 +180,10 @@ if getattr(WorkerWrapperBase, plugin.METHOD, None) is None or not getattr(
     sys.exit("the plugin did not patch vLLM's worker wrapper and engine core")
 kv = torch.ones(64 << 20, dtype=torch.int8)
 class Runner: kv_caches = [kv[: 32 << 20].view(torch.float32), kv[32 << 20:]]
-class Worker: model_runner = Runner()
+class Layer: kv_cache = kv[: 32 << 20]  # an attention layer's view: a tensor, no truth value
+class Compilation: static_forward_context = {"model.layers.0.self_attn.attn": Layer()}
+class Config: compilation_config = Compilation()
+class Worker: model_runner, vllm_config = Runner(), Config()
 class Wrapper: worker = Worker()
 class Scheduler:
     def has_requests(self): return False

@@ -61,7 +61,10 @@ _libc.mincore.restype = ctypes.c_int
 # --- in each worker: the pages themselves -----------------------------------------------------
 
 def _tensors(value: Any) -> Iterable[Any]:
-    """Every tensor in a layer's or runner's KV cache (a tensor, or lists of them)."""
+    """Every tensor in a layer's or runner's KV cache (a tensor, or lists of them; never
+    asked for its truth: a tensor of many values has none)."""
+    if value is None:
+        return
     if isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
@@ -113,12 +116,12 @@ def _kv_tensors(worker: Any) -> list[Any]:
     `kv_cache` (vLLM binds views of one allocation to both)."""
     found: list[Any] = []
     runner = getattr(worker, "model_runner", None)
-    found += _tensors(getattr(runner, "kv_caches", None) or [])
+    found += _tensors(getattr(runner, "kv_caches", None))
     config = getattr(worker, "vllm_config", None)
     context = getattr(getattr(config, "compilation_config", None),
-                      "static_forward_context", None) or {}
-    for layer in context.values():
-        found += _tensors(getattr(layer, "kv_cache", None) or [])
+                      "static_forward_context", None)
+    for layer in (context or {}).values():
+        found += _tensors(getattr(layer, "kv_cache", None))
     return found
 
 

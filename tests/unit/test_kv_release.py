@@ -96,6 +96,46 @@ def test_the_pages_inside_the_kv_storage_are_released_and_read_as_zeros(
     assert mem[:page] == b"\x5a" * page and mem[-page:] == b"\x5a" * page
 
 
+class _ManyValues(_Tensor):
+    """A tensor of many values, as torch's: asking it for its truth is an error."""
+
+    def __bool__(self) -> bool:
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+
+
+def test_a_workers_kv_cache_is_found_in_its_runner_and_its_attention_layers(
+        plugin: ModuleType, kv_memory: tuple[mmap.mmap, int]) -> None:
+    mem, addr = kv_memory
+    whole, view = _ManyValues(addr, len(mem)), _ManyValues(addr, len(mem) // 2)
+
+    class Runner:
+        kv_caches = [whole]
+
+    class Layer:
+        kv_cache = view
+
+    class NoCache:
+        kv_cache = None
+
+    class Compilation:
+        static_forward_context = {"layers.0.attn": Layer(), "layers.0.mlp": NoCache()}
+
+    class Config:
+        compilation_config = Compilation()
+
+    class Worker:
+        model_runner, vllm_config = Runner(), Config()
+
+    class Wrapper:  # vLLM's WorkerWrapperBase, which collective_rpc calls the method on
+        worker = Worker()
+
+    assert plugin._kv_tensors(Worker()) == [whole, view]
+    got = plugin._release_kv_cache(Wrapper())
+    assert (got["storages"], got["kv_bytes"]) == (1, len(mem))
+    with pytest.raises(RuntimeError, match="no KV cache tensor"):
+        plugin._release_kv_cache(type("Bare", (), {"worker": object()})())
+
+
 def test_a_kv_cache_off_the_cpu_is_refused(plugin: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="not the CPU"):
         plugin.release_tensors([_Tensor(4096, 8192, "cuda")])

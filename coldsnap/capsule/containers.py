@@ -7,7 +7,7 @@ from __future__ import annotations
 import posixpath
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import docker.errors
@@ -44,9 +44,9 @@ from coldsnap.capsule.spec import (
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
+    on_cpu,
     writable_paths,
 )
-from coldsnap.engines import adapter_for
 from coldsnap.formats.request import Mount
 from coldsnap.formats.request.mount_targets import target_refusal
 
@@ -465,13 +465,6 @@ async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> Uni
                    "release them; use 'auto' or 'recovery'")
     return on_cpu(spec)
 
-
-def on_cpu(spec: UnitSpec) -> UnitSpec:
-    """The unit as it runs on the CPU: drained, its weights kept in its snapshot, and its KV
-    cache released after the drain unless the policy keeps it (policy.process.kv_discard
-    decided again: on the CPU vLLM can keep it, where its GPU sleep cannot)."""
-    keeps = not spec.kv_discard_asked and adapter_for(spec.engine).can_keep_kv_cache("cpu")
-    return replace(spec, accelerator="cpu", release_weights=False, discard_kv=not keeps)
 
 
 # vLLM registers its dev-mode routes (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache,

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from coldsnap.engines import adapter_for
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
@@ -378,3 +379,10 @@ def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
     return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
                    accelerator=meta.accelerator)
 
+
+def on_cpu(spec: UnitSpec) -> UnitSpec:
+    """The unit as it runs on the CPU: drained, its weights kept in its snapshot, and its KV
+    cache released after the drain unless the policy keeps it (policy.process.kv_discard
+    decided again: on the CPU vLLM can keep it, where its GPU sleep cannot)."""
+    keeps = not spec.kv_discard_asked and adapter_for(spec.engine).can_keep_kv_cache("cpu")
+    return replace(spec, accelerator="cpu", release_weights=False, discard_kv=not keeps)

@@ -44,8 +44,7 @@ def test_a_unit_found_to_run_on_the_cpu_decides_its_kv_discard_again(
     """A unit is placed before its capsule says it runs on the CPU: placed with vLLM, the
     policy's kv_discard: false reads as a GPU's (dropped anyway), and is decided again once
     the capsule's label is read."""
-    from coldsnap.capsule.containers import on_cpu
-    from coldsnap.capsule.spec import UnitSpec
+    from coldsnap.capsule.spec import UnitSpec, on_cpu
     from coldsnap.formats.request import Validation
 
     placed = UnitSpec(unit_id="unit-0", image="r/x@sha256:" + "a" * 64,

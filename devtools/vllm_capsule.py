@@ -117,7 +117,13 @@ DROPPED_DISTS = ["triton"]  # requirements on these may go unmet (the smoke test
 FILES = {
     "usr/local/bin/capsule-init": ("capsule_init.py", 0o755),
     "usr/local/bin/capsule-http": ("capsule_http.py", 0o755),
+    # coldsnap's vLLM plugin: the KV cache's pages released before a dump (PLUGIN_DIST).
+    f"{SITE}/coldsnap_vllm_plugin.py": ("coldsnap_vllm_plugin.py", 0o644),
 }
+# The plugin's distribution, so that vLLM finds it as a `vllm.general_plugins` entry point
+# (vLLM loads that group in every process it starts: API server, engine core, workers).
+PLUGIN_DIST = "coldsnap_vllm_plugin-1.0.dist-info"
+PLUGIN_ENTRY = "coldsnap_kv = coldsnap_vllm_plugin:register"
 DIRS = ["var/lib/coldsnap", "var/log/coldsnap", "models"]
 CHANGES = ['CMD ["/usr/local/bin/capsule-init"]',
            "LABEL org.coldsnap.capsule=vllm-cpu",
@@ -156,7 +162,42 @@ from vllm.platforms import current_platform
 current_platform.import_kernels()
 if not hasattr(torch.ops._C, "rms_norm"):
     sys.exit("vLLM's CPU kernels did not load (torch.ops._C has no rms_norm)")
-print("vllm", vllm.__version__, "with", len(have), "distributions")
+# coldsnap's plugin as vLLM finds it (an entry point of vllm.general_plugins): vLLM's worker
+# wrapper and engine core patched, and its release, as the engine core's loop runs it, giving
+# back a KV-cache-like allocation (64 MiB of data, two views of one storage), which then
+# reads as zeros with every page counted as released (but the page at either end, which the
+# allocation may share with its neighbours and the plugin keeps).
+from importlib.metadata import entry_points
+eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "coldsnap_kv"]
+if not eps:
+    sys.exit("coldsnap's vLLM plugin is not a vllm.general_plugins entry point")
+eps[0].load()()
+from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+import coldsnap_vllm_plugin as plugin
+if getattr(WorkerWrapperBase, plugin.METHOD, None) is None or not getattr(
+        EngineCoreProc, "_coldsnap_patched", False):
+    sys.exit("the plugin did not patch vLLM's worker wrapper and engine core")
+kv = torch.ones(64 << 20, dtype=torch.int8)
+class Runner: kv_caches = [kv[: 32 << 20].view(torch.float32), kv[32 << 20:]]
+class Layer: kv_cache = kv[: 32 << 20]  # an attention layer's view: a tensor, no truth value
+class Compilation: static_forward_context = {"model.layers.0.self_attn.attn": Layer()}
+class Config: compilation_config = Compilation()
+class Worker: model_runner, vllm_config = Runner(), Config()
+class Wrapper: worker = Worker()
+class Scheduler:
+    def has_requests(self): return False
+class Core:
+    scheduler = Scheduler()
+    def reset_prefix_cache(self): return True
+    def collective_rpc(self, method):
+        return [getattr(WorkerWrapperBase, method)(Wrapper())]
+got = plugin.release_in_loop(Core())
+if (got.get("workers") != 1 or got["released_bytes"] < (64 << 20) - 2 * plugin.PAGE
+        or got["released_bytes"] > got["kv_bytes"]
+        or int(kv[plugin.PAGE:-plugin.PAGE].abs().sum()) != 0):
+    sys.exit(f"the plugin did not release the KV cache's pages: {got}")
+print("vllm", vllm.__version__, "with", len(have), "distributions; plugin released", got)
 """
 
 
@@ -189,6 +230,18 @@ def dist_info_shim(version: str) -> dict[str, bytes]:
     return {f"{d}/METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
                              "Summary: alias of vllm-cpu (coldsnap capsule)\n".encode(),
             f"{d}/INSTALLER": b"coldsnap\n"}
+
+
+def plugin_dist_info() -> dict[str, bytes]:
+    """The dist-info that makes coldsnap_vllm_plugin.py an installed distribution with one
+    `vllm.general_plugins` entry point (importlib.metadata reads nothing else)."""
+    return {f"{PLUGIN_DIST}/METADATA": b"Metadata-Version: 2.1\nName: coldsnap-vllm-plugin\n"
+                                        b"Version: 1.0\nSummary: coldsnap's vLLM plugin (KV "
+                                        b"cache release before a dump)\n",
+            f"{PLUGIN_DIST}/entry_points.txt":
+                f"[vllm.general_plugins]\n{PLUGIN_ENTRY}\n".encode(),
+            f"{PLUGIN_DIST}/top_level.txt": b"coldsnap_vllm_plugin\n",
+            f"{PLUGIN_DIST}/INSTALLER": b"coldsnap\n"}
 
 
 def console_script(entry_points: str) -> bytes:
@@ -263,7 +316,8 @@ def install(work: Path) -> tuple[Path, dict[str, bytes]]:
                 p.unlink()
     freeze = sorted(f"{p.name.removesuffix('.dist-info').replace('-', '==', 1)}"
                     for p in site.glob("*.dist-info"))
-    extra = {f"{SITE}/{k}": v for k, v in dist_info_shim(VLLM_VERSION).items()}
+    extra = {f"{SITE}/{k}": v for k, v in {**dist_info_shim(VLLM_VERSION),
+                                            **plugin_dist_info()}.items()}
     extra["usr/local/bin/vllm"] = script
     extra[FREEZE] = ("\n".join(freeze) + "\n").encode()
     return site, extra

@@ -7,7 +7,7 @@ from __future__ import annotations
 import posixpath
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import docker.errors
@@ -44,6 +44,7 @@ from coldsnap.capsule.spec import (
     SHM_SIZE_BYTES,
     UnitSpec,
     container_name,
+    on_cpu,
     writable_paths,
 )
 from coldsnap.formats.request import Mount
@@ -462,7 +463,8 @@ async def with_accelerator(s: CapsuleSession, spec: UnitSpec, image: str) -> Uni
                    "weights before the checkpoint, but this unit's capsule is a CPU build "
                    f"({LABEL_ACCELERATOR}=cpu), where {spec.engine} has no sleep mode to "
                    "release them; use 'auto' or 'recovery'")
-    return replace(spec, accelerator="cpu", release_weights=False)
+    return on_cpu(spec)
+
 
 
 # vLLM registers its dev-mode routes (/sleep, /wake_up, /collective_rpc, /reset_prefix_cache,

@@ -18,7 +18,15 @@ from coldsnap.capsule.handle import UnitHandle, fail
 from coldsnap.capsule.images import clear_dump
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import ENGINE_LOG
-from coldsnap.engines import EngineAdapter, EngineCallFailed, EngineEndpoint, adapter_for, discovery
+from coldsnap.engines import (
+    EngineAdapter,
+    EngineCallFailed,
+    EngineEndpoint,
+    KvRelease,
+    adapter_for,
+    discovery,
+)
+from coldsnap.engines.base import kv_release
 from coldsnap.hosts.http import HttpAnswer
 
 
@@ -135,18 +143,37 @@ async def _wait_headless(s: CapsuleSession, handle: UnitHandle, step: str, deadl
 async def quiesce(s: CapsuleSession, handle: UnitHandle) -> None:
     """Put the engine to sleep through its own surface: requests drained, cross-worker
     connections closed, the KV cache (`discard_kv`) and the weights (`release_weights`)
-    released."""
+    released. An engine without sleep (the CPU) is drained, then its KV cache released
+    where the engine can (`handle.kv_release` says what it gave back)."""
     adapter, ep = endpoint(s, handle)
     if not adapter.serves_api(handle.spec.command):
         return  # headless: its head's quiesce stops the work its workers do
     try:
         if handle.spec.drains:
             await adapter.drain(ep)
+            if handle.spec.discard_kv:
+                handle.kv_release = await _release_kv(s, handle, adapter)
         else:
             await adapter.quiesce(ep, release_weights=handle.spec.release_weights,
                                   discard_kv=handle.spec.discard_kv)
     except EngineCallFailed as exc:
         raise fail(s, handle.unit, "quiesce", f"{ep}: {exc}", QuiesceFailed) from None
+
+
+# How long the engine may take to answer its KV release (every worker's madvise).
+_KV_RELEASE_S = 180.0
+
+
+async def _release_kv(s: CapsuleSession, handle: UnitHandle,
+                      adapter: EngineAdapter) -> KvRelease | None:
+    """The engine's KV cache released by its own command, run in the unit's container (not
+    through a route another engine on the host could call); None: the engine has none."""
+    argv = adapter.kv_release_argv(handle.spec.accelerator)
+    if argv is None:
+        return None
+    container = await s.container(handle.container_id, handle.unit, "quiesce")
+    out = await s.exec(container, argv, timeout_s=_KV_RELEASE_S)
+    return kv_release(out.exit_code, out.stdout_tail, out.stderr)
 
 
 async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:

@@ -10,6 +10,7 @@ from typing import Literal
 from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.session import CapsuleSession
 from coldsnap.capsule.spec import UnitSpec
+from coldsnap.engines import KvRelease, adapter_for
 from coldsnap.formats.capsule import CacheSeed
 
 
@@ -47,10 +48,23 @@ class UnitHandle:
     # Its binds as they were checked on the host (host_paths.checked_binds); verified once
     # the container runs, before anything is exec'd in it (host_paths.verify_binds).
     binds: tuple[CheckedBind, ...] = ()
+    # What the quiesce of a drained engine (the CPU) gave back of its KV cache, once the
+    # engine released it (spec.discard_kv); None: nothing released.
+    kv_release: KvRelease | None = None
 
     @property
     def unit(self) -> str:
         return self.spec.unit_id
+
+
+def kv_discarded(handle: UnitHandle) -> bool:
+    """Whether the unit's snapshot goes without its KV cache. A sleeping engine's sleep drops
+    it as its spec says; a drained engine (the CPU) only once it released it, except a
+    headless unit, whose workers' KV caches its head releases (vLLM's collective_rpc reaches
+    every worker of the engine, and the head's release counts their bytes)."""
+    if handle.spec.drains and adapter_for(handle.spec.engine).serves_api(handle.spec.command):
+        return handle.kv_release is not None
+    return handle.spec.discard_kv
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import structlog
 
 from coldsnap.capsule.collect import HostFile, capsule_dir, remove_capsule_files
 from coldsnap.capsule.errors import CapsuleError, CommitFailed, ImageDigestMismatch, RestoreFailed
-from coldsnap.capsule.handle import DumpResult, UnitHandle, fail
+from coldsnap.capsule.handle import DumpResult, UnitHandle, fail, kv_discarded
 from coldsnap.capsule.images import (
     clear_dump,
     discard_dir,
@@ -365,7 +365,9 @@ async def commit(s: CapsuleSession, handle: UnitHandle, capture_id: str, dumped:
         base_image_digest=spec.image_digest, criu_images=image_set,
         engine_pid=handle.engine_pid, worker_pids=dict(handle.worker_pids),
         captured_devices=list(handle.devices), weights_released=spec.release_weights,
-        kv_discarded=spec.discard_kv, accelerator=spec.accelerator,
+        kv_discarded=kv_discarded(handle), kv_released_bytes=(
+            handle.kv_release.released_bytes if handle.kv_release is not None else None),
+        accelerator=spec.accelerator,
         quiesce="drain" if spec.drains else "sleep", cache_seed=handle.cache_seed,
         crossing=adapter_for(spec.engine).crossing(spec.accelerator),
         host_address=spec.address, inet_sockets=list(inet_sockets))

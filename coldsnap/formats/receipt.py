@@ -87,6 +87,9 @@ class UnitQuiesce(StrictModel):
     # Whether the quiesce dropped the KV cache (an engine whose sleep always drops it does
     # so even under policy.process.kv_discard: false).
     kv_discarded: bool = True
+    # The bytes of KV cache the drained engine (the CPU) released before the dump, which its
+    # images do not hold (None: no release ran; a sleep drops the KV cache itself).
+    kv_released_bytes: int | None = Field(default=None, ge=0)
     # What seeded the unit's runtime cache before its engine started (policy.cache.staged).
     cache_seed: CacheSeed | None = None
     note: NonEmpty
@@ -94,9 +97,14 @@ class UnitQuiesce(StrictModel):
     @classmethod
     def of(cls, manifest: CapsuleManifest) -> UnitQuiesce:
         if manifest.accelerator == "cpu":
+            kv = (f"its KV cache released ({manifest.kv_released_bytes} bytes kept out of "
+                  "its images)" if manifest.kv_discarded and manifest.kv_released_bytes
+                  is not None else "its KV cache released by its head unit"
+                  if manifest.kv_discarded else "its KV cache kept in its images")
             note = ("the engine runs on the CPU, where it has no sleep mode: it was drained "
-                    "(no request running or waiting) and checkpointed with its weights in its "
-                    "CRIU images; it holds no GPU, so cuda-checkpoint did not run")
+                    f"(no request running or waiting), {kv}, and checkpointed with its "
+                    "weights in its CRIU images; it holds no GPU, so cuda-checkpoint did not "
+                    "run")
         elif manifest.weights_released:
             note = ("the engine slept and released its weights, which move only as its "
                     "workers' payloads and are reloaded on wake")
@@ -105,7 +113,8 @@ class UnitQuiesce(StrictModel):
                     "(policy.weights.mode recovery, or an engine that cannot release them)")
         return cls(unit=manifest.unit_id, accelerator=manifest.accelerator,
                    quiesce=manifest.quiesce, weights_released=manifest.weights_released,
-                   kv_discarded=manifest.kv_discarded, cache_seed=manifest.cache_seed,
+                   kv_discarded=manifest.kv_discarded,
+                   kv_released_bytes=manifest.kv_released_bytes, cache_seed=manifest.cache_seed,
                    gpu_checkpoint=("not-applicable" if manifest.accelerator == "cpu"
                                    else "checkpointed"), note=note)
 

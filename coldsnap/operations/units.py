@@ -100,6 +100,7 @@ def place_units(
                        and located_or_required(spec, weights),
                        must_release_weights=weights is not None and weights.mode == "native",
                        discard_kv=discards_kv(process, launch.engine),
+                       kv_discard_asked=process is None or process.kv_discard,
                        cache_paths=tuple(cache.paths) if cache is not None and cache.seed
                        else (),
                        cache_seed=staged_cache(cache, unit.id))
@@ -176,13 +177,15 @@ def located_or_required(spec: UnitSpec, weights: WeightsPolicy | None) -> bool:
     return all(w.payload_path for w in spec.workers)
 
 
-def discards_kv(process: ProcessPolicy | None, engine: str) -> bool:
+def discards_kv(process: ProcessPolicy | None, engine: str, accelerator: str = "gpu") -> bool:
     """policy.process.kv_discard (default true): the quiesce drops the KV cache. `false`
-    keeps it where the engine's sleep can; an engine whose sleep always drops it (vLLM) drops
-    it anyway, as the reference does, and the manifest and receipt say it was dropped."""
+    keeps it where the engine can on `accelerator` (a unit is placed as a GPU unit; its
+    capsule may say later that it runs on the CPU, where vLLM keeps it: the capsule layer
+    decides again then); an engine whose sleep always drops it (vLLM on a GPU) drops it
+    anyway, as the reference does, and the manifest and receipt say it was dropped."""
     if process is None or process.kv_discard:
         return True
-    return not adapter_for(engine).can_keep_kv_cache
+    return not adapter_for(engine).can_keep_kv_cache(accelerator)
 
 
 def staged_cache(cache: CachePolicy | None, unit: str) -> tuple[str, str] | None:

@@ -677,7 +677,7 @@ async def test_the_adapters_release_and_reload_through_the_engines_own_calls(
     u.wait_healthy()
     assert await adapter.complete(ep, PROMPT, timeout=10) == ANSWER
 
-    if adapter.can_keep_kv_cache:
+    if adapter.can_keep_kv_cache("gpu"):
         await adapter.quiesce(ep, discard_kv=False)
         assert anonymous_bytes(pid) > warm - engine_worker.KV_CACHE_BYTES // 2
         await adapter.resume(ep, discard_kv=False)

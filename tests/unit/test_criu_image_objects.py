@@ -116,7 +116,9 @@ async def test_assembly_in_any_order_gives_back_the_dump(tmp_path: Path) -> None
     # a published set whose bytes changed is not used, and is removed
     with open(Path(final) / "pages-1.img", "r+b") as f:
         f.seek(CHUNK + 5)
-        f.write(b"X")
+        byte = f.read(1)
+        f.seek(CHUNK + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))  # another byte (random data may hold any given one)
     assert not await image_set_ready(host, data_dir, image_set)
     assert not Path(final).exists()
 
@@ -222,7 +224,9 @@ async def test_a_published_set_is_checked_from_its_stamp_while_its_files_are_unc
     before = page.stat()
     with open(page, "r+b") as f:
         f.seek(5)
-        f.write(b"X")
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0xFF]))  # another byte (random data may hold any given one)
     os.utime(page, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert await image_set_ready(host, data_dir, image_set)
     # A write that moves the mtime voids the stamp: the set is read, found changed, removed.

@@ -16,7 +16,7 @@ import docker.errors
 from coldsnap.admission import criu_inet_refusal
 from coldsnap.capsule.containers import LABEL_ROLE, list_containers, remove_container
 from coldsnap.capsule.criu_log import HARMLESS_CRIU_ERRORS
-from coldsnap.capsule.errors import CriuProbeFailed
+from coldsnap.capsule.errors import CriuProbeFailed, CriuProbeRefused
 from coldsnap.capsule.handle import fail
 from coldsnap.capsule.session import LONG_DOCKER_CALL, CapsuleSession, trusted_argv
 from coldsnap.capsule.spec import CRIU, CRIU_CAPABILITIES, CRIU_SECURITY_OPT, SH
@@ -105,7 +105,7 @@ async def probe_criu(s: CapsuleSession, image: str, *, unit: str = "-",
     code = int(status.get("StatusCode", -1))
     if code not in (0, 1) or not criu_check_passed(output):
         raise fail(s, unit, step, f"criu check from {image} exited {code}: {output[-1500:]}",
-                   CriuProbeFailed)
+                   CriuProbeRefused)
     probe = CriuProbe(s.host, image, output, criu_version(output))
     check_criu_version(s, probe, unit=unit, kernel=kernel)
     return probe
@@ -118,7 +118,7 @@ def check_criu_version(s: CapsuleSession, probe: CriuProbe, *, unit: str = "-",
     if kernel is not None and probe.version is not None:
         why = criu_inet_refusal(kernel, probe.version)
         if why:
-            raise fail(s, unit, "criu-probe", why, CriuProbeFailed)
+            raise fail(s, unit, "criu-probe", why, CriuProbeRefused)
 
 
 async def _remove_probe(s: CapsuleSession, tags: Mapping[str, str], *,

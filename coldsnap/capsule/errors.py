@@ -22,6 +22,12 @@ class CriuProbeFailed(CapsuleError):
     """`criu check` from the capsule image failed on this host: its kernel cannot restore."""
 
 
+class CriuProbeRefused(CriuProbeFailed):
+    """The probe ran and its verdict is no (`criu check` failed, or CRIU is older than the
+    host's kernel needs): unlike a probe that could not run, waiting or retrying changes
+    nothing."""
+
+
 class EngineNotReady(CapsuleError):
     """The engine did not become healthy, or its process tree is not what the unit declares."""
 

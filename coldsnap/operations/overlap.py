@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -38,21 +38,26 @@ async def both(first: Awaitable[T], second: Awaitable[U]) -> tuple[T, U]:
     return a, b
 
 
-async def checked_beside(work: Awaitable[T], check: Awaitable[U]) -> tuple[T, U]:
-    """Run `work` beside the `check` that decides whether it is wanted: a failed check
-    cancels the work, waits for it to clean up after itself, and raises the check's failure;
-    a failed work raises once the check has ended too (so that no step outlives the call)."""
+async def checked_beside(work: Awaitable[T], check: Awaitable[U], *,
+                         stops: Callable[[BaseException], bool]) -> tuple[T, U]:
+    """Run `work` beside the `check` that decides whether it is wanted. A check that fails
+    with a verdict (`stops`) cancels the work, waits for it to clean up after itself, and
+    raises that verdict. Otherwise both run to their end, as with `both`, and the work's
+    failure comes first: a host lost under both is the work's to report."""
     w, c = asyncio.ensure_future(work), asyncio.ensure_future(check)
     try:
         await asyncio.wait([c])
-        if c.exception() is not None:
+        verdict = c.exception()
+        if verdict is not None and stops(verdict):
             w.cancel()
     finally:
         if not c.done():  # this call was cancelled: so is all it started
             c.cancel()
             w.cancel()
         await asyncio.gather(w, c, return_exceptions=True)
-    failure = c.exception() or w.exception()
+    if verdict is not None and stops(verdict):
+        raise verdict
+    failure = w.exception() or verdict
     if failure is not None:
         raise failure
     return w.result(), c.result()

@@ -36,7 +36,7 @@ from coldsnap.capsule.containers import (
 )
 from coldsnap.capsule.criu_restore import continue_tree, criu_restore, lazy_restore_pays
 from coldsnap.capsule.engine_steps import release, wait_ready
-from coldsnap.capsule.errors import CapsuleError
+from coldsnap.capsule.errors import CapsuleError, CriuProbeRefused
 from coldsnap.capsule.gpu_checkpoint import GpuRecord, device_map, write_gpu_record
 from coldsnap.capsule.images import image_set_dir
 from coldsnap.capsule.oci import load_capsule
@@ -217,10 +217,16 @@ async def _stage_and_admit(ctx: OperationContext, hosts: HostSet, store: LocalSt
 
     pulled = [r for r in runs if r.capsule_meta is not None and r.capsule_meta.pushed]
     # A refusal found beside the staging (a CRIU probe the host fails) stops it at once.
-    staging, _ = await checked_beside(staged(), admit(pulled))
+    staging, _ = await checked_beside(staged(), admit(pulled), stops=probe_refused)
     await locks.release_cache()
     await admit([r for r in runs if r not in pulled])
     return staging
+
+
+def probe_refused(exc: BaseException) -> bool:
+    """Whether an admission failure is a CRIU probe's verdict against its host (not a host
+    lost on the way): then no staging is of use."""
+    return isinstance(exc, CriuProbeRefused) or isinstance(exc.__cause__, CriuProbeRefused)
 
 
 def _say_replays(ctx: OperationContext, runs: list[RestoreRun]) -> list[str]:

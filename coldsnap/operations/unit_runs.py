@@ -107,7 +107,8 @@ async def phase(
         service = ctx.unit_services.get(run.placed.unit_id)
         if service:
             detail = f"{service}: {detail}"
-        raise OperationFailed(f"{name}-failed", detail + more)
+        # The step's own error stays the cause: a caller may act on what kind it was.
+        raise OperationFailed(f"{name}-failed", detail + more) from err
     return [r for r in results if not isinstance(r, BaseException)]
 
 

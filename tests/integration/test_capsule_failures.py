@@ -12,7 +12,7 @@ import pytest
 
 from coldsnap.capsule import (
     CapsuleError,
-    CriuProbeFailed,
+    CriuProbeRefused,
     DumpFailed,
     ImageDigestMismatch,
     Mount,
@@ -192,7 +192,8 @@ async def test_destination_failing_criu_probe_is_refused_before_any_container(
             image_id=never, base_image=broken, base_image_digest=spec.image_digest,
             criu_images=CriuImageSet(chunk_bytes=1, files=[], objects=[]), engine_pid=10000,
             worker_pids={f"{unit_id}-w0": 10001}, captured_devices=["GPU-captured"])
-        with pytest.raises(CriuProbeFailed) as err:
+        # A verdict (the probe ran and said no), which stops a restore's staging at once.
+        with pytest.raises(CriuProbeRefused) as err:
             # A restore's first step on its unit's host (the operation's _load_and_probe).
             await probe_criu(s, capsule.base_image, unit=spec.unit_id)
         e = err.value

@@ -66,6 +66,10 @@ async def test_both_waits_for_the_second_step_before_raising_the_first_ones_fail
     assert ended == ["second"]
 
 
+def refused(exc: BaseException) -> bool:
+    return "refused" in str(exc)
+
+
 async def test_a_failed_check_cancels_the_work_and_waits_for_its_cleanup() -> None:
     """A refusal found beside a staging stops it at once, and the staging's own cleanup has
     run by the time the refusal is raised."""
@@ -84,7 +88,7 @@ async def test_a_failed_check_cancels_the_work_and_waits_for_its_cleanup() -> No
         raise RuntimeError("refused by the probe")
 
     with pytest.raises(RuntimeError, match="refused by the probe"):
-        await asyncio.wait_for(checked_beside(staging(), probe()), 10)
+        await asyncio.wait_for(checked_beside(staging(), probe(), stops=refused), 10)
     assert seen == ["cleaned up"]
 
 
@@ -100,13 +104,13 @@ async def test_a_failed_work_waits_for_the_check_and_a_passing_pair_returns_both
         return "admitted"
 
     with pytest.raises(OSError, match="link down"):
-        await checked_beside(staging(), probe())
+        await checked_beside(staging(), probe(), stops=refused)
     assert seen == ["probed"]
 
     async def fine() -> str:
         return "staged"
 
-    assert await checked_beside(fine(), probe()) == ("staged", "admitted")
+    assert await checked_beside(fine(), probe(), stops=refused) == ("staged", "admitted")
 
 
 async def test_cancelling_the_pair_cancels_both_and_waits_for_them() -> None:
@@ -119,9 +123,28 @@ async def test_cancelling_the_pair_cancels_both_and_waits_for_them() -> None:
             seen.append(name)
             raise
 
-    task = asyncio.ensure_future(checked_beside(step("staging"), step("probe")))
+    task = asyncio.ensure_future(checked_beside(step("staging"), step("probe"), stops=refused))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(seen) == ["probe", "staging"]
+
+
+async def test_a_check_failing_without_a_verdict_lets_the_work_end_and_its_failure_comes_first(
+) -> None:
+    """A host lost under both: the probe's lost connection is no verdict, so the staging
+    is not cut short, and what the staging says is what the caller gets."""
+    seen: list[str] = []
+
+    async def staging() -> str:
+        await asyncio.sleep(0.05)
+        seen.append("staging ended")
+        raise OSError("staging: host-3 unreachable")
+
+    async def probe() -> None:
+        raise RuntimeError("probe: cannot connect to host-3")
+
+    with pytest.raises(OSError, match="staging: host-3"):
+        await checked_beside(staging(), probe(), stops=refused)
+    assert seen == ["staging ended"]

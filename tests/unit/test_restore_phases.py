@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from coldsnap.capsule.errors import CriuProbeFailed, CriuProbeRefused
 from coldsnap.formats.errors import ValidationIssue
 from coldsnap.operations import restore as restore_module
 from coldsnap.operations import restore_target
@@ -153,8 +154,6 @@ def test_a_warm_restore_refuses_units_that_would_be_replayed() -> None:
     assert refused.value.code == "warm-replay" and touched == []
 
 
-class _Refused(Exception):
-    pass
 
 
 def test_a_refusal_found_beside_the_staging_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,7 +174,8 @@ def test_a_refusal_found_beside_the_staging_cancels_it(monkeypatch: pytest.Monke
                     **__: Any) -> None:
         seen.append(f"admit {[r.placed.unit_id for r in some]}")
         if some:
-            raise _Refused("host-1: unit-0: step criu-probe: vDSO")
+            refusal = CriuProbeRefused("host-1", "unit-0", "criu-probe", "vDSO")
+            raise OperationFailed("admit-failed", str(refusal)) from refusal
 
     monkeypatch.setattr(restore_module, "_stage", staging)
     monkeypatch.setattr(restore_module, "_load_and_probe", probe)
@@ -185,7 +185,7 @@ def test_a_refusal_found_beside_the_staging_cancels_it(monkeypatch: pytest.Monke
                              capsule_meta=SimpleNamespace(pushed=True))
     t: Any = SimpleNamespace(source=None, per_host={}, sets={}, artifact=None,
                              policy=SimpleNamespace(compatibility=SimpleNamespace(kernel="x")))
-    with pytest.raises(_Refused, match="criu-probe"):
+    with pytest.raises(OperationFailed, match="criu-probe"):
         asyncio.run(asyncio.wait_for(restore_module._stage_and_admit(
             OperationContext("restore"), None, SimpleNamespace(root=None), t,  # type: ignore[arg-type]
             [pulled], {}, {}, locks, "none"), 10))  # type: ignore[arg-type]
@@ -229,3 +229,20 @@ def test_a_cancelled_staging_removes_what_it_half_wrote_on_every_host(
     assert sorted(seen[:2]) == ["host-0 transfer ended", "host-1 transfer ended"]
     assert sorted(seen[2:]) == ["host-0 partials of ['a'] in /data/host-0 removed",
                                 "host-1 partials of ['b'] in /data/host-1 removed"]
+
+
+def test_only_a_probe_verdict_stops_the_staging() -> None:
+    """A probe that ran and said no stops the staging; a probe that could not run (a lost
+    host, a Docker error) and any other admission failure leave it to end and report."""
+    def admit_failed(cause: Exception) -> OperationFailed:
+        try:
+            raise OperationFailed("admit-failed", str(cause)) from cause
+        except OperationFailed as exc:
+            return exc
+
+    verdict = CriuProbeRefused("host-1", "unit-0", "criu-probe", "criu check exited 1")
+    could_not_run = CriuProbeFailed("host-1", "unit-0", "criu-probe", "cannot run criu check")
+    assert restore_module.probe_refused(admit_failed(verdict))
+    assert restore_module.probe_refused(verdict)
+    assert not restore_module.probe_refused(admit_failed(could_not_run))
+    assert not restore_module.probe_refused(admit_failed(OSError("no route to host-3")))

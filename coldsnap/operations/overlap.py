@@ -48,14 +48,16 @@ async def checked_beside(work: Awaitable[T], check: Awaitable[U], *,
     try:
         await asyncio.wait([c])
         verdict = c.exception()
-        if verdict is not None and stops(verdict):
+        stopped = verdict is not None and stops(verdict)
+        if stopped:
             w.cancel()
     finally:
         if not c.done():  # this call was cancelled: so is all it started
             c.cancel()
             w.cancel()
         await asyncio.gather(w, c, return_exceptions=True)
-    if verdict is not None and stops(verdict):
+    if stopped:
+        assert verdict is not None
         raise verdict
     failure = w.exception() or verdict
     if failure is not None:

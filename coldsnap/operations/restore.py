@@ -23,7 +23,7 @@ one is restored again from the snapshot its own container carries, as it was res
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from coldsnap.admission import HostFacts
@@ -275,6 +275,11 @@ async def _stage(hosts: HostSet, source: ObjectSource,
                                     image_sets=sets[name], operation_id=ctx.operation_id,
                                     holdings=await surveys[name])
 
+    async def discard(names: Iterable[str]) -> None:
+        await asyncio.shield(asyncio.gather(*(
+            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
+            for n in names)))
+
     tasks = [asyncio.ensure_future(one(n)) for n in per_host]
     try:
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -284,9 +289,7 @@ async def _stage(hosts: HostSet, source: ObjectSource,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.shield(asyncio.gather(*(
-            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
-            for n in per_host)))
+        await discard(per_host)
         raise
     failed = [n for n, res in zip(per_host, results, strict=True)
               if isinstance(res, BaseException)]
@@ -294,9 +297,7 @@ async def _stage(hosts: HostSet, source: ObjectSource,
         # A transfer keeps its partial file to resume a dropped connection; once staging from
         # the store has failed, that file is only a half-written object filling the host's
         # disk. A registry pull's is kept: the retry resumes it (gc sweeps it after a day).
-        await asyncio.shield(asyncio.gather(*(
-            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
-            for n in failed)))
+        await discard(failed)
     for name, res in zip(per_host, results, strict=True):
         if isinstance(res, BaseException):
             if not isinstance(res, Exception):

@@ -102,10 +102,9 @@ def _show(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "artifacts", help="list and inspect artifacts in the local store",
-        description="List the artifacts in the local content-addressed store, or show one by "
-                    "capture id, by an unambiguous prefix of its digest, or by the path of its "
-                    "artifact file (verified, and imported when the store does not index it "
-                    "yet).")
+        description="""List the artifacts in the local content-addressed store, or show one by
+                    capture id, by an unambiguous prefix of its digest, or by the path of its
+                    artifact file (verified, and imported when the store does not index it yet).""")
     sub = parser.add_subparsers(dest="artifacts_command", metavar="ACTION", required=True)
     p_list = sub.add_parser("list", help="one line per artifact")
     p_show = sub.add_parser("show", help="one artifact: units, compatibility, objects")

@@ -20,8 +20,8 @@ STDIN = "-"
 def add_store_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store", type=Path, default=None, metavar="DIR",
-        help="content-addressed store on this node (default: $COLDSNAP_STORE or "
-             "/var/lib/coldsnap/store)")
+        help="""content-addressed store on this node (default: $COLDSNAP_STORE or
+             /var/lib/coldsnap/store)""")
 
 
 def open_store(args: argparse.Namespace) -> LocalStore:

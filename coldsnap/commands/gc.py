@@ -177,31 +177,29 @@ def _unreferenced(inventory: Inventory, store: LocalStore, args: argparse.Namesp
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "gc", help="remove containers that a dead or failed operation left on the hosts",
-        description="Find the containers labelled org.coldsnap.operation on every inventory "
-                    "host and remove the orphans: those whose operation is not running on "
-                    "this control node (its run lock under <store>/operations/ is free) and "
-                    "did not leave them on purpose (a succeeded operation's units, or units its "
-                    "rollback returned to serving). The directories an operation names after "
-                    "itself in a host's data_dir (dumps/ID, capsules/ID, "
-                    "criu-images/.SET.ID.partial) are judged alike. Operations this store "
-                    "never recorded are left alone. Also removes temporary files older than a "
-                    "day (the store's tmp, partial transfers and commits in each host's "
-                    "data_dir) and the run locks of operations that ended over 30 days ago. "
-                    "What a dead operation changed outside its own containers is brought "
-                    "back: the earlier instances a replacing restore stopped serve again, "
-                    "the units a sleep or wake changed return to their state before it (or "
-                    "are reported with the state they are in). "
-                    "Exit 1 when a host could not be reached, a removal failed or a unit "
-                    "could not be brought back.")
+        description="""Find the containers labelled org.coldsnap.operation on every inventory host
+                    and remove the orphans: those whose operation is not running on this control
+                    node (its run lock under <store>/operations/ is free) and did not leave them on
+                    purpose (a succeeded operation's units, or units its rollback returned to
+                    serving). The directories an operation names after itself in a host's data_dir
+                    (dumps/ID, capsules/ID, criu-images/.SET.ID.partial) are judged alike.
+                    Operations this store never recorded are left alone. Also removes temporary
+                    files older than a day (the store's tmp, partial transfers and commits in each
+                    host's data_dir) and the run locks of operations that ended over 30 days ago.
+                    What a dead operation changed outside its own containers is brought back: the
+                    earlier instances a replacing restore stopped serve again, the units a sleep or
+                    wake changed return to their state before it (or are reported with the state
+                    they are in). Exit 1 when a host could not be reached, a removal failed or a
+                    unit could not be brought back.""")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--operation", metavar="ID",
                        help="only the containers of this operation (its id as in the receipt)")
     which.add_argument("--all-orphans", action="store_true",
                        help="the orphaned containers of every operation")
     which.add_argument("--unreferenced", action="store_true",
-                       help="what no artifact of the store references: store objects, each "
-                            "host's staged objects, image sets and empty per-operation "
-                            "directories; then every cache held to its budget")
+                       help="""what no artifact of the store references: store objects, each host's
+                            staged objects, image sets and empty per-operation directories; then
+                            every cache held to its budget""")
     parser.add_argument(
         "--inventory", type=Path, default=None, metavar="FILE",
         help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")

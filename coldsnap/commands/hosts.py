@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
     probe = sub.add_parser(
         "probe",
         help="report facts about every host (arch, kernel, Docker, NVIDIA driver, GPUs, disk)",
-        description="Probe hosts concurrently. Exit 1 when any host is unreachable or its "
-        "probe failed, 2 on a bad inventory.",
+        description="""Probe hosts concurrently. Exit 1 when any host is unreachable or its probe
+                    failed, 2 on a bad inventory.""",
     )
     probe.add_argument("--inventory", required=True, type=Path, metavar="FILE")
     probe.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -55,8 +55,8 @@ def register(subparsers: Any) -> None:
         p.add_argument("dest", metavar="DEST")
         if name == "get":
             p.add_argument("--max-bytes", type=int, default=GET_MAX_BYTES, metavar="N",
-                           help="refuse a file the host says is larger, before writing "
-                                f"anything (default {GET_MAX_BYTES})")
+                           help=f"""refuse a file the host says is larger, before writing anything
+                                (default {GET_MAX_BYTES})""")
         p.set_defaults(handler=_transfer, direction=name)
 
 

@@ -110,6 +110,5 @@ def register(subparsers: Any) -> None:
     p_cancel.add_argument("id")
     for p, handler in ((p_list, _list), (p_show, _show), (p_cancel, _cancel)):
         p.add_argument("--socket", metavar="PATH", default=None,
-                       help=f"the service's socket (default: $COLDSNAP_SOCKET or "
-                            f"{DEFAULT_SOCKET})")
+                       help=f"the service's socket (default: $COLDSNAP_SOCKET or {DEFAULT_SOCKET})")
         p.set_defaults(handler=handler)

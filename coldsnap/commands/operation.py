@@ -61,18 +61,17 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_argument(parser)
     parser.add_argument(
         "--receipt-json", metavar="PATH|-", default=None,
-        help="write the operation receipt (format 2) to PATH, or to stdout with '-' (then it "
-             "is the only thing on stdout); a receipt of another request there is never "
-             "replaced")
+        help="""write the operation receipt (format 2) to PATH, or to stdout with '-' (then it is
+             the only thing on stdout); a receipt of another request there is never replaced""")
     parser.add_argument(
         "--timing-events", metavar="PATH|-", default=None,
-        help="stream timing events (NDJSON, format 1) to stdout or to a new file at an "
-             "absolute PATH (an existing file is refused); needs --receipt-json")
+        help="""stream timing events (NDJSON, format 1) to stdout or to a new file at an absolute
+             PATH (an existing file is refused); needs --receipt-json""")
     parser.add_argument(
         "--deadline", type=seconds_flag, default=None, metavar="SECONDS",
-        help="cancel the operation (with its rollback) once it has run this long; the error "
-             "code is `deadline`. Default: 1800 s for a capture, 600 s for the others, plus "
-             "one second per 25 MiB the operation moves (a restore: its artifact's objects)")
+        help="""cancel the operation (with its rollback) once it has run this long; the error code
+             is `deadline`. Default: 1800 s for a capture, 600 s for the others, plus one second per
+             25 MiB the operation moves (a restore: its artifact's objects)""")
     parser.add_argument(
         "--local", action="store_true",
         help="run in this process even when a coldsnapd service answers on its socket")
@@ -81,8 +80,8 @@ def add_operation_arguments(parser: argparse.ArgumentParser) -> None:
         help="the service's socket (default: $COLDSNAP_SOCKET or /run/coldsnap/coldsnapd.sock)")
     parser.add_argument(
         "--no-wait", dest="wait", action="store_false",
-        help="with a service: refuse (exit 2) instead of queueing behind an operation on the "
-             "same units or capture")
+        help="""with a service: refuse (exit 2) instead of queueing behind an operation on the same
+             units or capture""")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
 
 

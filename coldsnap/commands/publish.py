@@ -147,29 +147,29 @@ def _publish(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "publish", help="push an artifact to an OCI registry",
-        description="Push an artifact of the local store to an OCI registry as one OCI "
-                    "artifact (image-spec 1.1): the artifact document as its config, one "
-                    "blob per object (its digest the object's: blobs the registry holds are "
-                    "not sent again, and those in another repository of this store's "
-                    "publications are mounted). The inventory's `registries` entry says how "
-                    "to reach the registry (TLS CA, plain HTTP, credentials). The last line "
-                    "on stdout is the published reference REGISTRY/REPOSITORY@sha256:..., "
-                    "which `restore --artifact` takes; `artifacts show` lists it.")
+        description="""Push an artifact of the local store to an OCI registry as one OCI artifact
+                    (image-spec 1.1): the artifact document as its config, one blob per object (its
+                    digest the object's: blobs the registry holds are not sent again, and those in
+                    another repository of this store's publications are mounted). The inventory's
+                    `registries` entry says how to reach the registry (TLS CA, plain HTTP,
+                    credentials). The last line on stdout is the published reference
+                    REGISTRY/REPOSITORY@sha256:..., which `restore --artifact` takes; `artifacts
+                    show` lists it.""")
     parser.add_argument("--artifact", metavar="REF",
-                        help="the artifact: capture id, digest prefix (6+ hex) or artifact "
-                             "file path")
+                        help="""the artifact: capture id, digest prefix (6+ hex) or artifact file
+                             path""")
     parser.add_argument("--to", metavar="REGISTRY/REPOSITORY[:TAG]",
                         help="where to publish; without a tag, by digest only")
     parser.add_argument("--native", action="store_true",
-                        help="publish only the workers' native payloads (model weights and "
-                             "replay plans: enough for `restore --fallback replay`)")
+                        help="""publish only the workers' native payloads (model weights and replay
+                             plans: enough for `restore --fallback replay`)""")
     add_request_option(parser, required=False,
-                       help="a format-4 request of operation publish or publish-native "
-                            "(`artifact`: what, `output`: the target) instead of the flags")
+                       help="""a format-4 request of operation publish or publish-native
+                            (`artifact`: what, `output`: the target) instead of the flags""")
     parser.add_argument(
         "--inventory", type=Path, default=None, metavar="FILE",
-        help="host inventory whose `registries` say how to reach the registry (default: "
-             f"$COLDSNAP_INVENTORY or {DEFAULT_INVENTORY}; none there: HTTPS, anonymous)")
+        help=f"""host inventory whose `registries` say how to reach the registry (default:
+             $COLDSNAP_INVENTORY or {DEFAULT_INVENTORY}; none there: HTTPS, anonymous)""")
     add_store_argument(parser)
     parser.add_argument("--json", action="store_true",
                         help="print the result (with `published`) as JSON instead")

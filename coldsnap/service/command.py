@@ -82,38 +82,38 @@ def _handler(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve", help="run the control node's service (systemd Type=notify)",
-        description="Serve the job API (HTTP and JSON) on a unix socket: the CLI's capture, "
-                    "restore, sleep, wake and status submit to it when it answers. Jobs are "
-                    "kept in SQLite under --state-dir; two jobs on the same host and unit, or "
-                    "the same capture, run one after the other. At start, jobs a crash "
-                    "interrupted are rolled back and marked failed (interrupted). SIGTERM "
-                    "stops intake, lets running jobs finish for --drain-seconds, then "
-                    "cancels them (rolled back); exit 0 when every job ended cleanly.")
+        description="""Serve the job API (HTTP and JSON) on a unix socket: the CLI's capture,
+                    restore, sleep, wake and status submit to it when it answers. Jobs are kept in
+                    SQLite under --state-dir; two jobs on the same host and unit, or the same
+                    capture, run one after the other. At start, jobs a crash interrupted are rolled
+                    back and marked failed (interrupted). SIGTERM stops intake, lets running jobs
+                    finish for --drain-seconds, then cancels them (rolled back); exit 0 when every
+                    job ended cleanly.""")
     parser.add_argument("--socket", type=Path, default=Path(DEFAULT_SOCKET), metavar="PATH",
-                        help=f"the API socket, mode 0660 (default {DEFAULT_SOCKET}); systemd "
-                             "socket activation is used when it passes one")
+                        help=f"""the API socket, mode 0660 (default {DEFAULT_SOCKET}); systemd
+                             socket activation is used when it passes one""")
     parser.add_argument("--socket-group", default="coldsnap", metavar="GROUP",
                         help="group owning the socket (default coldsnap; '' keeps root's)")
     parser.add_argument("--policy", type=Path, default=Path(DEFAULT_POLICY), metavar="FILE",
-                        help="what submissions may name and who may submit (default "
-                             f"{DEFAULT_POLICY}; without that file only root may submit); "
-                             "an invalid file exits 2")
+                        help=f"""what submissions may name and who may submit (default
+                             {DEFAULT_POLICY}; without that file only root may submit); an invalid
+                             file exits 2""")
     parser.add_argument("--state-dir", type=Path, default=Path(DEFAULT_STATE_DIR),
                         metavar="DIR", help=f"the job store (default {DEFAULT_STATE_DIR})")
     parser.add_argument("--metrics-listen", metavar="ADDR:PORT", default=None,
                         help="also serve GET /metrics (Prometheus) on this TCP address")
     parser.add_argument("--drain-seconds", type=float, default=240.0, metavar="S",
-                        help="on SIGTERM, how long running jobs may go on before they are "
-                             "cancelled (default 240)")
+                        help="""on SIGTERM, how long running jobs may go on before they are
+                             cancelled (default 240)""")
     parser.add_argument("--host-check-seconds", type=float, default=60.0, metavar="S",
-                        help="how often every inventory host is checked over SSH for the "
-                             "coldsnapd_host_reachable metric (default 60)")
+                        help="""how often every inventory host is checked over SSH for the
+                             coldsnapd_host_reachable metric (default 60)""")
     parser.add_argument(
         "--inventory", type=Path, default=None, metavar="FILE",
         help="host inventory (default: $COLDSNAP_INVENTORY or " + DEFAULT_INVENTORY + ")")
     parser.add_argument(
         "--store", type=Path, default=None, metavar="DIR",
-        help="content-addressed store on this node (default: $COLDSNAP_STORE or "
-             "/var/lib/coldsnap/store)")
+        help="""content-addressed store on this node (default: $COLDSNAP_STORE or
+             /var/lib/coldsnap/store)""")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     parser.set_defaults(handler=_handler)

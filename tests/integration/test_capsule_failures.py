@@ -32,6 +32,7 @@ from coldsnap.formats.capsule import CapsuleManifest, CriuImageSet
 from coldsnap.hosts.http import http_request
 from tests.integration.capsule_fixtures import *  # noqa: F403
 from tests.integration.capsule_fixtures import (
+    BREAK_CRIU,
     ENGINE_PORT,
     EXPECTED,
     ClusterHost,
@@ -161,9 +162,7 @@ async def _broken_criu_image(host: ClusterHost, capsule_ref: str) -> str:
     capsule_repo, digest = capsule_ref.split("@", 1)
     # On a fresh cluster nothing has pulled the capsule onto this host yet.
     await s.call(s.client.images.pull, capsule_repo, tag=digest)
-    script = ("printf '#!/bin/sh\\necho \"Error (criu/vdso.c:1): vdso: Unexpected rt vDSO "
-              "area bounds\" >&2\\nexit 1\\n' > /usr/sbin/criu")
-    c = await s.call(s.client.containers.create, capsule_ref, ["sh", "-c", script],
+    c = await s.call(s.client.containers.create, capsule_ref, ["sh", "-c", BREAK_CRIU],
                      network_mode="none")
     try:
         await s.call(c.start)

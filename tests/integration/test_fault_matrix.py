@@ -3,11 +3,14 @@ a clear error, that nothing of the operation is left running or half-written on 
 the store verifies, and that the same operation succeeds once the fault is gone.
 
 Faults are placed at a known step: the operation runs in the background with --timing-events,
-and at the step's span its process group is held still (SIGSTOP) while the fault is made.
-Capture faults are in test_fault_matrix_capture.py."""
+and at the step's span its process group is held still (SIGSTOP) while the fault is made. A
+fault that only a host's kernel can make (a CRIU probe's refusal) is made through one patched
+seam instead, with the CLI run in this process. Capture faults are in
+test_fault_matrix_capture.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -15,13 +18,20 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.integration.capsule_fixtures import EXPECTED
+from coldsnap import cli
+from coldsnap.capsule.errors import CriuProbeRefused
+from coldsnap.operations import restore as restore_module
+from devtools.layout import RegistryNet, current_net_base
+from devtools.shaping import shape_node
+from tests.integration.capsule_fixtures import BREAK_CRIU, EXPECTED
 from tests.integration.conftest import ClusterControl
 from tests.integration.fault_checks import (
+    PARTIAL_SUFFIXES,
     assert_nothing_left,
     failed,
     finish,
@@ -33,12 +43,14 @@ from tests.integration.fault_checks import (
 )
 from tests.integration.ops_fixtures import Ops, Run, dev_requests, edited_inventory, ops
 from tests.integration.test_cancellation import gc, labelled, orphans, start
-from tests.integration.test_operations_e2e import _complete
+from tests.integration.test_operations_e2e import _artifact, _complete, _manifest
+from tests.integration.test_registry_e2e import _publish
 
 pytestmark = pytest.mark.integration
 __all__ = ["dev_requests", "ops"]  # fixtures used by name below
 
 MOVED = "tp2-two-hosts-restore-moved"  # unit-0 on host-2, unit-1 on host-3
+REGISTRY = RegistryNet(current_net_base())
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +298,161 @@ def test_a_host_key_that_changes_mid_operation_is_refused_and_nothing_is_sent(
     assert ops.staged("host-3") == set(), "bytes were sent to a host whose key changed"
     assert_nothing_left(ops, outcome.receipt["operation_id"])
     retry_succeeds(ops, artifact, "new-key-retry")
+
+
+# --- A CRIU probe that refuses while the objects are still on their way -------------------
+
+REFUSING = "host-1"  # unit-1's host in the captured placement
+IN_PLACE = {"host-0": ("unit/unit-0", "worker/worker-0"),
+            "host-1": ("unit/unit-1", "worker/worker-1")}  # each host's owners, restored in place
+# The control node's own objects: never staged.
+CONTROL_ONLY = ("capsule-manifest", "capture-request")
+# Both hosts pull their 36 MB each from the registry through its one link: at 8 Mbit/s their
+# staging cannot end in under a minute, while the refusal lands within a poll of the first
+# partial object (the probe ran meanwhile, in seconds). The registry's link is the slow one,
+# not the hosts': the probe's Docker calls share each host's pooled SSH connection with the
+# objects staging streams from the store, and over a slow host link they wait behind those
+# (measured at 4 Mbit/s: the probe took 76 s beside a 77 s staging).
+SLOW_MBIT = 8
+
+
+def _broken_capsule(ops: Ops, artifact: str) -> str:
+    """unit-1's own capsule image on its host, committed again with a CRIU that fails
+    `criu check` (BREAK_CRIU): what the restore's probe runs once pointed at it."""
+    capsule = _manifest(ops, _artifact(ops, artifact), "unit-1").image_id
+    client = ops.docker(REFUSING)
+    try:
+        c = client.containers.create(capsule, ["sh", "-c", BREAK_CRIU], network_mode="none")
+        try:
+            c.start()
+            assert c.wait()["StatusCode"] == 0
+            image = c.commit(repository="coldsnap-test/broken-criu", tag=secrets.token_hex(4))
+        finally:
+            c.remove(force=True)
+    finally:
+        client.close()
+    return str(image.id)
+
+
+def _held_until_staging_is_under_way(ops: Ops, broken: str, seen: list[str]) -> Any:
+    """The restore's CRIU probe, run for real on every host, but on REFUSING from `broken`;
+    its verdict there is held until that host shows a half-written object (or, staging over,
+    a published image set: then the test fails on it), so the refusal lands while staging is
+    under way. `seen` says which it was."""
+    real = restore_module.admit_criu
+    data = Path(ops.hosts[REFUSING]["data_dir"])
+
+    async def admit_criu(s: Any, cache: Any, key: Any, known: Any, image: str,
+                         **kw: Any) -> Any:
+        if s.host != REFUSING:
+            return await real(s, cache, key, known, image, **kw)
+        try:
+            # Nothing remembered, nothing looked up: the probe runs from `broken` itself.
+            await real(s, cache, None, None, broken, **kw)
+        except CriuProbeRefused:
+            for _ in range(30_000):  # a bound, not a timing: 5 minutes of polls
+                if any((data / "objects" / "sha256").glob(f"*{PARTIAL_SUFFIXES[0]}")):
+                    seen.append("partial object")
+                    raise
+                if ops.image_sets(REFUSING):
+                    seen.append("image set published")
+                    raise
+                await asyncio.sleep(0.01)
+            seen.append("no staging")
+            raise
+        raise AssertionError(f"the CRIU of {broken} passed its probe on {REFUSING}")
+
+    return admit_criu
+
+
+def _restore_here(ops: Ops, capfd: pytest.CaptureFixture[str], *args: str) -> Run:
+    """`coldsnapd restore ARGS` run in this process (so that a seam can be patched), as
+    Ops.coldsnapd runs it in a subprocess."""
+    receipt = ops.work / f"receipt-{secrets.token_hex(4)}.json"
+    capfd.readouterr()
+    status = cli.main(["restore", *args, "--local", "--inventory", str(ops.inventory),
+                       "--store", str(ops.store), "--receipt-json", str(receipt)])
+    out, err = capfd.readouterr()
+    return Run(status, out, err, json.loads(receipt.read_text()) if receipt.exists() else None)
+
+
+def _on_host(ops: Ops, host: str) -> tuple[int, list[str]]:
+    """The bytes a host holds as whole objects and published image sets, and its image-set
+    directories still being assembled."""
+    data = Path(ops.hosts[host]["data_dir"])
+    objects, sets = data / "objects" / "sha256", data / "criu-images"
+    held = sum(p.stat().st_size for p in objects.iterdir() if len(p.name) == 64) \
+        if objects.is_dir() else 0
+    held += sum(f.stat().st_size for d in sets.iterdir() if not d.name.startswith(".")
+                for f in d.rglob("*") if f.is_file()) if sets.is_dir() else 0
+    partial = [d.name for d in sets.iterdir() if d.name.startswith(".")] \
+        if sets.is_dir() else []
+    return held, partial
+
+
+def test_a_criu_probe_refusal_during_staging_cancels_it_on_every_host(
+        ops: Ops, artifact: str, clean_staged: None, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """host-1's kernel refuses the capsule's CRIU (its probe runs from a capsule whose criu
+    fails `criu check`) while both hosts still pull their objects from the registry over its
+    slow link: the refusal cancels the staging, which removes what it half-wrote on every
+    host (partial pulls, which a failed staging keeps to resume, included), and the restore
+    fails as any refusal does. With the link back and the real probe, the same restore
+    succeeds."""
+    doc = _artifact(ops, artifact)
+    owned = {h: sum(o["bytes"] for o in doc["objects"]
+                    if o["owner"] in owners and o["role"] not in CONTROL_ONLY)
+             for h, owners in IN_PLACE.items()}
+    # Published, the module's artifact is staged from the registry by `--stage-from auto`
+    # too: this test stays the module's last.
+    registry = yaml.safe_load(ops.inventory.read_text())["registry"]
+    _publish(ops.store, ops.inventory, artifact,
+             f"{registry}/coldsnap-test/probe-refusal-{secrets.token_hex(4)}")
+    broken = _broken_capsule(ops, artifact)
+    seen: list[str] = []
+    try:
+        with monkeypatch.context() as m:
+            # The one seam: the restore's CRIU probe (restore.admit_criu), pointed at the
+            # broken capsule on REFUSING and its verdict held until staging is under way.
+            m.setattr(restore_module, "admit_criu",
+                      _held_until_staging_is_under_way(ops, broken, seen))
+            shape_node(REGISTRY, SLOW_MBIT)
+            run = _restore_here(ops, capfd, "--artifact", artifact, "--stage-from", "registry")
+    finally:
+        shape_node(REGISTRY, 0)
+        client = ops.docker(REFUSING)
+        try:
+            client.images.remove(broken, force=True)
+        finally:
+            client.close()
+
+    assert seen == ["partial object"], seen  # the verdict landed while staging was under way
+    # Exits as a refusal does: the admission phase's failure, naming host, unit and step.
+    message = failed(run, "admit-failed", "vDSO")
+    assert message.startswith(
+        "service engine (units unit-0,unit-1 on host-0,host-1): "
+        f"{REFUSING}: unit unit-1: criu-probe: criu check from {broken} exited 1: "), message
+    assert f"restore failed (admit-failed): {message}" in run.stderr, run.stderr[-3000:]
+    assert run.receipt is not None
+    # Cancelled, not run to its end: the staging's spans ended in error, no image set was
+    # published, and each host holds fewer bytes than it owns.
+    spans = [s for s in run.receipt["timing"]["spans"] if s["name"].startswith("restore.stage")]
+    assert sorted((s["name"], s.get("attributes", {}).get("host")) for s in spans) == [
+        ("restore.stage", None), ("restore.stage-host", "host-0"),
+        ("restore.stage-host", "host-1")], spans
+    assert {s["status"] for s in spans} == {"error"}, spans
+    for host, owns in owned.items():
+        assert ops.image_sets(host) == set(), host
+        held, assembling = _on_host(ops, host)
+        assert held < owns, (host, held, owns)
+        assert assembling == [], (host, assembling)  # no partial image-set directory
+    # No half-written object on any host, no container of the operation (its probe's neither).
+    assert_nothing_left(ops, run.receipt["operation_id"])
+    assert ops.running_units() == {}
+
+    again = ops.coldsnapd("restore", "--artifact", artifact, "--stage-from", "registry").ok()
+    assert "answered the validation prompt" in again.stderr
+    assert _complete(ops, "host-0", 8000) == EXPECTED
+    for host in IN_PLACE:
+        assert len(ops.image_sets(host)) == 1, host
+        assert _on_host(ops, host)[1] == [], host

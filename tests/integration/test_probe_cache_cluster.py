@@ -21,7 +21,7 @@ from coldsnap.operations.probe_cache import (
     probe_key,
 )
 from tests.integration.capsule_fixtures import *  # noqa: F403
-from tests.integration.capsule_fixtures import ClusterHost, unique
+from tests.integration.capsule_fixtures import BREAK_CRIU, ClusterHost, unique
 from tests.integration.ops_fixtures import Ops, dev_requests, ops
 
 pytestmark = pytest.mark.integration
@@ -112,9 +112,7 @@ async def test_another_image_is_probed_again_and_a_failed_probe_is_not_remembere
     t0 = time.time()
     base = await _image_id(h, capsule_ref)
     other = await _variant(h, capsule_ref, "echo variant > /etc/coldsnap-probe-variant")
-    broken = await _variant(h, capsule_ref, (
-        "printf '#!/bin/sh\\necho \"Error (criu/vdso.c:1): vdso: Unexpected rt vDSO "
-        "area bounds\" >&2\\nexit 1\\n' > /usr/sbin/criu"))
+    broken = await _variant(h, capsule_ref, BREAK_CRIU)
     try:
         await _admit(h, cache, base, op)
         assert cache.lookup(await _facts_key(h, base)) is not None

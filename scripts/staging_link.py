@@ -10,8 +10,8 @@ bytes, to the same host, in one run, rounds alternating.
 The bytes: --size-mib of random data, as a set of --chunk-mib objects (the CRIU image chunk
 size, `capsule.images.CHUNK_BYTES`: what staging moves for a unit's images) and, in the
 `file` shape, as one object of the whole size. Each is staged through the real staging code
-(`operations.staging.stage_host`, as restore calls it, `_SENDING` objects in flight) into a
-scratch data_dir on the host, with the ObjectSource of each path:
+(`operations.staging.stage_host`, as restore calls it, the source's `in_flight` objects at
+once) into a scratch data_dir on the host, with the ObjectSource of each path:
 
     store-openssh    StoreSource, put through the OpenSSH client (`bulk_transport: openssh`)
     store-asyncssh   StoreSource, put over the pooled asyncssh connection

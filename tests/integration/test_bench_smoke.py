@@ -89,12 +89,9 @@ def test_staging(results: Path, cluster_env: dict[str, str]) -> None:
                          "scp_seconds", "ratio", "target_ratio_max", "scp_aes128gcm_seconds",
                          "samples"})
     assert doc["rounds"] == 1 and doc["bytes"] < 64 << 20
-
-
-def test_staging_link(results: Path, cluster_env: dict[str, str]) -> None:
-    """`staging --link`: every staging path and every raw floor of the same bytes, per shape,
-    with the best floor and the default path's ratio to it."""
-    doc = bench("staging", results, "--link", **cluster_env)
+    # `staging --link`: every staging path and every raw floor of the same bytes, per shape,
+    # with the best floor and the default path's ratio to it.
+    doc = bench("staging", results / "link", "--link", **cluster_env)
     assert_figures(doc, {"mode", "host", "bytes", "chunk_bytes", "rounds", "default_path",
                          "chunks", "file", "target_ratio_min", "sha256_mb_s"})
     assert doc["mode"] == "link" and doc["rounds"] == 1 and doc["bytes"] < 64 << 20

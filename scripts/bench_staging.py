@@ -1,6 +1,8 @@
 """Staging throughput: coldsnapd's transfer vs scp, same file, same host, rounds alternating.
 
     scripts/bench staging [--inventory FILE] [--host NAME] [--size-mib 1024] [--rounds 5]
+    scripts/bench staging --link [...]   every staging path beside the raw floors of the same
+                                         bytes (scripts/staging_link.py; --link --help)
 
 Without --inventory it runs against the dev cluster; when that is not running it starts one
 without Docker (enough hosts for --host) and stops it again at the end.
@@ -19,6 +21,7 @@ import hashlib
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,6 +131,11 @@ def run_rounds(args: argparse.Namespace, entry: HostEntry) -> dict[str, list[flo
 
 
 def main() -> None:
+    if "--link" in sys.argv[1:]:
+        from staging_link import main as link
+
+        link([a for a in sys.argv[1:] if a != "--link"])
+        return
     ap = argparse.ArgumentParser(
         prog="scripts/bench staging",
         description=__doc__,

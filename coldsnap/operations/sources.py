@@ -39,6 +39,11 @@ class ObjectSource(Protocol):
         the next try (gc sweeps them after a day); a store's sends discard theirs."""
         ...
 
+    @property
+    def in_flight(self) -> int:
+        """How many objects staging brings to one host at once from here."""
+        ...
+
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:
         """Bring the object's bytes to `remote` on `host`, verified against its digest and
@@ -58,6 +63,9 @@ class StoreSource:
     store: LocalStore
     kind: str = "store"
     keeps_partials: bool = False
+    # Each object in flight is a transfer the control node itself runs (its reads, an
+    # OpenSSH client or asyncssh's Python packet path): three overlap their fixed costs.
+    in_flight: int = 3
 
     def check(self, objects: list[ArtifactObject]) -> None:
         for obj in objects:
@@ -90,6 +98,12 @@ class RegistrySource:
     repository: str
     kind: str = "registry"
     keeps_partials: bool = True
+    # A pull costs the control node one channel and nothing else, and each one pays fixed
+    # costs the link idles through (the helper's start, a connection to the registry, the
+    # fsync and rename of a CRIU-sized chunk at its end): five keep the link busier than
+    # three (`scripts/bench staging --link`, docs/hosts.md "Measured"), and with _PLACING's
+    # two stay under a host's OpenSSH MaxSessions (SSHSettings.max_channels).
+    in_flight: int = 5
     # Where the replay plans come from: the registry holds them redacted (their environment
     # withheld), and the store holds the ones the artifact names (a capture or an import
     # brought them here).
@@ -155,6 +169,7 @@ def choose_source(stage_from: StageFrom, store: LocalStore,
 __all__ = [
     "STAGE_FROM",
     "ObjectSource",
+    "Progress",
     "Publication",
     "RegistrySource",
     "StageFrom",

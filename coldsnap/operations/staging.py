@@ -68,10 +68,9 @@ def remote_object_path(data_dir: str, object_digest: str) -> str:
 # was pushed to a registry; no payload and replay plan for a worker whose unit kept its
 # weights in its snapshot and whose capture request located none.
 _SEVERAL = (ROLE_CRIU_IMAGE, ROLE_CAPSULE, ROLE_WEIGHTS, ROLE_REPLAY_PLAN)
-# CRIU objects in flight to one host at once, and placed at once while the next ones arrive:
-# each transfer and placement pays a fixed cost (a channel, a process on the host) that
-# overlapping hides.
-_SENDING = 3
+# Objects in flight to one host at once (the source's `in_flight`: 3 from the store, 5 pulled
+# from a registry), and CRIU objects placed at once while the next ones arrive: each transfer
+# and placement pays a fixed cost (a channel, a process on the host) that overlapping hides.
 _PLACING = 2
 
 
@@ -174,7 +173,7 @@ async def stage_host(
     todo = holdings.to_assemble(image_sets)
     wanted = holdings.to_place(image_sets)
     parts: dict[str, str] = {}
-    sending, placing = asyncio.Semaphore(_SENDING), asyncio.Semaphore(_PLACING)
+    sending, placing = asyncio.Semaphore(source.in_flight), asyncio.Semaphore(_PLACING)
     staged_criu: list[str] = []
 
     async def plain_object(obj: ArtifactObject) -> None:

@@ -89,6 +89,20 @@ def test_staging(results: Path, cluster_env: dict[str, str]) -> None:
                          "scp_seconds", "ratio", "target_ratio_max", "scp_aes128gcm_seconds",
                          "samples"})
     assert doc["rounds"] == 1 and doc["bytes"] < 64 << 20
+    # `staging --link`: every staging path and every raw floor of the same bytes, per shape,
+    # with the best floor and the default path's ratio to it.
+    doc = bench("staging", results / "link", "--link", **cluster_env)
+    assert_figures(doc, {"mode", "host", "bytes", "chunk_bytes", "rounds", "default_path",
+                         "chunks", "file", "target_ratio_min", "sha256_mb_s"})
+    assert doc["mode"] == "link" and doc["rounds"] == 1 and doc["bytes"] < 64 << 20
+    for shape in ("chunks", "file"):
+        figures = doc[shape]
+        for kind in ("store-openssh", "store-asyncssh", "store-auto", "registry", "curl",
+                     "scp", "cat", "curl-sync"):
+            assert figures[kind]["seconds"] > 0 and figures[kind]["mb_s"] > 0, kind
+        assert figures["best_floor"] in ("curl", "scp", "cat") and figures["ratio"] > 0
+    assert doc["chunks"]["objects"] == doc["bytes"] // doc["chunk_bytes"]
+    assert doc["file"]["objects"] == 1
 
 
 def test_fetch(results: Path, cluster_env: dict[str, str]) -> None:

@@ -7,15 +7,18 @@ a capture's hosts push each object once; `--stage-from` chooses the source."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from coldsnap.capsule.images import image_set_dir
 from coldsnap.formats.artifact import ArtifactObject, payload_path
+from coldsnap.hosts.base import Host
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
@@ -27,6 +30,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.push import Pusher
 from coldsnap.operations.restore import _stage
 from coldsnap.operations.sources import (
+    Progress,
     Publication,
     RegistrySource,
     StoreSource,
@@ -181,3 +185,43 @@ async def test_a_failed_staging_keeps_a_registry_pulls_partial_file_for_the_retr
         assert partial.read_bytes() == data[:40_000]  # the retry resumes it
     else:
         assert not partial.exists()
+
+
+@dataclass
+class _Counting:
+    """An ObjectSource that notes how many of its deliveries run at once."""
+
+    in_flight: int
+    kind: str = "fake"
+    keeps_partials: bool = False
+    running: int = 0
+    most: int = 0
+
+    def check(self, objects: list[ArtifactObject]) -> None:
+        pass
+
+    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
+                      progress: Progress) -> int:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(0.01)  # every delivery overlaps the others that may run
+        self.running -= 1
+        return obj.bytes
+
+
+@pytest.mark.parametrize("in_flight", [1, 3, 5])
+async def test_staging_brings_as_many_objects_at_once_as_the_source_says(
+        tmp_path: Path, in_flight: int) -> None:
+    objects = [ArtifactObject(role="weights", owner=f"worker/w{i}", path=payload_path(d),
+                              bytes=10, sha256=d)
+               for i in range(8) for d in ["sha256:" + hashlib.sha256(b"%d" % i).hexdigest()]]
+    source = _Counting(in_flight)
+    staged = await stage_host(LocalHost("host-0"), str(tmp_path / "h"), objects, source)
+    assert len(staged.sent) == 8 and source.most == in_flight
+
+
+def test_a_registry_pulls_more_objects_at_once_than_the_store_sends(tmp_path: Path) -> None:
+    # A pull costs the control node one channel; a send runs its transfer here.
+    registry = RegistrySource(RegistryAccess("reg.test:5000", insecure=True), REPO)
+    store = StoreSource(LocalStore(tmp_path / "s"))
+    assert registry.in_flight == 5 and store.in_flight == 3

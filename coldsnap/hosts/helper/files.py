@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import signal
 import stat
 import sys
@@ -99,6 +100,50 @@ class Writeback:
 
     def join(self) -> None:
         if self.thread is not None:
+            self.thread.join()
+
+
+class Hasher:
+    """Hashes the pieces of a stream in order in a thread of its own, while the caller
+    receives and writes the next ones: one stream's bytes then cost the longer of the two
+    (receive and write, or hash) instead of their sum (hashlib lets go of the GIL while it
+    hashes a piece). The pieces are `slots` buffers of `size` bytes that go round: the caller
+    takes a free one (`buffer`, blocking while all are queued), fills and writes it, and hands
+    it on (`hand`); `digest` waits for the last one. A thread that never got its pieces
+    (`close` on a failure) ends without hashing the rest."""
+
+    def __init__(self, h: Any, slots: int = 4, size: int = CH) -> None:
+        self.h = h
+        self.free: Any = queue.Queue()
+        self.full: Any = queue.Queue()
+        for _ in range(slots):
+            self.free.put(memoryview(bytearray(size)))
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while True:
+            item = self.full.get()
+            if item is None:
+                return
+            mv, k = item
+            self.h.update(mv[:k])
+            self.free.put(mv)
+
+    def buffer(self) -> memoryview:
+        return self.free.get()  # type: ignore[no-any-return]
+
+    def hand(self, mv: memoryview, k: int) -> None:
+        self.full.put((mv, k))
+
+    def digest(self) -> Any:
+        """The hash of every piece handed on, once the thread has hashed them all."""
+        self.close()
+        return self.h
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.full.put(None)
             self.thread.join()
 
 

@@ -54,7 +54,7 @@ from coldsnap.hosts.helper.common import (
     die,
     publish,
 )
-from coldsnap.hosts.helper.files import Writeback, open_part, open_read, part_state
+from coldsnap.hosts.helper.files import Hasher, Writeback, open_part, open_read, part_state
 
 # Without a timeout on stdin: what one socket operation (connect, a send, a receive) may take.
 REG_TIMEOUT = 60.0
@@ -326,23 +326,29 @@ def pull_into(reg: Registry, f: Any, part: str, final: str, digest: str, size: i
         elif resp.status != 200:
             raise reg_status(resp, "")
         writeback = Writeback(f.fileno())
+        # Hashed in a thread of its own beside the receiving and writing (Hasher): every
+        # byte still goes through the hash before the digest is compared below.
+        hasher = Hasher(h)
         try:
             while True:
-                k = resp.readinto(mv[:min(CH, size - have + 1)])
+                buf = hasher.buffer()
+                k = resp.readinto(buf[:min(CH, size - have + 1)])
                 if not k:
                     break
                 if have + k > size:
                     os.unlink(part)
                     raise RegFailed(EXIT_MISMATCH, f"the registry sends more than {size} "
                                                    "bytes")
-                h.update(mv[:k])
                 w = 0
                 while w < k:
-                    w += f.write(mv[w:k])
+                    w += f.write(buf[w:k])
+                hasher.hand(buf, k)
                 have += k
                 received += k
                 writeback.written(have)
+            h = hasher.digest()
         finally:
+            hasher.close()
             writeback.join()
         if resp.length:
             # The body ended before the length the registry declared (it stopped, or the

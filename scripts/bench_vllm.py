@@ -30,7 +30,8 @@ GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures
                                 files), unique bytes (the chunk store's objects, identical
                                 chunks once) and wire bytes (what the cold-host restore's
                                 staging sent to host-1: its veth's bytes transmitted, protocol
-                                included) of both, and kv_released_bytes from the manifest
+                                included, the weights' payload as well as the images) of both,
+                                and kv_released_bytes from the manifest
   link_floor                    the raw link floor: `scp` of a file as large as the wire bytes
                                 to host-1 (its seconds and bytes per second)
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
@@ -80,7 +81,10 @@ from typing import Any
 import yaml
 from bench_common import REPO, emit, log
 from bench_restore import Bench, drop_caches, phases, span_max, timed
-from bench_vllm_traffic import (
+
+from devtools.demo_common import VLLM_API_KEY, post
+from devtools.layout import HostNet, host_index
+from devtools.vllm_traffic import (
     GIB,
     Goals,
     Traffic,
@@ -88,9 +92,6 @@ from bench_vllm_traffic import (
     goal_figures,
     model_kv_bytes_per_token,
 )
-
-from devtools.demo_common import VLLM_API_KEY, post
-from devtools.layout import HostNet, host_index
 
 BENCH_DIR = REPO / ".cache" / "bench-vllm"
 NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "96")
@@ -262,7 +263,9 @@ def capture_after_traffic(b: Bench, request: Path, host: str, count: int
 
 
 def the_manifest(b: Bench, artifact_path: Path) -> dict[str, Any]:
+    """The capsule manifest of the artifact's one unit, from the control node's store."""
     artifact = json.loads(artifact_path.read_text())
+    manifest: dict[str, Any]
     (manifest,) = [json.loads((b.store / "objects" / "sha256" / o["sha256"][7:]).read_text())
                    for o in artifact["objects"] if o["role"] == "capsule-manifest"]
     return manifest

@@ -135,15 +135,10 @@ def test_the_tp2_line_sums_both_units_and_keeps_its_keys_when_the_raw_restore_fa
 
 
 @pytest.fixture(scope="module")
-def traffic_mod() -> Iterator[ModuleType]:
-    saved = structlog.get_config()
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_vllm_traffic
-    finally:
-        sys.path.remove(str(SCRIPTS))
-        structlog.configure(**saved)
-    yield bench_vllm_traffic
+def traffic_mod() -> ModuleType:
+    from devtools import vllm_traffic
+
+    return vllm_traffic
 
 
 # The tiny Llama's config (devtools/tiny_model.py) and the large one's, as far as KV sizes go.

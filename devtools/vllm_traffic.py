@@ -1,11 +1,16 @@
-"""The tp1 vLLM benchmark's warm-up traffic and its goal figures (scripts/bench_vllm.py).
+"""The tp1 vLLM benchmark's warm-up traffic and its goal figures (scripts/bench_vllm.py; here, not
+in scripts/, because every scripts/bench_*.py is a mode of scripts/bench).
 
 A real capture follows traffic: by the time an engine is drained and dumped its KV space holds
 data, not the zeros of a fresh engine that the chunk store dedups for free. So the benchmark
 sends N distinct prompts (by default enough tokens to fill FILL of the KV space) the moment the
 engine turns healthy, before the capture's drain, and reads vLLM's KV usage off /metrics while
-they run. The pure parts (the default N, the KV usage in a /metrics answer, the issue's goal
-ratios) need no vLLM: tests/unit/test_bench_vllm.py.
+they run. That gauge counts the blocks running requests hold; a finished request's blocks are
+freed with their data still in them (the prefix cache), so with one generated token per prompt
+it stays near 0 while the space fills: kv_fill_estimate (the prompts' tokens x a token's KV
+bytes / the KV space) is the figure that says how much of the space the traffic wrote. The
+pure parts (the default N, the KV usage in a /metrics answer, the issue's goal ratios) need no
+vLLM: tests/unit/test_bench_vllm.py.
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class Traffic:
             f"http://{self.address}:8000/v1/completions", data=json.dumps(body).encode(),
             method="POST", headers={"Content-Type": "application/json",
                                     "Authorization": f"Bearer {self.api_key}"})
-        with urllib.request.urlopen(req, timeout=1800) as r:
+        with urllib.request.urlopen(req, timeout=1800) as r:  # noqa: S310 (http only)
             return json.loads(r.read())
 
     def _poll(self) -> None:
@@ -161,7 +166,7 @@ class Traffic:
         return {"requests": self.count, "prompt_tokens": self.prompt_tokens,
                 "kv_fill_estimate": round(self.prompt_tokens * per_token / kv_space_bytes, 3),
                 "kv_usage_max": (None if self.kv_usage_max is None
-                                 else round(self.kv_usage_max, 3)),
+                                 else round(self.kv_usage_max, 4)),
                 "seconds": round(self.seconds, 3)}
 
 

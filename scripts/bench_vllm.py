@@ -1,7 +1,8 @@
 """Benchmark: the real vLLM (its CPU build) captured and restored by `coldsnapd`, against vLLM's
 own cold start and the raw CRIU restore of the same images.
 
-    scripts/bench vllm [--layout tp1|tp2] [--keep] [--keep-caches]
+    scripts/bench vllm [--model tiny|large] [--traffic N] [--layout tp1|tp2] [--keep]
+                       [--keep-caches]
 
 --layout tp2 (scripts/bench_vllm_tp2.py says what it measures) benchmarks vLLM split across
 two hosts instead; tp1, the default, is what follows.
@@ -10,14 +11,29 @@ Starts its own 2-host dev cluster (state in .cache/bench-vllm, network slots 96.
 198.18.0.98 and .99; COLDSNAP_BENCH_NET_BASE moves them), builds or reuses the vLLM-CPU capsule
 (scripts/build-vllm-capsule: cached outside the clone, keyed by its recipe), writes the
 vllm-cpu-tp1 request of scripts/dev-requests (one unit, TP1, the tiny Llama of
-devtools/tiny_model.py) and measures, in one run:
+devtools/tiny_model.py; with --model large the large random Llama of the same module, 1.13
+GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures, in one run:
 
   cold_start_seconds            vLLM's own cold start on host-1: `docker run` of the capsule
                                 image with the request's command (no coldsnapd) to /health
                                 answering 200 and the first completion answered
   cold_start_health_seconds     the same, to /health alone
   capture_seconds               the whole `coldsnapd capture` on host-0 (the engine's start
-                                included), and capture_after_ready_seconds past its readiness
+                                included), and capture_after_ready_seconds past its readiness;
+                                the capture follows `traffic`: N distinct prompts (--traffic;
+                                by default enough to fill 60% of the KV space, worked out from
+                                the model's config and VLLM_CPU_KVCACHE_SPACE) sent the moment
+                                the engine turns healthy, before the capture's drain, with the
+                                largest KV usage vLLM's /metrics showed meanwhile
+  kv_discard                    the same capture again after the same traffic with
+                                policy.process.kv_discard false: image bytes (the CRIU images'
+                                files), unique bytes (the chunk store's objects, identical
+                                chunks once) and wire bytes (what the cold-host restore's
+                                staging sent to host-1: its veth's bytes transmitted, protocol
+                                included, the weights' payload as well as the images) of both,
+                                and kv_released_bytes from the manifest
+  link_floor                    the raw link floor: `scp` of a file as large as the wire bytes
+                                to host-1 (its seconds and bytes per second)
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
                                 there (its data_dir emptied, the committed capsule image
                                 removed; the base image stays, as the cold start had it) and,
@@ -36,8 +52,13 @@ devtools/tiny_model.py) and measures, in one run:
 and the issue's ratios: cold start / warm-host restore (goal >= 8, moonshot 15), warm-host
 restore / (raw restore + one validation round trip) (goal <= 1.3), cold-host restore / cold
 start (goal < 1); and, without a target, the warm-host restore against the lazy raw restore
-through its first answer. One JSON line on stdout, appended to bench-results/vllm.jsonl. The
-cluster is stopped and its state removed afterwards unless --keep.
+through its first answer. `goals` holds issue 36's goals, each measured beside its goal and
+whether it is met: the images with discard at most the images without it less 0.9x the KV
+space; the cold-host restore within 1.2x of (wire bytes / the link floor) + raw CRIU restore
++ one validation round trip; cold-host restore / cold start at most 0.15 for the tiny model
+(below 1 for the large one); cold start / warm-host restore at least 30. One JSON line on
+stdout, appended to bench-results/vllm.jsonl. The cluster is stopped and its state removed
+afterwards unless --keep.
 """
 
 from __future__ import annotations
@@ -61,10 +82,27 @@ import yaml
 from bench_common import REPO, emit, log
 from bench_restore import Bench, drop_caches, phases, span_max, timed
 
+from devtools.demo_common import VLLM_API_KEY, post
+from devtools.layout import HostNet, host_index
+from devtools.vllm_traffic import (
+    GIB,
+    Goals,
+    Traffic,
+    default_traffic,
+    goal_figures,
+    model_kv_bytes_per_token,
+)
+
 BENCH_DIR = REPO / ".cache" / "bench-vllm"
 NET_BASE = os.environ.get("COLDSNAP_BENCH_NET_BASE", "96")
 TIMEOUT = 1800.0
 RAW_WORK = "/var/lib/coldsnap/raw-bench"
+# The large model is built once (a minute of numpy) and kept outside the cluster's state,
+# which `dev-cluster down --purge` removes after every run.
+MODELS_DIR = REPO / ".cache" / "bench-vllm-models"
+# Cold-host restore / cold start, per model: issue 36's goal for the tiny model, and "faster
+# than its cold start" for the large one.
+COLD_VS_COLD_START_MAX = {"tiny": 0.15, "large": 1.0}
 
 
 def env() -> dict[str, str]:
@@ -92,8 +130,9 @@ def get(address: str, path: str, timeout: float = 2) -> int | None:
 
 
 def complete(b: Bench, host: str, prompt: str) -> str:
-    answer = b.ask(host, "/v1/completions", {"model": "tiny-llama", "prompt": prompt,
-                                             "max_tokens": 32, "temperature": 0})
+    # The engine answers its OpenAI endpoints only with the dev request's API key.
+    answer = post(b.hosts[host]["address"], "/v1/completions",
+                  {"model": "tiny-llama", "prompt": prompt, "max_tokens": 32, "temperature": 0})
     return str(answer["choices"][0]["text"])
 
 
@@ -162,46 +201,149 @@ def raw_restore_to_answer(b: Bench, host: str, manifest: dict[str, Any], prompt:
     return restore, time.perf_counter() - t0
 
 
-def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
+def large_model() -> tuple[Path, str]:
+    """The large random Llama (devtools/tiny_model.py --size large), built when its digest is
+    unknown (it is deterministic)."""
+    from devtools import tiny_model
+
+    out, stamp = MODELS_DIR / "vllm-large", MODELS_DIR / "vllm-large.digest"
+    if out.is_dir() and stamp.is_file() and tiny_model.model_digest(out) == stamp.read_text():
+        return out, stamp.read_text()
+    log(f"building the large model in {out}")
+    digest = tiny_model.build(out, shape=tiny_model.LARGE)
+    stamp.write_text(digest)
+    return out, digest
+
+
+def with_model(doc: dict[str, Any], model: str) -> Path:
+    """Point the request's unit at `model`'s directory; that directory."""
+    unit = doc["launch"]["units"][0]
+    if model == "large":
+        path, digest = large_model()
+        unit["mounts"][0]["source"] = str(path)
+        doc["launch"]["model"].update(id="coldsnap-dev/large-llama", revision=digest)
+        os.sync()  # its GiB written back now, not during the cold start or the capture
+    return Path(unit["mounts"][0]["source"])
+
+
+def host_tx_bytes(b: Bench, host: str) -> int:
+    """Bytes the bridge sent to `host` so far: its veth's root end transmits everything that
+    reaches the host's namespace (staging's SSH streams, with their protocol)."""
+    net = HostNet(host_index(host), int(NET_BASE))
+    return int(Path(f"/sys/class/net/{net.veth_root}/statistics/tx_bytes").read_text())
+
+
+def capture_after_traffic(b: Bench, request: Path, host: str, count: int
+                          ) -> tuple[dict[str, Any], Traffic]:
+    """`coldsnapd capture` of `request`, with `count` warm-up prompts sent the moment its
+    engine turns healthy: the capture's drain waits for them, so the dump follows them."""
+    receipt = b.work / f"receipt-{request.stem}.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coldsnap", "capture", "--request", str(request),
+         "--inventory", str(b.inventory), "--store", str(b.store), "--receipt-json",
+         str(receipt)], env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    traffic = Traffic(b.hosts[host]["address"], VLLM_API_KEY, "tiny-llama", count)
+    try:
+        while get(b.hosts[host]["address"], "/health") != 200:
+            if proc.poll() is not None:
+                raise SystemExit(f"bench vllm: the capture ended before its engine turned "
+                                 f"healthy:\n{proc.communicate()[1][-3000:]}")
+            time.sleep(0.02)
+        traffic.send()
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise SystemExit(f"bench vllm: the capture exited {proc.returncode}:\n{err[-3000:]}")
+    traffic.join()
+    doc: dict[str, Any] = json.loads(receipt.read_text())
+    return doc, traffic
+
+
+def the_manifest(b: Bench, artifact_path: Path) -> dict[str, Any]:
+    """The capsule manifest of the artifact's one unit, from the control node's store."""
+    artifact = json.loads(artifact_path.read_text())
+    manifest: dict[str, Any]
+    (manifest,) = [json.loads((b.store / "objects" / "sha256" / o["sha256"][7:]).read_text())
+                   for o in artifact["objects"] if o["role"] == "capsule-manifest"]
+    return manifest
+
+
+def link_floor(b: Bench, host: str, size: int) -> float:
+    """Seconds `scp` takes to send a file of `size` bytes of random data to `host`: the raw
+    link floor of that many bytes (the file is written first, outside the timing)."""
+    src = b.work / "floor.bin"
+    with src.open("wb") as f:
+        left = size
+        while left > 0:
+            n = min(left, 64 << 20)
+            f.write(os.urandom(n))
+            left -= n
+    dest = f"{b.hosts[host]['data_dir']}/bench-floor.bin"
+    try:
+        return timed(lambda: b.scp(host, [str(src)], b.remote(host, dest)))
+    finally:
+        src.unlink(missing_ok=True)
+        Path(dest).unlink(missing_ok=True)
+
+
+def measure(b: Bench, cold_caches: bool, model: str = "tiny",
+            traffic: int | None = None) -> dict[str, Any]:
     run([str(REPO / "scripts" / "dev-requests")])
     doc = yaml.safe_load((BENCH_DIR / "requests" / "vllm-cpu-tp1.yaml").read_text())
+    model_dir = with_model(doc, model)
     capture_id = f"bench-vllm-{time.strftime('%Y%m%dT%H%M%S')}"
     doc["id"], doc["output"] = capture_id, str(b.work / "artifact.json")
     doc.pop("lifecycle")  # the captured unit is removed afterwards: host-0 is left idle
     request = b.work / "capture.yaml"
     request.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # The same capture with the KV space kept in its images, after the same traffic.
+    kept_doc = json.loads(json.dumps(doc))
+    kept_doc["id"], kept_doc["output"] = f"{capture_id}-kept", str(b.work / "kept.json")
+    kept_doc.setdefault("policy", {}).setdefault("process", {})["kv_discard"] = False
+    kept_request = b.work / "capture-kept.yaml"
+    kept_request.write_text(yaml.safe_dump(kept_doc, sort_keys=False))
     unit = doc["launch"]["units"][0]
     prompt, expected = doc["validation"]["prompt"], doc["validation"]["expected"]
+    kv_space = int(float(unit["environment"]["VLLM_CPU_KVCACHE_SPACE"]) * GIB)
+    per_token = model_kv_bytes_per_token(model_dir, unit["command"])
+    count = traffic if traffic is not None else default_traffic(kv_space, per_token)
 
-    log("vLLM's own cold start on host-1 (docker run, no coldsnapd)")
+    log(f"vLLM's own cold start on host-1 (docker run, no coldsnapd), {model} model")
     b.docker("host-1", "pull", unit["image"])  # a host that serves has its image already
     if cold_caches:
         drop_caches()
     health_s, cold_s = cold_start(b, "host-1", unit, prompt, expected)
 
-    log(f"capture {capture_id} on host-0")
-    cap = b.coldsnapd("capture", "--request", str(request))
+    log(f"capture {capture_id} on host-0 after {count} warm-up prompts")
+    cap, sent = capture_after_traffic(b, request, "host-0", count)
     ready = span_max(cap, "capture.start") + span_max(cap, "capture.wait-ready")
-    artifact = json.loads((b.work / "artifact.json").read_text())
-    (manifest,) = [json.loads((b.store / "objects" / "sha256" / o["sha256"][7:]).read_text())
-                   for o in artifact["objects"] if o["role"] == "capsule-manifest"]
+    manifest = the_manifest(b, b.work / "artifact.json")
+    log(f"capture {capture_id}-kept (kv_discard: false) after the same traffic")
+    kept_cap, kept_sent = capture_after_traffic(b, kept_request, "host-0", count)
+    kept_manifest = the_manifest(b, b.work / "kept.json")
 
-    moved = json.loads(json.dumps(doc))
-    moved.update(operation="restore", id=f"{capture_id}-restore", artifact=capture_id)
-    moved.pop("output")
-    moved["launch"]["units"][0]["host"] = "host-1"
-
-    def restore(n: int) -> dict[str, Any]:
+    def restore(n: int, artifact: str = capture_id) -> dict[str, Any]:
+        moved = json.loads(json.dumps(doc))
+        moved.update(operation="restore", id=f"{artifact}-restore-{n}", artifact=artifact)
+        moved.pop("output")
+        moved["launch"]["units"][0]["host"] = "host-1"
         path = b.work / f"restore-{n}.yaml"
-        moved["id"] = f"{capture_id}-restore-{n}"
         path.write_text(yaml.safe_dump(moved, sort_keys=False))
         return b.coldsnapd("restore", "--request", str(path))
 
+    def cold_restore(n: int, artifact: str, image_id: str) -> tuple[dict[str, Any], int]:
+        b.make_cold([image_id])
+        if cold_caches:
+            drop_caches()
+        before = host_tx_bytes(b, "host-1")
+        receipt = restore(n, artifact)
+        return receipt, host_tx_bytes(b, "host-1") - before
+
     log("restore onto host-1, nothing of the artifact there")
-    b.make_cold([manifest["image_id"]])
-    if cold_caches:
-        drop_caches()
-    cold = restore(1)
+    cold, wire = cold_restore(1, capture_id, manifest["image_id"])
     log("restore onto host-1 again, everything staged, no unit running")
     b.remove_units("host-1")
     warm = restore(2)
@@ -211,11 +353,52 @@ def measure(b: Bench, cold_caches: bool) -> dict[str, Any]:
                                             lazy=False)
     raw_lazy, raw_lazy_answer = raw_restore_to_answer(b, "host-1", manifest, prompt, expected,
                                                       lazy=True)
+    b.remove_units("host-1")
+    log(f"the link floor: scp of {wire} bytes to host-1")
+    floor_s = link_floor(b, "host-1", wire)
+    log("restore of the kept capture onto host-1, nothing of it there")
+    kept_cold, kept_wire = cold_restore(3, f"{capture_id}-kept", kept_manifest["image_id"])
     b.make_cold([])
-    return tp1_figures(Recorded(cold_s=cold_s, health_s=health_s, capture=cap, ready=ready,
-                                cold=cold, warm=warm, rtts=rtts, cold_caches=cold_caches),
-                       manifest, raw=raw, raw_answer=raw_answer, raw_lazy=raw_lazy,
-                       raw_lazy_answer=raw_lazy_answer)
+    figures = tp1_figures(Recorded(cold_s=cold_s, health_s=health_s, capture=cap, ready=ready,
+                                   cold=cold, warm=warm, rtts=rtts, cold_caches=cold_caches),
+                          manifest, raw=raw, raw_answer=raw_answer, raw_lazy=raw_lazy,
+                          raw_lazy_answer=raw_lazy_answer)
+    discard = kv_figures(manifest, kept_manifest, wire=wire, kept_wire=kept_wire)
+    goals = goal_figures(Goals(
+        kv_space_bytes=kv_space, images_bytes=discard["with_discard"]["images_bytes"],
+        images_kept_bytes=discard["without_discard"]["images_bytes"], wire_bytes=wire,
+        floor_bytes_per_second=wire / floor_s, raw_criu_seconds=raw,
+        validation_seconds=figures["validation_round_trip_seconds"], cold_start_seconds=cold_s,
+        restore_cold_seconds=cold["duration_seconds"],
+        restore_warm_seconds=warm["duration_seconds"],
+        cold_vs_cold_start_max=COLD_VS_COLD_START_MAX[model]))
+    kept_capture = round(kept_cap["duration_seconds"], 3)
+    return {**figures,
+            "kv_space_bytes": kv_space, "kv_bytes_per_token": per_token,
+            "traffic": sent.figures(kv_space, per_token),
+            "traffic_kept": kept_sent.figures(kv_space, per_token),
+            "kv_discard": {**discard, "capture_kept_seconds": kept_capture,
+                           "restore_cold_host_kept_seconds": round(
+                               kept_cold["duration_seconds"], 3)},
+            "link_floor": {"tool": "scp", "bytes": wire, "seconds": round(floor_s, 3),
+                           "bytes_per_second": round(wire / floor_s)},
+            "goals": goals,
+            "phases": {**figures["phases"], "capture_kept": phases(kept_cap),
+                       "restore_cold_kept": phases(kept_cold)}}
+
+
+def kv_figures(manifest: dict[str, Any], kept: dict[str, Any], *, wire: int,
+               kept_wire: int) -> dict[str, Any]:
+    """Image, unique and wire bytes of the capture with its KV space discarded and of the one
+    that kept it (their capsule manifests; no vLLM needed: tests/unit/test_bench_vllm.py)."""
+    def one(m: dict[str, Any], sent: int) -> dict[str, Any]:
+        images = m["criu_images"]
+        return {"images_bytes": sum(f["size"] for f in images["files"]),
+                "unique_bytes": sum(o["bytes"] for o in images["objects"]),
+                "wire_bytes": sent, "kv_discarded": m.get("kv_discarded"),
+                "kv_released_bytes": m.get("kv_released_bytes")}
+
+    return {"with_discard": one(manifest, wire), "without_discard": one(kept, kept_wire)}
 
 
 @dataclass(frozen=True)
@@ -287,7 +470,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layout", choices=("tp1", "tp2"), default="tp1",
                     help="tp1: one unit on one host (default); tp2: tensor parallel 2 split "
                          "across two hosts, its connections carried (4-host cluster)")
-    return ap.parse_args(argv)
+    ap.add_argument("--model", choices=("tiny", "large"), default="tiny",
+                    help="tp1: the tiny Llama of the tests (default) or the large random one "
+                         "(devtools/tiny_model.py --size large, 1.13 GiB of weights)")
+    ap.add_argument("--traffic", type=int, metavar="N",
+                    help="tp1: warm-up prompts before each capture (default: enough to fill "
+                         "60%% of the KV space, from the model's config and "
+                         "VLLM_CPU_KVCACHE_SPACE)")
+    args = ap.parse_args(argv)
+    if args.traffic is not None and args.traffic < 1:
+        ap.error("--traffic: must be at least 1")
+    if args.layout == "tp2" and (args.model != "tiny" or args.traffic is not None):
+        ap.error("--model and --traffic are for --layout tp1; tp2 serves the tiny model "
+                 "without warm-up traffic")
+    return args
 
 
 def layout_figures(args: argparse.Namespace) -> dict[str, Any]:
@@ -299,7 +495,9 @@ def layout_figures(args: argparse.Namespace) -> dict[str, Any]:
 
 def document(args: argparse.Namespace, figures: dict[str, Any]) -> dict[str, Any]:
     """The JSON line (less emit's own fields) from the arguments and the measured figures."""
-    return {**layout_figures(args), "model": "tiny-llama (devtools/tiny_model.py)", **figures}
+    model = ("large-llama (devtools/tiny_model.py --size large)" if args.model == "large"
+             else "tiny-llama (devtools/tiny_model.py)")
+    return {**layout_figures(args), "model": model, **figures}
 
 
 def main() -> None:
@@ -317,7 +515,8 @@ def main() -> None:
                 figures = bench_vllm_tp2.measure(Bench(inventory, work),
                                                  cold_caches=not args.keep_caches)
             else:
-                figures = measure(Bench(inventory, work), cold_caches=not args.keep_caches)
+                figures = measure(Bench(inventory, work), cold_caches=not args.keep_caches,
+                                  model=args.model, traffic=args.traffic)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     finally:

@@ -275,9 +275,12 @@ async def _stage(hosts: HostSet, source: ObjectSource,
                                     image_sets=sets[name], operation_id=ctx.operation_id,
                                     holdings=await surveys[name])
 
-    async def discard(names: Iterable[str]) -> None:
+    async def discard(names: Iterable[str], *, kept: bool = False) -> None:
+        """Remove the hosts' partial objects; with `kept`, not those the source resumes."""
         await asyncio.shield(asyncio.gather(*(
-            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir, per_host[n])
+            discard_partial_objects(hosts.host(n), hosts.entries[n].data_dir,
+                                    [o for o in per_host[n]
+                                     if not (kept and source.keeps_partial(o))])
             for n in names)))
 
     tasks = [asyncio.ensure_future(one(n)) for n in per_host]
@@ -293,11 +296,13 @@ async def _stage(hosts: HostSet, source: ObjectSource,
         raise
     failed = [n for n, res in zip(per_host, results, strict=True)
               if isinstance(res, BaseException)]
-    if failed and not source.keeps_partials:
+    if failed:
         # A transfer keeps its partial file to resume a dropped connection; once staging from
         # the store has failed, that file is only a half-written object filling the host's
-        # disk. A registry pull's is kept: the retry resumes it (gc sweeps it after a day).
-        await discard(failed)
+        # disk. A registry pull's is kept: the retry resumes it (gc sweeps it after a day);
+        # not a replay plan's beside it, which came from the store (a sibling pull's failure
+        # cancels its send half-way).
+        await discard(failed, kept=True)
     for name, res in zip(per_host, results, strict=True):
         if isinstance(res, BaseException):
             if not isinstance(res, Exception):

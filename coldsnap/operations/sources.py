@@ -33,15 +33,19 @@ class ObjectSource(Protocol):
         """"store" or "registry": what reports and logs say."""
         ...
 
-    @property
-    def keeps_partials(self) -> bool:
-        """Whether a failed staging keeps its partial files: a registry pull's are resumed by
-        the next try (gc sweeps them after a day); a store's sends discard theirs."""
+    def keeps_partial(self, obj: ArtifactObject) -> bool:
+        """Whether a failed staging keeps the object's partial file: a registry pull's is
+        resumed by the next try (gc sweeps it after a day); one sent from the store is
+        discarded."""
         ...
 
     @property
     def in_flight(self) -> int:
         """How many objects staging brings to one host at once from here."""
+        ...
+
+    def after_the_rest(self, obj: ArtifactObject) -> bool:
+        """Whether staging brings the object only once the others have landed on the host."""
         ...
 
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
@@ -62,7 +66,6 @@ class StoreSource:
 
     store: LocalStore
     kind: str = "store"
-    keeps_partials: bool = False
     # Each object in flight is a transfer the control node itself runs (its reads, an
     # OpenSSH client or asyncssh's Python packet path): three overlap their fixed costs.
     in_flight: int = 3
@@ -70,6 +73,12 @@ class StoreSource:
     def check(self, objects: list[ArtifactObject]) -> None:
         for obj in objects:
             self.store.verify(obj.sha256)
+
+    def keeps_partial(self, obj: ArtifactObject) -> bool:
+        return False
+
+    def after_the_rest(self, obj: ArtifactObject) -> bool:
+        return False
 
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:
@@ -97,7 +106,6 @@ class RegistrySource:
     access: RegistryAccess
     repository: str
     kind: str = "registry"
-    keeps_partials: bool = True
     # A pull costs the control node one channel and nothing else, and each one pays fixed
     # costs the link idles through (the helper's start, a connection to the registry, the
     # fsync and rename of a CRIU-sized chunk at its end): five keep the link busier than
@@ -115,9 +123,22 @@ class RegistrySource:
         if self.store is not None:
             StoreSource(self.store).check([o for o in objects if o.role == ROLE_REPLAY_PLAN])
 
+    def _from_store(self, obj: ArtifactObject) -> bool:
+        return obj.role == ROLE_REPLAY_PLAN and self.store is not None
+
+    def keeps_partial(self, obj: ArtifactObject) -> bool:
+        # A replay plan comes from the store even here: nothing resumes its partial file.
+        return not self._from_store(obj)
+
+    def after_the_rest(self, obj: ArtifactObject) -> bool:
+        # The store's plans wait for the host's pulls: a registry that refuses the host (its
+        # credentials, a blob it lacks) then leaves nothing of the artifact there. A plan is
+        # a few KiB: one round trip after the pulls.
+        return self._from_store(obj)
+
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:
-        if obj.role == ROLE_REPLAY_PLAN and self.store is not None:
+        if self._from_store(obj) and self.store is not None:
             return await StoreSource(self.store).deliver(host, remote, obj, progress)
         pulled = await pull_blob(host, self.access, self.repository, obj.sha256, obj.bytes,
                                  remote, timeout=transfer_timeout(obj.bytes))

@@ -199,18 +199,22 @@ async def stage_host(
             await begin_assembly(host, data_dir, image_set, operation_id)
         # Every object in one group, largest first: a GiB payload starts at once and the
         # small CRIU chunks (each paying a few round trips) go beside it, not after it. A
-        # failed transfer or placement cancels the others at once.
-        try:
-            async with asyncio.TaskGroup() as group:
-                for obj in sorted(objects, key=lambda o: -o.bytes):
-                    if obj.role != ROLE_CRIU_IMAGE:
-                        group.create_task(plain_object(obj))
-                    elif obj.sha256 in wanted:
-                        group.create_task(criu_object(obj))
-                    else:
-                        result.skipped.append(obj.sha256)  # its set is on the host already
-        except BaseExceptionGroup as group_error:
-            raise group_error.exceptions[0] from None
+        # failed transfer or placement cancels the others at once. What the source sends
+        # only once the rest has landed (`after_the_rest`) is a second group.
+        ordered = sorted(objects, key=lambda o: -o.bytes)
+        for batch in ([o for o in ordered if not source.after_the_rest(o)],
+                      [o for o in ordered if source.after_the_rest(o)]):
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for obj in batch:
+                        if obj.role != ROLE_CRIU_IMAGE:
+                            group.create_task(plain_object(obj))
+                        elif obj.sha256 in wanted:
+                            group.create_task(criu_object(obj))
+                        else:
+                            result.skipped.append(obj.sha256)  # its set is there already
+            except BaseExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
         for key, image_set in todo.items():
             await finish_assembly(host, parts.pop(key), data_dir, image_set)
     except BaseException:
@@ -229,6 +233,8 @@ async def discard_partial_objects(host: Host, data_dir: str,
     cannot be reached now keeps them (`coldsnapd gc` sweeps them after a day, and a later
     staging resumes them before that)."""
     parts = [remote_object_path(data_dir, o.sha256) + PART_SUFFIX for o in objects]
+    if not parts:
+        return
     with contextlib.suppress(Exception):
         await host.run(["rm", "-f", "--", *parts], timeout=30, check=False)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.capsule.images import image_set_dir
-from coldsnap.formats.artifact import ArtifactObject, payload_path
+from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ArtifactObject, payload_path
 from coldsnap.hosts.base import Host
 from coldsnap.hosts.inventory import HostEntry, Inventory
 from coldsnap.hosts.local import LocalHost
@@ -100,7 +100,28 @@ async def test_a_blob_the_registry_lacks_fails_staging_naming_it(registry: Plain
         await stage_host(LocalHost("host-2"), str(tmp_path / "h"), [obj], source)
     assert err.value.reason == "blob unknown"
     assert f"{registry.address}/{REPO}@{digest}" in str(err.value)
-    assert source.keeps_partials and not StoreSource(LocalStore(tmp_path / "s")).keeps_partials
+    assert source.keeps_partial(obj)
+    assert not StoreSource(LocalStore(tmp_path / "s")).keeps_partial(obj)
+
+
+async def test_a_refused_pull_leaves_nothing_the_store_would_have_sent(
+        registry: PlainRegistry, tmp_path: Path) -> None:
+    """The replay plan the store sends beside the host's pulls waits for them: the registry
+    refusing the host (here: a blob it lacks) leaves neither the plan nor its partial file."""
+    digest = "sha256:" + hashlib.sha256(b"not there").hexdigest()
+    blob = ArtifactObject(role="weights", owner="worker/w0", path=payload_path(digest),
+                          bytes=9, sha256=digest)
+    store = LocalStore(tmp_path / "s")
+    plan_digest, plan_size = store.add_bytes(b'{"plan": "replay"}')
+    plan = ArtifactObject(role=ROLE_REPLAY_PLAN, owner="worker/w0",
+                          path=f"objects/replay/{plan_digest[7:]}.json", bytes=plan_size,
+                          sha256=plan_digest)
+    source = RegistrySource(RegistryAccess(registry.address, insecure=True), REPO, store=store)
+    data = tmp_path / "h"
+    with pytest.raises(RegistryTransferError):
+        await stage_host(LocalHost("host-2"), str(data), [blob, plan], source)
+    objects = data / "objects" / "sha256"
+    assert not objects.is_dir() or sorted(p.name for p in objects.iterdir()) == []
 
 
 async def test_an_object_two_hosts_hold_is_pushed_once(registry: PlainRegistry,
@@ -193,12 +214,17 @@ class _Counting:
 
     in_flight: int
     kind: str = "fake"
-    keeps_partials: bool = False
     running: int = 0
     most: int = 0
 
     def check(self, objects: list[ArtifactObject]) -> None:
         pass
+
+    def keeps_partial(self, obj: ArtifactObject) -> bool:
+        return False
+
+    def after_the_rest(self, obj: ArtifactObject) -> bool:
+        return False
 
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:

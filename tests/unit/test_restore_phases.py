@@ -15,10 +15,14 @@ from typing import Any
 import pytest
 
 from coldsnap.capsule.errors import CriuProbeFailed, CriuProbeRefused
+from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ArtifactObject, payload_path
 from coldsnap.formats.errors import ValidationIssue
+from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.operations import restore as restore_module
 from coldsnap.operations import restore_target
 from coldsnap.operations.context import OperationContext, OperationFailed
+from coldsnap.operations.sources import RegistrySource
+from coldsnap.store import LocalStore
 
 FULL = ["target", "locks", "facts", "place", "devices", "refusals", "sessions", "check_free",
         "unit_runs", "check_space", "stage_and_admit", "say_replays", "start_and_validate",
@@ -218,7 +222,7 @@ def test_a_cancelled_staging_removes_what_it_half_wrote_on_every_host(
     async def cancelled() -> None:
         surveys: Any = {n: asyncio.sleep(0) for n in ("host-0", "host-1")}
         task = asyncio.ensure_future(restore_module._stage(
-            hosts, SimpleNamespace(keeps_partials=True),  # type: ignore[arg-type]
+            hosts, SimpleNamespace(keeps_partial=lambda o: True),  # type: ignore[arg-type]
             {"host-0": ["a"], "host-1": ["b"]}, {"host-0": [], "host-1": []}, ctx, surveys))
         await asyncio.sleep(0.05)
         task.cancel()
@@ -229,6 +233,47 @@ def test_a_cancelled_staging_removes_what_it_half_wrote_on_every_host(
     assert sorted(seen[:2]) == ["host-0 transfer ended", "host-1 transfer ended"]
     assert sorted(seen[2:]) == ["host-0 partials of ['a'] in /data/host-0 removed",
                                 "host-1 partials of ['b'] in /data/host-1 removed"]
+
+
+def test_a_failed_registry_staging_keeps_only_the_partials_a_retry_resumes(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A pull refused on one host fails its staging while the replay plan that the store sends
+    beside it is half-way: the plan's partial file goes (nothing resumes it), the pulled
+    blobs' stay for the retry; a host whose staging ended keeps everything."""
+    digest = "sha256:" + "ab" * 32
+    blob = ArtifactObject(role="weights", owner="worker/w0", path=payload_path(digest),
+                          bytes=10, sha256=digest)
+    plan_digest = "sha256:" + "cd" * 32
+    plan = ArtifactObject(role=ROLE_REPLAY_PLAN, owner="worker/w0",
+                          path=f"objects/replay/{plan_digest[7:]}.json", bytes=10,
+                          sha256=plan_digest)
+    removed: dict[str, list[str]] = {}
+
+    async def stage_host(host: str, *_: Any, **__: Any) -> Any:
+        if host == "host-0":
+            raise OSError("unauthorized")
+        return SimpleNamespace(host=host)
+
+    async def discard(host: str, data_dir: str, objects: list[ArtifactObject]) -> None:
+        removed[host] = [o.role for o in objects]
+
+    monkeypatch.setattr(restore_module, "stage_host", stage_host)
+    monkeypatch.setattr(restore_module, "discard_partial_objects", discard)
+    hosts: Any = SimpleNamespace(host=lambda n: n, entries={
+        n: SimpleNamespace(data_dir=f"/data/{n}") for n in ("host-0", "host-1")})
+    source = RegistrySource(RegistryAccess("registry.test:5000", insecure=True), "repo",
+                            store=LocalStore(tmp_path / "store"))
+
+    async def staged() -> None:
+        surveys: Any = {n: asyncio.sleep(0) for n in ("host-0", "host-1")}
+        await restore_module._stage(hosts, source, {"host-0": [blob, plan],
+                                                    "host-1": [blob, plan]},
+                                    {"host-0": [], "host-1": []},
+                                    OperationContext("restore"), surveys)
+
+    with pytest.raises(OperationFailed, match="host host-0: step stage: unauthorized"):
+        asyncio.run(staged())
+    assert removed == {"host-0": [ROLE_REPLAY_PLAN]}
 
 
 def test_only_a_probe_verdict_stops_the_staging() -> None:

@@ -1,4 +1,4 @@
-"""A host's Docker engine, reached with the docker SDK over the host's forwarded socket.
+"""A host's Docker engine, reached with the docker SDK over a relay of the host's socket.
 
 The docker SDK is synchronous; every call runs in a thread pool of the host's own session (not
 the event loop's shared default pool, a handful of threads on a small control node) so that
@@ -41,6 +41,8 @@ from coldsnap.capsule.errors import CapsuleError
 from coldsnap.capsule.spec import EXEC_ENV, LOADER_ENV, TRUSTED_EXEC_ENV, CapsuleHost
 from coldsnap.hosts.base import (
     DEFAULT_OUTPUT_LIMIT,
+    ByteReader,
+    ByteWriter,
     Host,
     HostError,
     HostUnreachable,
@@ -367,14 +369,16 @@ class CapsuleSession:
         return res.stdout
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pipe(src: ByteReader, dst: ByteWriter) -> None:
     try:
         while data := await src.read(1 << 16):
             dst.write(data)
             await dst.drain()
         if dst.can_write_eof():
             dst.write_eof()
-    except (OSError, RuntimeError):
+    # Either end may fail with its transport's own error (asyncssh's for a channel whose
+    # connection was lost): any of them ends this one relay connection, nothing more.
+    except Exception:
         dst.close()
 
 
@@ -390,7 +394,7 @@ class RelayState:
 async def docker_relay(host: Host, remote_path: str,
                        state: RelayState | None = None) -> AsyncIterator[str]:
     """A local unix socket whose every connection reaches `remote_path` on the host through a
-    forward opened for that connection alone.
+    channel opened for that connection alone.
 
     One long-lived forward dies with its SSH connection and every later Docker call would
     fail; here a dropped connection costs only the Docker connections open at that moment,
@@ -407,14 +411,19 @@ async def docker_relay(host: Host, remote_path: str,
             live.add(task)
             task.add_done_callback(live.discard)
         try:
-            async with host.forward_unix_socket(remote_path) as local:
+            async with host.open_unix(remote_path) as (up_r, up_w):
                 if state is not None:
                     state.last_error = None
-                up_r, up_w = await asyncio.open_unix_connection(local)
+                # The connection is over once the daemon's side has ended (it answers, then
+                # closes): the client's side is not waited for, so a relay connection never
+                # outlives the channel under it.
+                upstream = asyncio.ensure_future(_pipe(reader, up_w))
                 try:
-                    await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+                    await _pipe(up_r, writer)
                 finally:
-                    up_w.close()
+                    upstream.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await upstream
         except Exception as exc:  # one failed connection must not end the relay
             if state is not None and isinstance(exc, HostError):
                 state.last_error = exc

@@ -41,6 +41,10 @@ class ByteWriter(Protocol):
 
     def close(self) -> None: ...
 
+    def can_write_eof(self) -> bool: ...
+
+    def write_eof(self) -> None: ...
+
 
 class LineReader(Protocol):
     """The read half of a process's output, by line."""
@@ -48,7 +52,7 @@ class LineReader(Protocol):
     async def readline(self) -> bytes: ...
 
 
-TcpStream = tuple[ByteReader, ByteWriter]
+ByteStream = tuple[ByteReader, ByteWriter]
 # A process that runs while its caller holds it: its stdout by line, its stdin.
 HeldProcess = tuple[LineReader, ByteWriter]
 
@@ -264,14 +268,17 @@ class Host(Protocol):
         file an engine swapped for a symlink is refused, never read."""
         ...
 
-    def forward_unix_socket(self, remote_path: str) -> AbstractAsyncContextManager[str]:
-        """Forward a unix socket of the host (e.g. its Docker socket) to a local unix socket
-        path, yielded while the context is open."""
+    def open_unix(
+        self, remote_path: str, *, timeout: float = 10.0
+    ) -> AbstractAsyncContextManager[ByteStream]:
+        """A connection to a unix socket of the host (e.g. its Docker socket; for SSH: a
+        direct-streamlocal channel). It ends when the host's connection does: its reader
+        then ends or fails."""
         ...
 
     def open_tcp(
         self, address: str, port: int, *, timeout: float = 10.0
-    ) -> AbstractAsyncContextManager[TcpStream]:
+    ) -> AbstractAsyncContextManager[ByteStream]:
         """A TCP connection made FROM the host to `address:port` (for SSH: a direct-tcpip
         channel), so that a service on the host's own network, such as an engine's HTTP
         port, is reached exactly as a client on that host would reach it."""

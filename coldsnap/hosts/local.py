@@ -14,13 +14,13 @@ from typing import BinaryIO
 
 from coldsnap.durable import publish
 from coldsnap.hosts.base import (
+    ByteStream,
     CommandRunner,
     CommandTimeout,
     HeldProcess,
     HostError,
     ProgressCallback,
     TailBuffer,
-    TcpStream,
     TransferError,
     TransferResult,
     check_get_bounds,
@@ -154,14 +154,25 @@ class LocalHost(CommandRunner):
         return got
 
     @asynccontextmanager
-    async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
-        # The socket is already local; nothing to carry.
-        yield remote_path
+    async def open_unix(
+        self, remote_path: str, *, timeout: float = 10.0  # noqa: ASYNC109
+    ) -> AsyncIterator[ByteStream]:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(remote_path)
+        except (OSError, TimeoutError) as exc:
+            raise HostError(self.name, f"cannot connect to {remote_path}: {exc}") from None
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
     @asynccontextmanager
     async def open_tcp(
         self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
-    ) -> AsyncIterator[TcpStream]:
+    ) -> AsyncIterator[ByteStream]:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(address, port)

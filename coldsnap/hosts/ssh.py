@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shlex
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +22,7 @@ import structlog
 from tenacity import RetryCallState
 
 from coldsnap.hosts.base import (
+    ByteStream,
     CommandRunner,
     CommandTimeout,
     HeldProcess,
@@ -34,7 +32,6 @@ from coldsnap.hosts.base import (
     HostUnreachable,
     ProgressCallback,
     TailBuffer,
-    TcpStream,
     TransferResult,
     check_get_bounds,
 )
@@ -370,31 +367,34 @@ class SSHHost(CommandRunner):
                                 size=size, max_bytes=max_bytes, beneath=beneath)
 
     @asynccontextmanager
-    async def forward_unix_socket(self, remote_path: str) -> AsyncIterator[str]:
-        """Listen on a fresh local unix socket (in a 0700 temp dir) and carry each connection
-        to `remote_path` on the host as a direct-streamlocal channel of this connection.
+    async def open_unix(
+        self, remote_path: str, *, timeout: float = 10.0  # noqa: ASYNC109
+    ) -> AsyncIterator[ByteStream]:
+        """A direct-streamlocal channel: sshd on the host connects to `remote_path`.
 
-        The forward is served by the running event loop, so a synchronous client of the
-        socket (the docker SDK) must be used from a thread (`asyncio.to_thread`)."""
+        A channel, not a local listener forwarded with `forward_local_path`: a listener that
+        the connection's loss closes between accepting a connection and serving it leaves
+        that connection open and unserved (asyncio drops it without closing it), and a
+        Docker call on it would wait out its whole timeout. A channel ends with its
+        connection."""
         conn = await self.connection()
-        tmp = tempfile.mkdtemp(prefix="coldsnap-fwd-")
-        local = os.path.join(tmp, "sock")
         try:
-            listener = await conn.forward_local_path(local, remote_path)
-        except (OSError, asyncssh.Error) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise HostError(self.name, f"cannot forward {remote_path}: {_describe(exc)}") from None
+            async with asyncio.timeout(timeout):
+                reader, writer = await conn.open_unix_connection(remote_path, encoding=None)
+        except (OSError, TimeoutError, asyncssh.Error) as exc:
+            if isinstance(exc, asyncssh.DisconnectError):
+                self._drop()
+            raise HostError(self.name, f"cannot connect to {remote_path} on the host: "
+                            f"{_describe(exc)}") from None
         try:
-            yield local
+            yield reader, writer
         finally:
-            listener.close()
-            await listener.wait_closed()
-            shutil.rmtree(tmp, ignore_errors=True)
+            writer.close()
 
     @asynccontextmanager
     async def open_tcp(
         self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
-    ) -> AsyncIterator[TcpStream]:
+    ) -> AsyncIterator[ByteStream]:
         """A direct-tcpip channel: sshd on the host connects to `address:port`."""
         conn = await self.connection()
         try:

@@ -106,7 +106,7 @@ class ClusterHost:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def capsule_cluster(capsule_inventory: Inventory) -> AsyncIterator[dict[str, ClusterHost]]:
-    """host-0 and host-1 over real SSH, each with a docker session over its forwarded socket."""
+    """host-0 and host-1 over real SSH, each with a docker session over its relayed socket."""
     hosts: dict[str, ClusterHost] = {}
     ssh: list[SSHHost] = []
     sessions = []

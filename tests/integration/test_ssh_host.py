@@ -12,6 +12,7 @@ import asyncssh
 import docker
 import pytest
 
+from coldsnap.capsule.session import docker_relay
 from coldsnap.hosts.base import (
     CommandFailed,
     CommandTimeout,
@@ -320,7 +321,7 @@ def _tiny_rootfs_tar() -> bytes:
     return buf.getvalue()
 
 
-async def test_docker_sdk_through_forwarded_socket(pool: HostPool, dev_hosts: Inventory) -> None:
+async def test_docker_sdk_through_the_relayed_socket(pool: HostPool, dev_hosts: Inventory) -> None:
     sockets = {h.name: h.docker_socket for h in dev_hosts.hosts[:2]}
     if None in sockets.values():
         pytest.fail("the dev cluster runs without Docker; start it with `scripts/dev-cluster up 4`")
@@ -328,7 +329,7 @@ async def test_docker_sdk_through_forwarded_socket(pool: HostPool, dev_hosts: In
     host0, host1 = pool.host("host-0"), pool.host("host-1")
     sock0, sock1 = sockets["host-0"], sockets["host-1"]
     assert sock0 is not None and sock1 is not None
-    async with host1.forward_unix_socket(sock1) as local1:
+    async with docker_relay(host1, sock1) as local1:
         assert local1 != sock1
         # The SDK is synchronous and the forward is served by this event loop: the SDK
         # must run in a thread, or the two would wait on each other.
@@ -343,7 +344,7 @@ async def test_docker_sdk_through_forwarded_socket(pool: HostPool, dev_hosts: In
             r = await host1.run(["docker", "image", "inspect", "--format", "{{.Id}}", f"{repo}:1"])
             assert r.stdout.decode().strip() == image.id
             # ...and not in host-0's, which has its own image store.
-            async with host0.forward_unix_socket(sock0) as local0:
+            async with docker_relay(host0, sock0) as local0:
                 other = await asyncio.to_thread(docker.DockerClient, base_url=f"unix://{local0}")
                 try:
                     with pytest.raises(docker.errors.ImageNotFound):

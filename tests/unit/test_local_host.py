@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.hosts.base import CommandFailed, CommandTimeout, Host
+from coldsnap.hosts.base import CommandFailed, CommandTimeout, Host, HostError
 from coldsnap.hosts.local import LocalHost
 
 
@@ -65,6 +65,19 @@ async def test_put_get_verify_and_are_atomic(tmp_path: Path) -> None:
     assert g.sha256 == r.sha256
 
 
-async def test_forward_unix_socket_is_the_socket_itself() -> None:
-    async with LocalHost().forward_unix_socket("/run/x.sock") as path:
-        assert path == "/run/x.sock"
+async def test_open_unix_reaches_the_socket_itself(tmp_path: Path) -> None:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(4))
+        writer.close()
+
+    server = await asyncio.start_unix_server(echo, str(tmp_path / "s.sock"))
+    async with server, LocalHost().open_unix(str(tmp_path / "s.sock")) as (reader, writer):
+        writer.write(b"ping")
+        await writer.drain()
+        assert await reader.read() == b"ping"
+
+
+async def test_open_unix_to_no_socket_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(HostError, match=r"absent\.sock"):
+        async with LocalHost().open_unix(str(tmp_path / "absent.sock")):
+            pass

@@ -216,9 +216,9 @@ class CommandRunner(ABC):
         timeout or cancellation the process is killed before this returns or raises."""
 
 
-@runtime_checkable
-class Host(Protocol):
-    """One destination host."""
+class CommandHost(Protocol):
+    """A host that runs commands: what every interface to a host extends (`Host`, and the
+    narrower one of the transfers, `coldsnap.hosts.transfer.streams.StreamHost`)."""
 
     @property
     def name(self) -> str: ...
@@ -236,6 +236,11 @@ class Host(Protocol):
         killed. With check=True a non-zero exit raises CommandFailed. Each output stream keeps
         at most its last `output_limit` bytes (see `CommandResult`)."""
         ...
+
+
+@runtime_checkable
+class Host(CommandHost, Protocol):
+    """One destination host."""
 
     async def put(
         self,

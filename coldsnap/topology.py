@@ -130,11 +130,11 @@ class Topology:
         """
         out: list[PlannedObject] = []
         for unit in self.units_on(host):
-            out.append(PlannedObject(Owner.unit(unit.id), ROLE_CAPSULE))
-            out.append(PlannedObject(Owner.unit(unit.id), ROLE_CRIU_IMAGE))
+            out.append(PlannedObject(Owner("unit", unit.id), ROLE_CAPSULE))
+            out.append(PlannedObject(Owner("unit", unit.id), ROLE_CRIU_IMAGE))
         for unit in self.units_on(host):
             for worker_id in unit.workers:
-                owner = Owner.worker(worker_id)
+                owner = Owner("worker", worker_id)
                 out.append(PlannedObject(owner, ROLE_WEIGHTS))
                 out.append(PlannedObject(owner, ROLE_REPLAY_PLAN))
         return out

@@ -145,7 +145,7 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
                        timeout_s=LONG_DOCKER_CALL,
                        env={CRIU_ACTION_ENV: post_dump_action(handle)})
     seconds = time.monotonic() - t0
-    if out.exit_code == IO_URING_HELD:
+    if out.exit_status == IO_URING_HELD:
         why = io_uring_refusal(out.stdout)
     elif out.ok:
         why = ""
@@ -154,8 +154,8 @@ async def dump(s: CapsuleSession, handle: UnitHandle) -> DumpResult:
     await s.exec(container, ["/bin/rm", "-rf", CRIU_WORK_DIR])
     if not out.ok:
         await clear_dump(s.target.host, handle.images_dir)
-        detail = (why if out.exit_code == IO_URING_HELD
-                  else f"criu dump exited {out.exit_code}:\n{why}")
+        detail = (why if out.exit_status == IO_URING_HELD
+                  else f"criu dump exited {out.exit_status}:\n{why}")
         try:
             await return_to_serving(s, handle)
         except CapsuleError as exc:

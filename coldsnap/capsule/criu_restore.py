@@ -196,23 +196,23 @@ async def criu_restore(s: CapsuleSession, handle: UnitHandle, *, lazy: bool = Tr
         env={"COLDSNAP_ADDRESS_MAP": json.dumps(dict(address_map), sort_keys=True),
              "COLDSNAP_REWRITE_PROGRAM": REWRITE_PROGRAM} if address_map else None)
     seconds = time.monotonic() - t0
-    if out.exit_code == _SHM_FAILED:
+    if out.exit_status == _SHM_FAILED:
         raise fail(s, handle.unit, "shm", f"cannot put {SHM_DIR} or the writable paths "
                    f"{', '.join(handle.writable)} back: {out.tail(300)}", RestoreFailed)
-    if out.exit_code == _REWRITE_FAILED:
+    if out.exit_status == _REWRITE_FAILED:
         raise fail(s, handle.unit, "rewrite-sockets", f"cannot rewrite the image set's sockets "
                    f"with {dict(address_map or {})}: {out.tail(600)}", RestoreFailed)
-    if out.exit_code == _SEED_FAILED:
+    if out.exit_status == _SEED_FAILED:
         raise fail(s, handle.unit, "placement", f"cannot write {RUNTIME_DIR}/{PLACEMENT_FILE}: "
                    f"{out.tail(300)}", RestoreFailed)
     failed = {int(ln.split()[1]) for ln in out.stdout.splitlines()
               if ln.startswith("gpu-failed ") and ln.split()[1].isdigit()}
-    if out.exit_code == _GPU_FAILED and failed:
+    if out.exit_status == _GPU_FAILED and failed:
         names = ", ".join(f"worker {w} (pid {p})" for w, p in workers.items() if p in failed)
         raise fail(s, handle.unit, "gpu-restore", f"{names}: {out.tail(800)}", RestoreFailed)
     if not out.ok:
         why = await criu_errors(s, container, f"{CRIU_WORK_DIR}/restore.log")
-        raise fail(s, handle.unit, step, f"criu restore exited {out.exit_code}:\n{why}",
+        raise fail(s, handle.unit, step, f"criu restore exited {out.exit_status}:\n{why}",
                    RestoreFailed)
     missing = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("missing ")]
     if missing:

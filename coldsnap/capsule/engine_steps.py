@@ -173,7 +173,7 @@ async def _release_kv(s: CapsuleSession, handle: UnitHandle,
         return None
     container = await s.container(handle.container_id, handle.unit, "quiesce")
     out = await s.exec(container, argv, timeout_s=_KV_RELEASE_S)
-    return kv_release(out.exit_code, out.stdout_tail, out.stderr)
+    return kv_release(out.exit_status, out.stdout_tail, out.stderr)
 
 
 async def resume(s: CapsuleSession, handle: UnitHandle, *, step: str = "resume") -> None:

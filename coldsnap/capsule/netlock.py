@@ -102,16 +102,16 @@ async def _run_checked(s: CapsuleSession, handle: UnitHandle, argv: list[str], s
     out = await _run(s, handle, argv, step, timeout_s)
     if not out.ok:
         raise NetworkLockFailed(s.host, handle.unit, step,
-                                f"exit {out.exit_code}: {out.tail(500)}")
+                                f"exit {out.exit_status}: {out.tail(500)}")
 
 
 async def is_locked(s: CapsuleSession, handle: UnitHandle, table: str, *,
                     timeout_s: float = LOCK_TIMEOUT_S) -> bool:
     out = await _run(s, handle, has_argv(table), "network lock check", timeout_s)
-    if out.exit_code not in (0, 1):
+    if out.exit_status not in (0, 1):
         raise NetworkLockFailed(s.host, handle.unit, "network lock check",
-                                f"exit {out.exit_code}: {out.tail(500)}")
-    return out.exit_code == 0
+                                f"exit {out.exit_status}: {out.tail(500)}")
+    return out.exit_status == 0
 
 
 def parse_sockets(text: str) -> list[InetSocket]:
@@ -142,7 +142,7 @@ async def live_sockets(s: CapsuleSession, handle: UnitHandle, *,
     out = await _run(s, handle, sockets_argv(handle.engine_pid), step, timeout_s)
     if not out.ok:
         raise NetworkLockFailed(s.host, handle.unit, step,
-                                f"exit {out.exit_code}: {out.tail(500)}")
+                                f"exit {out.exit_status}: {out.tail(500)}")
     try:
         return parse_sockets(out.stdout)
     except ValueError as exc:

@@ -46,7 +46,7 @@ from coldsnap.hosts.base import (
     Host,
     HostError,
     HostUnreachable,
-    OutputTruncated,
+    KeptOutput,
 )
 
 T = TypeVar("T")
@@ -141,30 +141,9 @@ def make_abortable(client: Any, socket_path: str, timeout: float) -> _Connection
     return registry
 
 
-@dataclass(frozen=True)
-class ExecOutput:
-    """An exec's exit code and the kept tail of each stream (`CommandResult`'s rule: `stdout`
-    is the whole output or an error, never a tail read as if it were everything)."""
-
-    exit_code: int
-    stdout_tail: str
-    stderr: str
-    stdout_dropped: int = 0
-    stderr_dropped: int = 0
-    host: str = ""
-    command: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    @property
-    def stdout(self) -> str:
-        if self.stdout_dropped:
-            raise OutputTruncated(self.host, (
-                f"{self.command} wrote more than the {len(self.stdout_tail)} characters of "
-                "output kept: its answer is refused rather than read in part"))
-        return self.stdout_tail
+class ExecOutput(KeptOutput[str]):
+    """An exec's result (`KeptOutput`'s rule), its output decoded: `exit_status` is the exit
+    code Docker reports, -1 when it reports none."""
 
     def tail(self, limit: int = 1500) -> str:
         text = (self.stderr.strip() + "\n" + self.stdout_tail.strip()).strip()
@@ -354,9 +333,11 @@ class CapsuleSession:
             code, out, err = exec_tail(self.client.api, container.id, wrapped,
                                        limit=output_limit, environment=LOADER_BLANK,
                                        workdir="/")
+            # Only the program is kept, for messages: what the exec was given stays out of a
+            # result that an error or a log may show.
             return ExecOutput(-1 if code is None else code, out.bytes().decode(errors="replace"),
                               err.bytes().decode(errors="replace"), out.dropped, err.dropped,
-                              self.host, argv[0] if argv else "")
+                              self.host, tuple(argv[:1]))
 
         return await self.call(run, timeout_s=timeout_s)
 

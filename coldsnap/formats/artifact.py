@@ -176,10 +176,10 @@ def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
         issues.append(ValidationIssue("requires", "must be sorted and without repeats"))
     unit_ids = [u.id for u in artifact.launch.units]
     execution = artifact.launch.execution
-    owners = {str(Owner.unit(u)) for u in unit_ids}
-    owners |= {str(Owner.worker(w.id)) for w in execution.workers}
-    owners |= {str(Owner.service(s.id)) for s in execution.services}
-    owners |= {str(Owner.group(g.id)) for g in execution.groups}
+    owners = {str(Owner("unit", u)) for u in unit_ids}
+    owners |= {str(Owner("worker", w.id)) for w in execution.workers}
+    owners |= {str(Owner("service", s.id)) for s in execution.services}
+    owners |= {str(Owner("group", g.id)) for g in execution.groups}
     images = [i.unit for i in artifact.capsule.images]
     if sorted(images) != sorted(unit_ids):
         issues.append(ValidationIssue("capsule.images", "must hold exactly one image per unit"))
@@ -195,7 +195,7 @@ def artifact_issues(artifact: Artifact) -> list[ValidationIssue]:
     # pushed to a registry is named there by digest and travels as no object.
     pushed = {i.unit for i in artifact.capsule.images if "@sha256:" in i.reference}
     for u in unit_ids:
-        owner = str(Owner.unit(u))
+        owner = str(Owner("unit", u))
         count = sum(1 for o in artifact.objects if o.role == ROLE_CAPSULE and o.owner == owner)
         want = 0 if u in pushed else 1
         if count != want:

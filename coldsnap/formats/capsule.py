@@ -28,8 +28,7 @@ from pydantic import Field, ValidationError, model_validator
 from coldsnap.formats.artifact import CapsuleImage
 from coldsnap.formats.canonical import digest as canonical_digest
 from coldsnap.formats.errors import ArtifactInvalid, ValidationIssue, format_path
-from coldsnap.formats.fields import text_rule
-from coldsnap.formats.request import Digest, Id, NonEmpty, NonNegative, StrictModel
+from coldsnap.formats.fields import Digest, Id, NonEmpty, NonNegative, StrictModel, text_rule
 
 CAPSULE_MANIFEST_FORMAT: Final = "coldsnap-capsule-manifest/2"
 

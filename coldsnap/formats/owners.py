@@ -1,7 +1,7 @@
 """Typed owners: which unit, worker, service or group an artifact object belongs to.
 
 Written `unit/<id>`, `worker/<id>`, `service/<id>` or `group/<id>` in artifacts (format 9).
-Build one with `Owner.unit(id)` (and `.worker`, `.service`, `.group`) and write it with
+Build one with `Owner(kind, id)` (the kind is checked against `OwnerKind`) and write it with
 `str(owner)`; read one with `Owner.parse(text)`. `OwnerText` is the checked string field.
 """
 
@@ -34,22 +34,6 @@ class Owner:
             raise ValueError(f"not a typed owner (unit/, worker/, service/, group/ + id): {text!r}")
         kind: OwnerKind = match.group(1)  # type: ignore[assignment]
         return cls(kind, match.group(2))
-
-    @classmethod
-    def unit(cls, unit_id: str) -> Owner:
-        return cls("unit", unit_id)
-
-    @classmethod
-    def worker(cls, worker_id: str) -> Owner:
-        return cls("worker", worker_id)
-
-    @classmethod
-    def service(cls, service_id: str) -> Owner:
-        return cls("service", service_id)
-
-    @classmethod
-    def group(cls, group_id: str) -> Owner:
-        return cls("group", group_id)
 
 
 OwnerText = Annotated[str, text_rule(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 # Every command on a host is bounded: a caller that needs longer says so (dump, save, load).
 DEFAULT_RUN_TIMEOUT = 600.0
@@ -101,34 +101,45 @@ class OutputTruncated(HostError):
     """A command's whole output was asked for, but more came than its limit kept."""
 
 
+# A command's output as it was read (bytes: a host's command) or decoded (str: a container's
+# exec, `coldsnap.capsule.session.ExecOutput`).
+Output = TypeVar("Output", bytes, str)
+
+
 @dataclass(frozen=True)
-class CommandResult:
-    """A command's exit status and the last `limit` bytes of each of its streams.
+class KeptOutput(Generic[Output]):
+    """A finished command's exit status and the last `limit` bytes of each of its streams:
+    one rule for a host's commands (`CommandResult`) and a container's execs (`ExecOutput`).
 
     `stdout` is the whole output or an error: a parser must never read a tail as if it were
     everything (a PID list cut in half is another PID list). `stdout_tail` and `stderr` are
     what was kept, for messages; `*_dropped` says how many earlier bytes were not."""
 
-    argv: tuple[str, ...]
     exit_status: int
-    stdout_tail: bytes
-    stderr: bytes
+    stdout_tail: Output
+    stderr: Output
     stdout_dropped: int = 0
     stderr_dropped: int = 0
     host: str = ""
+    argv: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.exit_status == 0
 
     @property
-    def stdout(self) -> bytes:
+    def stdout(self) -> Output:
         if self.stdout_dropped:
+            unit = "bytes" if isinstance(self.stdout_tail, bytes) else "characters"
             raise OutputTruncated(self.host, (
-                f"{self.argv[0]} wrote {self.stdout_dropped + len(self.stdout_tail)} bytes "
-                f"to stdout, over the {len(self.stdout_tail)} bytes kept: its answer is "
-                "refused rather than read in part"))
+                f"{self.argv[0] if self.argv else 'a command'} wrote {self.stdout_dropped} "
+                f"bytes to stdout before the {len(self.stdout_tail)} {unit} kept: its answer "
+                "is refused rather than read in part"))
         return self.stdout_tail
+
+
+class CommandResult(KeptOutput[bytes]):
+    """What `Host.run` returns: a host command's result, its output as bytes."""
 
 
 class TailBuffer:
@@ -196,8 +207,8 @@ class CommandRunner(ABC):
             raise ValueError("empty argv")
         out, err = TailBuffer(output_limit), TailBuffer(output_limit)
         status = await self._execute(args, timeout, input, out, err)
-        result = CommandResult(args, status, out.bytes(), err.bytes(), out.dropped, err.dropped,
-                               self.name)
+        result = CommandResult(status, out.bytes(), err.bytes(), out.dropped, err.dropped,
+                               self.name, args)
         if check and not result.ok:
             raise CommandFailed(self.name, result)
         return result
@@ -209,9 +220,9 @@ class CommandRunner(ABC):
         timeout or cancellation the process is killed before this returns or raises."""
 
 
-@runtime_checkable
-class Host(Protocol):
-    """One destination host."""
+class CommandHost(Protocol):
+    """A host that runs commands: what every interface to a host extends (`Host`, and the
+    narrower one of the transfers, `coldsnap.hosts.transfer.streams.StreamHost`)."""
 
     @property
     def name(self) -> str: ...
@@ -229,6 +240,11 @@ class Host(Protocol):
         killed. With check=True a non-zero exit raises CommandFailed. Each output stream keeps
         at most its last `output_limit` bytes (see `CommandResult`)."""
         ...
+
+
+@runtime_checkable
+class Host(CommandHost, Protocol):
+    """One destination host."""
 
     async def put(
         self,

@@ -279,7 +279,7 @@ async def _bring_objects(ctx: OperationContext, hosts: HostSet, store: LocalStor
     # Every unit lists it, as workers with identical payloads do: one stored file.
     q_digest, q_size = store.add_bytes(canonical_json(request.canonical()))
     objects.extend(ArtifactObject(role=ROLE_CAPTURE_REQUEST,
-                                  owner=str(Owner.unit(r.placed.unit_id)),
+                                  owner=str(Owner("unit", r.placed.unit_id)),
                                   path=CAPTURE_REQUEST_PATH, bytes=q_size, sha256=q_digest)
                    for r in runs)
     return objects, replay
@@ -292,7 +292,7 @@ async def _bring_unit(ctx: OperationContext, hosts: HostSet, store: LocalStore,
     stored, its capsule files removed from the host; returns its objects and replay entries."""
     assert r.capsule is not None and r.workers is not None
     host = hosts.host(r.placed.host)
-    unit_owner = str(Owner.unit(r.placed.unit_id))
+    unit_owner = str(Owner("unit", r.placed.unit_id))
 
     def progress(what: str) -> ProgressCallback | None:
         return ctx.progress(f"{r.placed.host} {what}") if ctx.progress else None
@@ -300,7 +300,7 @@ async def _bring_unit(ctx: OperationContext, hosts: HostSet, store: LocalStore,
     wanted = [Wanted(o.file.path, o.file.sha256, o.file.bytes, f"{o.role} of {unit_owner}",
                      o.file.root) for o in r.capsule.objects]
     wanted += [Wanted(w.payload.path, w.payload.sha256, w.payload.bytes,
-                      f"payload of {Owner.worker(w.worker_id)}", w.payload.root)
+                      f"payload of {Owner('worker', w.worker_id)}", w.payload.root)
                for w in r.workers]
     if pusher is not None:
         # Not its replay plans: they name the unit's environment, and the registry gets them
@@ -322,7 +322,7 @@ def _unit_objects(store: LocalStore, request: Request, r: UnitRun, sizes: Mappin
     """The artifact's objects of one unit whose bytes are where `sizes` says: its capsule's,
     its manifest, each worker's payload and replay plan (both stored here)."""
     assert r.capsule is not None and r.workers is not None
-    unit_owner = str(Owner.unit(r.placed.unit_id))
+    unit_owner = str(Owner("unit", r.placed.unit_id))
     objects: list[ArtifactObject] = []
     replay: list[ReplayPlanEntry] = []
     for o in r.capsule.objects:
@@ -336,7 +336,7 @@ def _unit_objects(store: LocalStore, request: Request, r: UnitRun, sizes: Mappin
                                   path=f"capsules/{r.placed.unit_id}.json", bytes=m_size,
                                   sha256=m_digest))
     for w in r.workers:
-        owner = str(Owner.worker(w.worker_id))
+        owner = str(Owner("worker", w.worker_id))
         p_digest = w.payload.sha256
         objects.append(ArtifactObject(role=ROLE_WEIGHTS, owner=owner,
                                       path=payload_path(p_digest), bytes=sizes[p_digest],

@@ -35,7 +35,7 @@ def captured_request(store: LocalStore, artifact: Artifact) -> Request | None:
 
 
 def capsule_meta(store: LocalStore, artifact: Artifact, unit_id: str) -> CapsuleManifest:
-    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner.unit(unit_id))
+    obj = artifact.object(ROLE_CAPSULE_MANIFEST, Owner("unit", unit_id))
     data: Any = json.loads(store.read_bytes(obj.sha256))
     try:
         return parse_capsule_manifest(data)

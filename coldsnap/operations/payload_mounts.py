@@ -26,12 +26,12 @@ def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
     data_dir = hosts.entries[placed.host].data_dir
     mounts = list(placed.spec.mounts)
     for w in placed.spec.workers:
-        if not artifact.objects_with(ROLE_REPLAY_PLAN, Owner.worker(w.id)):
+        if not artifact.objects_with(ROLE_REPLAY_PLAN, Owner("worker", w.id)):
             raise OperationFailed(
                 "replay", f"worker {w.id} of unit {placed.unit_id} has no payload in the "
                 "artifact (its capture located none and kept the weights in the snapshot): "
                 "it cannot be re-created natively, only restored from its snapshot")
-        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner.worker(w.id))
+        plan_obj = artifact.object(ROLE_REPLAY_PLAN, Owner("worker", w.id))
         plan = parse_replay_plan(store.read_bytes(plan_obj.sha256))
         target = plan.payload.container_path
         # The replay plan is the artifact's, not the request's: its payload's place obeys the
@@ -41,7 +41,7 @@ def with_payloads(placed: PlacedUnit, hosts: HostSet, store: LocalStore,
         if refusal is not None:
             raise OperationFailed("replay", f"worker {w.id} of unit {placed.unit_id}: the "
                                   f"replay plan's payload.container_path: {refusal}")
-        payload = artifact.object(ROLE_WEIGHTS, Owner.worker(w.id))
+        payload = artifact.object(ROLE_WEIGHTS, Owner("worker", w.id))
         if target is not None and all(m.target != target for m in mounts):
             mounts.append(Mount(source=remote_object_path(data_dir, payload.sha256),
                                 target=target, read_only=True))

@@ -324,7 +324,7 @@ async def _load_and_probe(ctx: OperationContext, hosts: HostSet, artifact: Artif
         if r.replay_reason:
             return
         data_dir = hosts.entries[r.placed.host].data_dir
-        layers = artifact.objects_with(ROLE_CAPSULE, Owner.unit(r.placed.unit_id))
+        layers = artifact.objects_with(ROLE_CAPSULE, Owner("unit", r.placed.unit_id))
         staged = remote_object_path(data_dir, layers[0].sha256) if layers else None
         await load_capsule(r.session, r.capsule_meta, staged)
         if kernel_policy == "capability":

@@ -130,7 +130,7 @@ def _check_images(store: LocalStore, artifact: Artifact, allow: tuple[str, ...])
     capsules, by digest)."""
     manifests = {}
     for unit in artifact.launch.units:
-        if not artifact.objects_with(ROLE_CAPSULE_MANIFEST, Owner.unit(unit.id)):
+        if not artifact.objects_with(ROLE_CAPSULE_MANIFEST, Owner("unit", unit.id)):
             continue  # none to read: its launch image is its base, checked below
         try:
             manifests[unit.id] = capsule_meta(store, artifact, unit.id)

@@ -51,7 +51,7 @@ async def engine_view(s: CapsuleSession, container: Any) -> dict[str, Any]:
     """{"workers": [{pid, rank, local_rank, world_size, gpu_state, devices}] by rank,
     "warmups": {worker id: count}} through an async capsule session."""
     out = await s.exec(container, ["/usr/bin/python3", "-I", "-c", _SCRIPT])
-    return _parse(out.exit_code, out.stdout + out.stderr)
+    return _parse(out.exit_status, out.stdout + out.stderr)
 
 
 def engine_view_sync(container: Any) -> dict[str, Any]:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.hosts.base import CommandFailed, OutputTruncated, TailBuffer, TransferError
+from coldsnap.capsule.session import ExecOutput
+from coldsnap.hosts.base import (
+    CommandFailed,
+    KeptOutput,
+    OutputTruncated,
+    TailBuffer,
+    TransferError,
+)
 from coldsnap.hosts.helper import beneath, helper_argv
 from coldsnap.hosts.helper.beneath import Refused, open_beneath
 from coldsnap.hosts.helper.common import EXIT_REFUSED
@@ -38,6 +45,14 @@ async def test_run_keeps_a_bounded_tail_and_refuses_to_hand_it_out_as_whole() ->
         _ = res.stdout
     whole = await LocalHost().run(big, output_limit=4 << 20)
     assert len(whole.stdout) == 3000003 and whole.stdout_dropped == 0
+
+
+def test_an_exec_refuses_a_cut_stdout_as_a_host_command_does() -> None:
+    cut = ExecOutput(0, "xEND", "", stdout_dropped=10, host="host-0", argv=("/usr/bin/x",))
+    assert isinstance(cut, KeptOutput) and cut.ok and cut.stdout_tail == "xEND"
+    with pytest.raises(OutputTruncated, match=r"/usr/bin/x wrote 10 bytes .* refused rather"):
+        _ = cut.stdout
+    assert ExecOutput(3, "whole", "").stdout == "whole" and not ExecOutput(3, "", "").ok
 
 
 async def test_a_failure_says_its_error_output_was_cut() -> None:

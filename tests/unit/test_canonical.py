@@ -163,7 +163,7 @@ def test_artifact_round_trips_canonically() -> None:
     assert artifact.to_json() == doc
     assert digest(artifact.to_json()) == digest(doc)
     assert payload_path("sha256:" + "11" * 32) == f"model-payloads/sha256/{'11' * 32}.pack"
-    assert [o.path for o in artifact.objects_owned_by(Owner.worker("worker-0"))] == [
+    assert [o.path for o in artifact.objects_owned_by(Owner("worker", "worker-0"))] == [
         payload_path("sha256:" + "11" * 32)
     ]
 

@@ -51,8 +51,8 @@ def test_one_capsule_per_unit_and_worker_objects_only_on_their_host(name: str) -
     for host in t.hosts:
         objects = t.objects_for_host(host)
         every.extend(objects)
-        owners_here = {str(Owner.unit(u.id)) for u in t.units_on(host)}
-        owners_here |= {str(Owner.worker(w.id)) for w in t.workers_on(host)}
+        owners_here = {str(Owner("unit", u.id)) for u in t.units_on(host)}
+        owners_here |= {str(Owner("worker", w.id)) for w in t.workers_on(host)}
         assert {str(o.owner) for o in objects} == owners_here
     roles = Counter(o.role for o in every)
     assert roles == {ROLE_CAPSULE: len(t.units), ROLE_CRIU_IMAGE: len(t.units),
@@ -84,7 +84,7 @@ def test_tp8_single_unit_has_one_capsule_for_eight_gpus() -> None:
     t = topo("tp8-one-host")
     objects = t.objects_for_host("host-0")
     assert [o for o in objects if o.role == ROLE_CAPSULE] == [
-        PlannedObject(Owner.unit("unit-0"), ROLE_CAPSULE)]
+        PlannedObject(Owner("unit", "unit-0"), ROLE_CAPSULE)]
     assert [w.global_rank for w in t.workers] == list(range(8))
     assert [w.process_slot for w in t.workers] == list(range(8))
 
@@ -163,8 +163,8 @@ def test_resolve_refuses_an_unchecked_launch() -> None:
 def test_owner_strings_round_trip_and_reject_junk() -> None:
     for text in ("unit/u0", "worker/w-1", "service/svc", "group/world"):
         assert str(Owner.parse(text)) == text
-    assert Owner.parse("group/tp") == Owner.group("tp")
-    assert Owner.service("s") == Owner("service", "s")
+    assert Owner.parse("group/tp") == Owner("group", "tp")
+    assert Owner.parse("service/s") == Owner("service", "s")
     for bad in ("unit/", "node/x", "worker/a/b", "unit/-x"):
         with pytest.raises(ValueError):
             Owner.parse(bad)

@@ -13,8 +13,8 @@ Public API (everything below is importable from `coldsnap.formats.request`):
 
 Modules: `models` (the top level), `launch` and `policy` (their sections), `parse` (decoding
 and the two passes), `rules`, `launch_rules` and `policy_rules` (the second pass, by concern).
-The field types shared with the other formats live in `coldsnap.formats.fields`, the YAML/JSON
-decoder in `coldsnap.formats.documents`.
+The field types shared with the other formats live in `coldsnap.formats.fields` (their one home:
+imported from there, not re-exported here), the YAML/JSON decoder in `coldsnap.formats.documents`.
 
 Validation runs in two passes. The first (pydantic, strict, unknown fields refused) checks every
 field's type, pattern and enum and reports all of them at once. The second checks the rules that
@@ -26,20 +26,6 @@ A field that is absent and has no default is omitted from the canonical form (ne
 `null`), so a request that leaves out `workload` hashes the same as one that never knew of it.
 """
 
-from coldsnap.formats.fields import (
-    ID_PATTERN,
-    AbsPath,
-    Digest,
-    EnvName,
-    HostName,
-    Id,
-    NonEmpty,
-    NonNegative,
-    QualifiedName,
-    RelPath,
-    StrictModel,
-    is_clean_absolute,
-)
 from coldsnap.formats.request.launch import (
     Adapter,
     Execution,
@@ -101,48 +87,36 @@ __all__ = [
     "DEFAULT_HEALTH_PATH",
     "DEFAULT_PROMPT",
     "DRIVER_MINIMUM_MAJOR",
-    "ID_PATTERN",
     "LATER_OPERATIONS",
     "LIFECYCLE_OPERATIONS",
     "MAX_REQUEST_BYTES",
     "PUBLISH_OPERATIONS",
     "SUPPORTED_OPERATIONS",
-    "AbsPath",
     "Adapter",
     "CachePolicy",
     "CacheStaged",
     "CapsulePolicy",
     "CompatibilityPolicy",
-    "Digest",
-    "EnvName",
     "Execution",
     "Group",
-    "HostName",
-    "Id",
     "Launch",
     "Lifecycle",
     "ModelRef",
     "Mount",
     "NativeStagedFile",
     "NativeWeights",
-    "NonEmpty",
-    "NonNegative",
     "Policy",
     "ProcessPolicy",
-    "QualifiedName",
     "Recovery",
-    "RelPath",
     "Request",
     "Service",
     "SnapshotDriver",
-    "StrictModel",
     "Unit",
     "Validation",
     "WeightsPolicy",
     "Worker",
     "Workload",
     "apply_defaults",
-    "is_clean_absolute",
     "launch_issues",
     "load_request",
     "parse_request",

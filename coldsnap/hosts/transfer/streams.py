@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import asyncssh
 
-from coldsnap.hosts.base import CommandResult
+from coldsnap.hosts.base import CommandHost
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.settings import SSHSettings
 
@@ -52,12 +52,9 @@ def exit_status(channel: Any) -> int | None:
     return None
 
 
-class StreamHost(Protocol):
+class StreamHost(CommandHost, Protocol):
     """What a transfer needs of a host: its inventory entry and settings (for the OpenSSH
     bulk path), commands, and raw exec streams."""
-
-    @property
-    def name(self) -> str: ...
 
     @property
     def entry(self) -> HostEntry: ...
@@ -66,13 +63,3 @@ class StreamHost(Protocol):
     def settings(self) -> SSHSettings: ...
 
     def open_stream(self, argv: Sequence[str]) -> AbstractAsyncContextManager[RemoteStream]: ...
-
-    async def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = ...,  # noqa: ASYNC109
-        input: bytes | None = None,
-        check: bool = True,
-        output_limit: int = ...,
-    ) -> CommandResult: ...

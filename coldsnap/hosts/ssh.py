@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -217,18 +217,22 @@ class SSHHost(CommandRunner):
             )
             return RemoteStream(stdin, stdout, stderr)
         except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-            # asyncssh fails a channel open that was pending when its connection died
-            # with this reason; the connection is gone even if not marked closed yet.
-            lost = (isinstance(exc, asyncssh.ChannelOpenError)
-                    and exc.reason == "SSH connection closed")
-            still_up = (self._connected() and not lost
-                        and not isinstance(exc, asyncssh.DisconnectError))
-            if still_up and isinstance(exc, asyncssh.ChannelOpenError):
-                raise HostError(self.name, f"host refused a channel: {exc.reason}") from None
-            self._drop()
-            raise LostOnOpen(
-                self.name, f"connection lost opening a channel: {_describe(exc)}"
-            ) from None
+            raise self._open_failed(exc, "host refused a channel") from None
+
+    def _open_failed(self, exc: asyncssh.Error | OSError, refused: str) -> HostError:
+        """A channel that could not be opened: the host's refusal (`refused`: what to say
+        of it), or `LostOnOpen` when the connection under it is gone (dropped here, so the
+        next open reconnects)."""
+        # asyncssh fails a channel open that was pending when its connection died with
+        # this reason; the connection is gone even if not marked closed yet.
+        lost = (isinstance(exc, asyncssh.ChannelOpenError)
+                and exc.reason == "SSH connection closed")
+        still_up = (self._connected() and not lost
+                    and not isinstance(exc, asyncssh.DisconnectError))
+        if still_up and isinstance(exc, asyncssh.ChannelOpenError):
+            return HostError(self.name, f"{refused}: {exc.reason}")
+        self._drop()
+        return LostOnOpen(self.name, f"connection lost opening a channel: {_describe(exc)}")
 
     async def _open_owned(self, command: str, *, kill: bool) -> RemoteStream:
         """`_open`, never leaving a command running unseen: cancelled while the channel
@@ -366,6 +370,26 @@ class SSHHost(CommandRunner):
         return await fetch_file(self, remote, local, progress=progress, expected=expected,
                                 size=size, max_bytes=max_bytes, beneath=beneath)
 
+    async def _open_stream(self, what: str, timeout: float,  # noqa: ASYNC109
+                           opener: Callable[[asyncssh.SSHClientConnection],
+                                            Awaitable[ByteStream]]) -> ByteStream:
+        """A forwarding channel (`opener` on the connection), under `timeout`. Like an exec
+        channel, one that found its connection dead is opened once more on a fresh one:
+        nothing went through it yet, and the fresh connection says what is wrong with the
+        host now (a changed host key, say) where the dead one only says it closed."""
+        async for attempt in REOPEN_POLICY.retrying():
+            with attempt:
+                conn = await self.connection()
+                try:
+                    async with asyncio.timeout(timeout):
+                        return await opener(conn)
+                except TimeoutError:
+                    raise HostError(self.name, f"cannot connect to {what}: no answer in "
+                                               f"{timeout:g} s") from None
+                except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
+                    raise self._open_failed(exc, f"cannot connect to {what}") from None
+        raise AssertionError("unreachable")
+
     @asynccontextmanager
     async def open_unix(
         self, remote_path: str, *, timeout: float = 10.0  # noqa: ASYNC109
@@ -377,15 +401,9 @@ class SSHHost(CommandRunner):
         that connection open and unserved (asyncio drops it without closing it), and a
         Docker call on it would wait out its whole timeout. A channel ends with its
         connection."""
-        conn = await self.connection()
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await conn.open_unix_connection(remote_path, encoding=None)
-        except (OSError, TimeoutError, asyncssh.Error) as exc:
-            if isinstance(exc, asyncssh.DisconnectError):
-                self._drop()
-            raise HostError(self.name, f"cannot connect to {remote_path} on the host: "
-                            f"{_describe(exc)}") from None
+        reader, writer = await self._open_stream(
+            f"{remote_path} on the host", timeout,
+            lambda conn: conn.open_unix_connection(remote_path, encoding=None))
         try:
             yield reader, writer
         finally:
@@ -396,15 +414,9 @@ class SSHHost(CommandRunner):
         self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
     ) -> AsyncIterator[ByteStream]:
         """A direct-tcpip channel: sshd on the host connects to `address:port`."""
-        conn = await self.connection()
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await conn.open_connection(address, port, encoding=None)
-        except (OSError, TimeoutError, asyncssh.Error) as exc:
-            if isinstance(exc, asyncssh.DisconnectError):
-                self._drop()
-            raise HostError(self.name, f"cannot connect to {address}:{port} from the host: "
-                            f"{_describe(exc)}") from None
+        reader, writer = await self._open_stream(
+            f"{address}:{port} from the host", timeout,
+            lambda conn: conn.open_connection(address, port, encoding=None))
         try:
             yield reader, writer
         finally:

@@ -9,7 +9,13 @@ from typing import Any
 import asyncssh
 import pytest
 
-from coldsnap.hosts.base import HostAuthFailed, HostError, HostUnreachable, TransferError
+from coldsnap.hosts.base import (
+    HostAuthFailed,
+    HostError,
+    HostKeyRejected,
+    HostUnreachable,
+    TransferError,
+)
 from coldsnap.hosts.inventory import HostEntry
 from coldsnap.hosts.retry import (
     REOPEN_POLICY,
@@ -104,3 +110,50 @@ async def test_a_refused_channel_on_a_live_connection_is_final() -> None:
     with pytest.raises(HostError, match="host refused a channel"):
         await host._open("true")
     assert len(made) == 1
+
+
+class _SocketConn:
+    """A connection whose unix-socket channels fail with `failures` first."""
+
+    def __init__(self, failures: list[BaseException]) -> None:
+        self.failures = failures
+
+    async def open_unix_connection(self, path: str, **kwargs: Any) -> tuple[Any, Any]:
+        if self.failures:
+            raise self.failures.pop(0)
+        return "reader", _Writer()
+
+
+class _Writer:
+    def close(self) -> None:
+        pass
+
+
+async def test_a_socket_channel_on_a_closed_connection_says_why_the_host_is_lost_now() -> None:
+    """The Docker relay's channel found its connection closed under it (the host's sshd was
+    restarted with another key): the fresh connection's refusal is the answer, not "SSH
+    connection closed", which names no cause."""
+    key = HostKeyRejected("h", "host key for 198.18.0.9 DIFFERS from known_hosts: refusing")
+    host, made = _host([_SocketConn([asyncssh.ChannelOpenError(2, "SSH connection closed")]),
+                        key])
+    with pytest.raises(HostKeyRejected, match="DIFFERS"):
+        async with host.open_unix("/run/docker.sock"):
+            pass
+    assert len(made) == 2
+
+
+async def test_a_socket_the_host_refuses_on_a_live_connection_is_final() -> None:
+    host, made = _host([_SocketConn([asyncssh.ChannelOpenError(2, "Connection refused")]),
+                        _SocketConn([])])
+    host._connected = lambda: True  # type: ignore[method-assign]
+    with pytest.raises(HostError, match=r"cannot connect to /run/docker\.sock on the host"):
+        async with host.open_unix("/run/docker.sock"):
+            pass
+    assert len(made) == 1
+
+
+async def test_a_socket_channel_reopened_on_a_fresh_connection_is_used() -> None:
+    host, made = _host([_SocketConn([asyncssh.ConnectionLost("gone")]), _SocketConn([])])
+    async with host.open_unix("/run/docker.sock") as (reader, _):
+        assert reader == "reader"
+    assert len(made) == 2

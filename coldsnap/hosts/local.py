@@ -7,8 +7,8 @@ import contextlib
 import hashlib
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -154,14 +154,14 @@ class LocalHost(CommandRunner):
         return got
 
     @asynccontextmanager
-    async def open_unix(
-        self, remote_path: str, *, timeout: float = 10.0  # noqa: ASYNC109
-    ) -> AsyncIterator[ByteStream]:
+    async def _stream(self, what: str, timeout: float,  # noqa: ASYNC109
+                      opening: Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                      ) -> AsyncIterator[ByteStream]:
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(remote_path)
+                reader, writer = await opening
         except (OSError, TimeoutError) as exc:
-            raise HostError(self.name, f"cannot connect to {remote_path}: {exc}") from None
+            raise HostError(self.name, f"cannot connect to {what}: {exc}") from None
         try:
             yield reader, writer
         finally:
@@ -169,21 +169,14 @@ class LocalHost(CommandRunner):
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
-    @asynccontextmanager
-    async def open_tcp(
-        self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
-    ) -> AsyncIterator[ByteStream]:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(address, port)
-        except (OSError, TimeoutError) as exc:
-            raise HostError(self.name, f"cannot connect to {address}:{port}: {exc}") from None
-        try:
-            yield reader, writer
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+    def open_unix(self, remote_path: str, *,
+                  timeout: float = 10.0) -> AbstractAsyncContextManager[ByteStream]:
+        return self._stream(remote_path, timeout, asyncio.open_unix_connection(remote_path))
+
+    def open_tcp(self, address: str, port: int, *,
+                 timeout: float = 10.0) -> AbstractAsyncContextManager[ByteStream]:
+        return self._stream(f"{address}:{port}", timeout,
+                            asyncio.open_connection(address, port))
 
     @asynccontextmanager
     async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:

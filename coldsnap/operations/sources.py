@@ -11,20 +11,31 @@ from the store: the registry holds only their redacted form (coldsnap.formats.pu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from coldsnap.formats.artifact import ROLE_REPLAY_PLAN, ArtifactObject
 from coldsnap.hosts.base import Host, ProgressCallback
 from coldsnap.hosts.registry.access import RegistryAccess
-from coldsnap.hosts.registry.blobs import pull_blob, transfer_timeout
+from coldsnap.hosts.registry.blobs import BlobPuller, blob_puller, transfer_timeout
 from coldsnap.store import LocalStore, ObjectCorrupt
 
 StageFrom = Literal["auto", "store", "registry"]
 STAGE_FROM: tuple[StageFrom, ...] = ("auto", "store", "registry")
 
 Progress = Callable[[str], ProgressCallback | None] | None
+
+
+class Delivery(Protocol):
+    """What brings objects to one host while its staging runs (`ObjectSource.session`)."""
+
+    async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
+        """Bring the object's bytes to `remote` on the host, verified against its digest and
+        published; returns the bytes that crossed to the host for it."""
+        ...
 
 
 class ObjectSource(Protocol):
@@ -48,10 +59,11 @@ class ObjectSource(Protocol):
         """Whether staging brings the object only once the others have landed on the host."""
         ...
 
-    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
-                      progress: Progress) -> int:
-        """Bring the object's bytes to `remote` on `host`, verified against its digest and
-        published; returns the bytes that crossed to the host for it."""
+    def session(self, host: Host,
+                objects: Sequence[ArtifactObject]) -> AbstractAsyncContextManager[Delivery]:
+        """What brings `objects` (those staging sends to `host`, `Delivery.deliver` called
+        for each) there, open while the host's staging runs; leaving it ends what it started
+        on the host."""
         ...
 
     def check(self, objects: list[ArtifactObject]) -> None:
@@ -80,8 +92,14 @@ class StoreSource:
     def after_the_rest(self, obj: ArtifactObject) -> bool:
         return False
 
+    @contextlib.asynccontextmanager
+    async def session(self, host: Host,
+                      objects: Sequence[ArtifactObject]) -> AsyncIterator[Delivery]:
+        yield _StoreDelivery(self, host)
+
     async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
                       progress: Progress) -> int:
+        """The object sent to `remote` on `host` (see `Delivery.deliver`)."""
         local = self.store.object_path(obj.sha256)
         if not local.is_file():
             raise ObjectCorrupt(f"object {obj.sha256} ({obj.role} of {obj.owner}) is missing "
@@ -106,11 +124,10 @@ class RegistrySource:
     access: RegistryAccess
     repository: str
     kind: str = "registry"
-    # A pull costs the control node one channel and nothing else, and each one pays fixed
-    # costs the link idles through (the helper's start, a connection to the registry, the
-    # fsync and rename of a CRIU-sized chunk at its end): five keep the link busier than
-    # three (`scripts/bench staging --link`, docs/hosts.md "Measured"), and with _PLACING's
-    # two stay under a host's OpenSSH MaxSessions (SSHSettings.max_channels).
+    # One helper on the host runs a staging's pulls (`session`), and each pull still pays
+    # fixed costs the link idles through (its first request, the fsync and rename of a
+    # CRIU-sized chunk at its end): five at once keep the link busier than three
+    # (`scripts/bench staging --link`, docs/hosts.md "Measured").
     in_flight: int = 5
     # Where the replay plans come from: the registry holds them redacted (their environment
     # withheld), and the store holds the ones the artifact names (a capture or an import
@@ -123,25 +140,56 @@ class RegistrySource:
         if self.store is not None:
             StoreSource(self.store).check([o for o in objects if o.role == ROLE_REPLAY_PLAN])
 
-    def _from_store(self, obj: ArtifactObject) -> bool:
+    def from_store(self, obj: ArtifactObject) -> bool:
+        """Whether the object comes from the store (a replay plan), not the registry."""
         return obj.role == ROLE_REPLAY_PLAN and self.store is not None
 
     def keeps_partial(self, obj: ArtifactObject) -> bool:
         # A replay plan comes from the store even here: nothing resumes its partial file.
-        return not self._from_store(obj)
+        return not self.from_store(obj)
 
     def after_the_rest(self, obj: ArtifactObject) -> bool:
         # The store's plans wait for the host's pulls: a registry that refuses the host (its
         # credentials, a blob it lacks) then leaves nothing of the artifact there. A plan is
         # a few KiB: one round trip after the pulls.
-        return self._from_store(obj)
+        return self.from_store(obj)
 
-    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
-                      progress: Progress) -> int:
-        if self._from_store(obj) and self.store is not None:
-            return await StoreSource(self.store).deliver(host, remote, obj, progress)
-        pulled = await pull_blob(host, self.access, self.repository, obj.sha256, obj.bytes,
-                                 remote, timeout=transfer_timeout(obj.bytes))
+    @contextlib.asynccontextmanager
+    async def session(self, host: Host,
+                      objects: Sequence[ArtifactObject]) -> AsyncIterator[Delivery]:
+        """One `blob-pulls` helper on the host for every blob it pulls (started only when
+        there is one to pull): a python start per staging, not per object."""
+        if all(self.from_store(o) for o in objects):
+            yield _RegistryDelivery(self, host, None)
+            return
+        async with blob_puller(host, self.access, self.repository) as puller:
+            yield _RegistryDelivery(self, host, puller)
+
+
+@dataclass(frozen=True)
+class _StoreDelivery:
+    source: StoreSource
+    host: Host
+
+    async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
+        return await self.source.deliver(self.host, remote, obj, progress)
+
+
+@dataclass(frozen=True)
+class _RegistryDelivery:
+    source: RegistrySource
+    host: Host
+    puller: BlobPuller | None  # None when the session pulls nothing
+
+    async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
+        if self.source.from_store(obj) and self.source.store is not None:
+            return await StoreSource(self.source.store).deliver(self.host, remote, obj,
+                                                                progress)
+        if self.puller is None:
+            raise ValueError(f"{obj.sha256} was not among the objects the session was "
+                             f"opened for")
+        pulled = await self.puller.pull(obj.sha256, obj.bytes, remote,
+                                        timeout=transfer_timeout(obj.bytes))
         return pulled.received
 
 
@@ -189,6 +237,7 @@ def choose_source(stage_from: StageFrom, store: LocalStore,
 
 __all__ = [
     "STAGE_FROM",
+    "Delivery",
     "ObjectSource",
     "Progress",
     "Publication",

@@ -38,7 +38,7 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.capsule import CriuImageSet
 from coldsnap.hosts.base import Host, ProgressCallback, TransferError
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
-from coldsnap.operations.sources import ObjectSource, StoreSource
+from coldsnap.operations.sources import Delivery, ObjectSource, StoreSource
 from coldsnap.store import LocalStore
 from coldsnap.topology import Topology
 
@@ -96,16 +96,16 @@ def objects_by_host(artifact: Artifact, topology: Topology) -> dict[str, list[Ar
     return plan
 
 
-async def _send(host: Host, data_dir: str, obj: ArtifactObject, source: ObjectSource,
+async def _send(data_dir: str, obj: ArtifactObject, delivery: Delivery,
                 progress: Callable[[str], ProgressCallback | None] | None,
                 result: HostStaging, held: Set[str]) -> str:
-    """The object's staged copy on the host, brought from `source` unless it is there and
+    """The object's staged copy on the host, brought by `delivery` unless it is there and
     hashes right."""
     remote = remote_object_path(data_dir, obj.sha256)
     if obj.sha256 in held:
         result.skipped.append(obj.sha256)
         return remote
-    moved = await source.deliver(host, remote, obj, progress)
+    moved = await delivery.deliver(remote, obj, progress)
     result.sent_bytes += moved  # not `+= await`: that reads the total before the await
     result.sent.append(obj.sha256)
     return remote
@@ -176,20 +176,21 @@ async def stage_host(
     sending, placing = asyncio.Semaphore(source.in_flight), asyncio.Semaphore(_PLACING)
     staged_criu: list[str] = []
 
-    async def plain_object(obj: ArtifactObject) -> None:
+    async def plain_object(obj: ArtifactObject, delivery: Delivery) -> None:
         async with sending:
-            await _send(host, data_dir, obj, source, progress, result, held)
+            await _send(data_dir, obj, delivery, progress, result, held)
 
-    async def criu_object(obj: ArtifactObject) -> None:
+    async def criu_object(obj: ArtifactObject, delivery: Delivery) -> None:
         async with sending:
-            remote = await _send(host, data_dir, obj, source, progress, result, held)
+            remote = await _send(data_dir, obj, delivery, progress, result, held)
         staged_criu.append(remote)
         for key, image_set in todo.items():
             if any(o.sha256 == obj.sha256 for o in image_set.objects):
                 async with placing:
                     await place_object(host, parts[key], remote, image_set, obj.sha256)
 
-    if holdings.to_send(objects, image_sets):
+    to_send = holdings.to_send(objects, image_sets)
+    if to_send:
         # Staged objects (CRIU memory dumps among them) are private to the owner.
         await host.run(["mkdir", "-m", "0700", "-p", "--", objects_dir(data_dir)])
     try:
@@ -202,19 +203,20 @@ async def stage_host(
         # failed transfer or placement cancels the others at once. What the source sends
         # only once the rest has landed (`after_the_rest`) is a second group.
         ordered = sorted(objects, key=lambda o: -o.bytes)
-        for batch in ([o for o in ordered if not source.after_the_rest(o)],
-                      [o for o in ordered if source.after_the_rest(o)]):
-            try:
-                async with asyncio.TaskGroup() as group:
-                    for obj in batch:
-                        if obj.role != ROLE_CRIU_IMAGE:
-                            group.create_task(plain_object(obj))
-                        elif obj.sha256 in wanted:
-                            group.create_task(criu_object(obj))
-                        else:
-                            result.skipped.append(obj.sha256)  # its set is there already
-            except BaseExceptionGroup as group_error:
-                raise group_error.exceptions[0] from None
+        async with source.session(host, to_send) as delivery:
+            for batch in ([o for o in ordered if not source.after_the_rest(o)],
+                          [o for o in ordered if source.after_the_rest(o)]):
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        for obj in batch:
+                            if obj.role != ROLE_CRIU_IMAGE:
+                                group.create_task(plain_object(obj, delivery))
+                            elif obj.sha256 in wanted:
+                                group.create_task(criu_object(obj, delivery))
+                            else:
+                                result.skipped.append(obj.sha256)  # its set is there
+                except BaseExceptionGroup as group_error:
+                    raise group_error.exceptions[0] from None
         for key, image_set in todo.items():
             await finish_assembly(host, parts.pop(key), data_dir, image_set)
     except BaseException:

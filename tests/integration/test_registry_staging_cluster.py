@@ -7,9 +7,11 @@ object bytes: it only starts the helpers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import posixpath
+import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +30,8 @@ from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 from coldsnap.operations.push import split_repository
 from coldsnap.operations.sources import RegistrySource
 from coldsnap.operations.staging import objects_dir, remote_object_path, stage_host
+from devtools.layout import RegistryNet, current_net_base
+from devtools.shaping import shape_node
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +149,63 @@ async def test_each_host_pulls_exactly_what_it_owns_from_the_registry(
     warm = await stage_host(pool.host(first), entries[first].data_dir, [objs[first]], source,
                             operation_id="regtest-warm")
     assert warm.sent_bytes == 0 and warm.skipped == [objs[first].sha256]
+
+
+# Prints what has the file $1 open on the host (the pids' fd links), nothing when none does.
+_OPENERS = 'for f in /proc/[0-9]*/fd/*; do [ "$(readlink "$f")" = "$1" ] && echo "$f"; done; true'
+
+
+async def _size(pool: HostPool, name: str, path: str) -> int:
+    res = await pool.host(name).run(["stat", "-c", "%s", "--", path], check=False)
+    return int(res.stdout) if res.exit_status == 0 else -1
+
+
+async def test_a_cancelled_staging_ends_the_hosts_pull_helper_and_keeps_its_partial_file(
+        pool: HostPool, registry_inventory: Inventory, scratch: list[str],
+        tmp_path: Path) -> None:
+    """Ctrl-C or SIGTERM cancels a staging: the host's `blob-pulls` helper, whose channel
+    closes, ends mid-pull; nothing is published, and the partial file stays for a resume."""
+    entries = {e.name: e for e in registry_inventory.hosts}
+    capture, name = "host-0", "host-1"
+    registry, repository = split_repository(registry_inventory.artifact_repository or "")
+    access = access_for(registry_inventory, registry)
+    data = os.urandom(12 * MIB + 5)
+    obj = _object(data, "worker/w0")
+    scratch.append(obj.sha256)
+    src = posixpath.join(entries[capture].data_dir, f"registry-test-{uuid.uuid4().hex[:8]}")
+    scratch.append(src)
+    local = tmp_path / "blob"
+    local.write_bytes(data)
+    await pool.host(capture).put(local, posixpath.join(src, obj.sha256[7:]))
+    await push_blob(pool.host(capture), access, repository,
+                    posixpath.join(src, obj.sha256[7:]), obj.sha256, obj.bytes, timeout=300)
+    data_dir = entries[name].data_dir
+    final = remote_object_path(data_dir, obj.sha256)
+    partial = final + PART_SUFFIX
+    scratch.append(final)
+    reg_net = RegistryNet(current_net_base())
+    shape_node(reg_net, 8)  # 1 MB/s: the pull is seconds long
+    try:
+        staging = asyncio.create_task(stage_host(pool.host(name), data_dir, [obj],
+                                                 RegistrySource(access, repository)))
+        deadline = time.monotonic() + 120
+        while await _size(pool, name, partial) < MIB:
+            assert not staging.done(), "the staging ended before the pull was part way"
+            assert time.monotonic() < deadline, "no partial file appeared"
+            await asyncio.sleep(0.1)
+        staging.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await staging
+        # The helper ends on its own once its channel is closed: nothing keeps the partial
+        # file open (bounded wait: sshd closes the session's pipes a moment later).
+        deadline = time.monotonic() + 60
+        while (await pool.host(name).run(["sh", "-c", _OPENERS, "sh", partial])).stdout:
+            assert time.monotonic() < deadline, "the host's pull helper still runs"
+            await asyncio.sleep(0.2)
+    finally:
+        shape_node(reg_net, 0)
+    kept = await _size(pool, name, partial)
+    assert await _size(pool, name, final) == -1  # nothing published
+    assert MIB <= kept < obj.bytes
+    res = await pool.host(name).run(["head", "-c", str(kept), "--", partial])
+    assert res.stdout == data[:kept]  # what had arrived, for the retry to resume

@@ -8,9 +8,10 @@ a capture's hosts push each object once; `--stage-from` chooses the source."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.push import Pusher
 from coldsnap.operations.restore import _stage
 from coldsnap.operations.sources import (
+    Delivery,
     Progress,
     Publication,
     RegistrySource,
@@ -226,8 +228,12 @@ class _Counting:
     def after_the_rest(self, obj: ArtifactObject) -> bool:
         return False
 
-    async def deliver(self, host: Host, remote: str, obj: ArtifactObject,
-                      progress: Progress) -> int:
+    @contextlib.asynccontextmanager
+    async def session(self, host: Host,
+                      objects: Sequence[ArtifactObject]) -> AsyncIterator[Delivery]:
+        yield self
+
+    async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
         self.running += 1
         self.most = max(self.most, self.running)
         await asyncio.sleep(0.01)  # every delivery overlaps the others that may run

@@ -13,6 +13,7 @@ the parts in order, without their imports of each other (`PROGRAM`).
   image_sets.py  pack, place, finish, check_set: CRIU image sets; layers: a capsule's layers
   locks.py       hold: exclusive locks on the host (flock under <data_dir>/locks)
   registry.py    blob-pull, blob-push: a host's own objects from and to an OCI registry
+  pulls.py       blob-pulls: the pulls of one staging in one python start
   seed.py        seed: a staged runtime cache copied into a unit's cache directory
   main.py        the dispatch, and `holdings` (files' stats and image sets' checks at once)
 
@@ -39,6 +40,10 @@ Modes:
   blob-pull FINAL DIGEST SIZE   stdin {"access", "repository", "timeout"}: the blob from the
                             registry into FINAL (resuming FINAL.coldsnap-part), verified, stamped,
                             published; JSON {"received", "resumed_from", "size"}
+  blob-pulls                stdin: that request as one line, then one line per pull
+                            {"id", "final", "digest", "size"}, each run as `blob-pull` runs
+                            it, beside the others; one JSON line per pull as it ends (see
+                            pulls.py); the end of stdin ends it, pulls in progress or not
   blob-push PATH DIGEST SIZE    the same stdin: the file as a blob, unless the repository
                             holds it; JSON {"present", "sent", "size"} (see registry.py)
   seed SRC DST              copy the directory SRC into DST (no symlink followed); JSON
@@ -59,7 +64,7 @@ from importlib import resources
 
 # In the order the program needs them: each part uses only names of the parts before it.
 PARTS = ("stamps", "common", "beneath", "files", "image_sets", "locks", "registry",
-         "seed", "main")
+         "pulls", "seed", "main")
 
 
 def _part(name: str) -> str:

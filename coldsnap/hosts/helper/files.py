@@ -54,15 +54,29 @@ def hash_prefix(f: Any, h: Any, n: int, mv: memoryview) -> None:
         n -= k
 
 
-def open_part(part: str) -> Any:
+class Busy(Exception):
+    """Another transfer holds the partial file's lock."""
+
+
+def lock_part(part: str) -> Any:
+    """The partial file `part`, open for appending and locked; Busy when another transfer
+    holds it (`open_part` exits on that; the batch of `blob-pulls` fails only that pull)."""
     os.makedirs(os.path.dirname(part) or ".", mode=0o700, exist_ok=True)
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     f = os.fdopen(fd, "a+b", buffering=0)
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        die(EXIT_BUSY, "busy: another transfer is writing " + part)
+        f.close()
+        raise Busy("busy: another transfer is writing " + part) from None
     return f
+
+
+def open_part(part: str) -> Any:
+    try:
+        return lock_part(part)
+    except Busy as e:
+        die(EXIT_BUSY, str(e))
 
 
 def part_state(f: Any, mv: memoryview) -> tuple[int, Any]:

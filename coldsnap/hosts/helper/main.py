@@ -25,6 +25,7 @@ from coldsnap.hosts.helper.files import (
 )
 from coldsnap.hosts.helper.image_sets import check_set, finish, layers, pack, place
 from coldsnap.hosts.helper.locks import hold
+from coldsnap.hosts.helper.pulls import pulls_run
 from coldsnap.hosts.helper.registry import reg_run
 from coldsnap.hosts.helper.seed import seed
 
@@ -82,6 +83,8 @@ def main(argv: list[str]) -> int:
         holdings()
     elif mode in ("blob-pull", "blob-push"):
         reg_run(args, pull=mode == "blob-pull")
+    elif mode == "blob-pulls" and not args:
+        pulls_run()
     elif mode == "seed" and len(args) == 2:
         seed(args[0], args[1])
     elif mode == "hold" and len(args) == 2:

@@ -21,6 +21,8 @@ plain HTTP for an insecure registry. Every socket operation has the timeout.
       else one upload session, the file streamed in one PUT ?digest= (the registry checks the
       digest); the PUT carries the credentials only when the upload's `Location` is on the
       registry's own origin (scheme, host, port). stdout: {"present", "sent", "size"}.
+  blob-pulls   the pulls of a staging, each as blob-pull runs it, in one python start
+      (pulls.py: what staging from a registry uses; one start per object cost tens of ms).
 
 Failures exit with their own code and one stderr line naming the registry, the repository
 and the digest: 7 unauthorized (401/403), 8 blob unknown (404), 9 unreachable or interrupted
@@ -45,6 +47,7 @@ from typing import Any
 
 from coldsnap.hosts.helper.common import (
     CH,
+    EXIT_BUSY,
     EXIT_MISMATCH,
     EXIT_REGISTRY,
     EXIT_UNAUTHORIZED,
@@ -54,7 +57,14 @@ from coldsnap.hosts.helper.common import (
     die,
     publish,
 )
-from coldsnap.hosts.helper.files import Hasher, Writeback, open_part, open_read, part_state
+from coldsnap.hosts.helper.files import (
+    Busy,
+    Hasher,
+    Writeback,
+    lock_part,
+    open_read,
+    part_state,
+)
 
 # Without a timeout on stdin: what one socket operation (connect, a send, a receive) may take.
 REG_TIMEOUT = 60.0
@@ -267,13 +277,21 @@ def reg_run(args: list[str], pull: bool) -> None:
     try:
         answer = blob_pull(reg, path, digest, size) if pull else \
             blob_push(reg, path, digest, size, root)
-    except RegFailed as e:
-        die(e.code, f"{reg.where(digest)}: {e}")
-    except (OSError, http.client.HTTPException) as e:  # socket.timeout is an OSError
-        # Refused, reset, timed out, a body cut short: a later pull resumes what landed.
-        die(EXIT_UNREACHABLE, f"{reg.where(digest)}: unreachable or interrupted: "
-                              f"{type(e).__name__}: {e}")
+    except Busy as e:
+        die(EXIT_BUSY, str(e))
+    except (RegFailed, OSError, http.client.HTTPException) as e:
+        die(*failure(reg, digest, e))
     sys.stdout.write(json.dumps(answer) + "\n")
+
+
+def failure(reg: Registry, digest: str, e: Exception) -> tuple[int, str]:
+    """The exit code and the one line that a failed pull or push reports."""
+    if isinstance(e, RegFailed):
+        return e.code, f"{reg.where(digest)}: {e}"
+    # Refused, reset, timed out (socket.timeout is an OSError), a body cut short: a later
+    # pull resumes what landed.
+    return EXIT_UNREACHABLE, (f"{reg.where(digest)}: unreachable or interrupted: "
+                              f"{type(e).__name__}: {e}")
 
 
 def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, Any]:
@@ -285,7 +303,7 @@ def blob_pull(reg: Registry, final: str, digest: str, size: int) -> dict[str, An
         resp = reg.request("GET", f"/v2/{reg.repository}/blobs/{digest}")
         if resp.status != 200:
             raise reg_status(resp, "")
-    f = open_part(part)
+    f = lock_part(part)
     try:
         return pull_into(reg, f, part, final, digest, size, resp)
     except BaseException:

@@ -8,14 +8,19 @@ in argv, and never in a log line or an error of this module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from coldsnap.digests import check_digest
-from coldsnap.hosts.base import Host
+from coldsnap.hosts.base import ByteWriter, CommandTimeout, Host, LineReader
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import (
+    EXIT_BUSY,
     EXIT_MISMATCH,
     EXIT_REFUSED,
     EXIT_REGISTRY,
@@ -28,6 +33,8 @@ from coldsnap.hosts.registry.access import RegistryAccess
 
 # What one socket operation of the helper (a connect, a send, a receive) may take.
 SOCKET_TIMEOUT = 60.0
+# What starting a `blob-pulls` helper (a channel, python3, its answer to the request) may take.
+START_TIMEOUT = 60.0
 
 _REASONS = {
     EXIT_UNAUTHORIZED: "unauthorized",
@@ -37,6 +44,7 @@ _REASONS = {
     EXIT_REGISTRY: "registry error",
     EXIT_USAGE: "usage",
     EXIT_REFUSED: "refused",
+    EXIT_BUSY: "busy",
 }
 
 
@@ -44,11 +52,13 @@ class RegistryTransferError(Exception):
     """A blob pull or push failed. `reason` is one of `unauthorized`, `blob unknown`,
     `unreachable` (a pull's partial file is kept for a resume), `digest mismatch`, `registry
     error`, `usage`, `refused` (a pushed file not opened beneath its
-    root), `helper` (the helper itself failed or answered nonsense)."""
+    root), `busy` (another transfer writes the pull's partial file), `helper` (the helper
+    itself failed or answered nonsense)."""
 
     def __init__(self, host: str, registry: str, repository: str, digest: str,
                  reason: str, detail: str) -> None:
-        super().__init__(f"{host}: {reason}: {registry}/{repository}@{digest}: {detail}")
+        where = f"{registry}/{repository}" + (f"@{digest}" if digest else "")
+        super().__init__(f"{host}: {reason}: {where}: {detail}")
         self.host = host
         self.registry = registry
         self.repository = repository
@@ -84,22 +94,33 @@ async def _run(host: Host, mode: str, access: RegistryAccess, repository: str, p
     res = await host.run(helper_argv(mode, path, digest, str(size), *([root] if root else [])),
                          input=_stdin(access, repository), timeout=timeout, check=False)
 
-    def fail(reason: str, detail: str) -> RegistryTransferError:
-        return RegistryTransferError(host.name, access.registry, repository, digest, reason,
-                                     detail)
-
     if res.exit_status != 0:
         # The helper's stderr line names the registry and the digest, never a secret.
         detail = res.stderr.decode(errors="replace").strip()[-800:]
-        raise fail(_REASONS.get(res.exit_status, "helper"),
-                   detail or f"the helper exited {res.exit_status}")
+        raise _failure(host, access, repository, digest, res.exit_status,
+                       detail or f"the helper exited {res.exit_status}")
+    return _answer(host, access, repository, digest, size, res.stdout)
+
+
+def _failure(host: Host, access: RegistryAccess, repository: str, digest: str,
+             code: int | None, detail: str) -> RegistryTransferError:
+    """The error of a helper's exit code (None: the helper answered nonsense, or not)."""
+    reason = "helper" if code is None else _REASONS.get(code, "helper")
+    return RegistryTransferError(host.name, access.registry, repository, digest, reason,
+                                 detail)
+
+
+def _answer(host: Host, access: RegistryAccess, repository: str, digest: str, size: int,
+            text: bytes) -> dict[str, Any]:
+    """The helper's JSON answer for a blob of `size` bytes."""
     try:
-        answer = json.loads(res.stdout)
+        answer = json.loads(text)
         if not isinstance(answer, dict) or answer.get("size") != size:
             raise ValueError
         return answer
     except ValueError:
-        raise fail("helper", f"unexpected answer {res.stdout[:200]!r}") from None
+        raise _failure(host, access, repository, digest, None,
+                       f"unexpected answer {text[:200]!r}") from None
 
 
 async def pull_blob(host: Host, access: RegistryAccess, repository: str, digest: str,
@@ -111,6 +132,112 @@ async def pull_blob(host: Host, access: RegistryAccess, repository: str, digest:
                         timeout)
     return PullResult(host.name, digest, int(answer["received"]),
                       int(answer["resumed_from"]))
+
+
+class BlobPuller:
+    """One `blob-pulls` helper on a host (`blob_puller`): each `pull` is `pull_blob`'s, run
+    by that helper beside the others in flight, without a python start of its own."""
+
+    def __init__(self, host: Host, access: RegistryAccess, repository: str,
+                 stdin: ByteWriter) -> None:
+        self.host = host
+        self.access = access
+        self.repository = repository
+        self._stdin = stdin
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._gone: str | None = None  # why the helper answers no more
+
+    async def read(self, stdout: LineReader) -> None:
+        """Hand each answer line to the pull it names, until the helper's stdout ends."""
+        why = "the helper on the host ended before answering"
+        try:
+            while line := await stdout.readline():
+                doc = json.loads(line)
+                if not isinstance(doc, dict):
+                    raise ValueError(line[:200])
+                # An answer nobody waits for (a pull that ran past its timeout) is dropped.
+                ident = doc.get("id")
+                waiting = self._waiting.pop(ident, None) if isinstance(ident, int) else None
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(doc)
+        except ValueError as exc:
+            why = f"the helper answered nonsense: {exc}"
+        except Exception as exc:  # a lost connection: every waiting pull fails
+            why = f"the helper's output broke off: {type(exc).__name__}: {exc}"
+        self._gone = why
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_result({"error": why})
+        self._waiting.clear()
+
+    async def pull(self, digest: str, size: int, final_path: str, *,
+                   timeout: float) -> PullResult:  # noqa: ASYNC109
+        """As `pull_blob`; past `timeout` seconds CommandTimeout (the caller's staging then
+        ends, and the helper with it: its partial file stays for a resume)."""
+        check_digest(digest)
+        if self._gone is not None:
+            raise _failure(self.host, self.access, self.repository, digest, None, self._gone)
+        ident = next(self._ids)
+        answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[ident] = answered
+        job = {"id": ident, "final": final_path, "digest": digest, "size": size}
+        try:
+            async with asyncio.timeout(timeout):
+                try:
+                    self._stdin.write(json.dumps(job).encode() + b"\n")
+                    await self._stdin.drain()
+                except (OSError, EOFError) as exc:
+                    raise _failure(self.host, self.access, self.repository, digest, None,
+                                   f"the helper on the host took no more pulls: {exc}"
+                                   ) from None
+                doc = await answered
+        except TimeoutError:
+            raise CommandTimeout(self.host.name, f"the pull of {digest} ran past "
+                                                 f"{timeout:.0f}s") from None
+        finally:
+            self._waiting.pop(ident, None)
+        if "error" in doc:
+            code = doc.get("code")
+            raise _failure(self.host, self.access, self.repository, digest,
+                           code if isinstance(code, int) else None, str(doc["error"])[-800:])
+        answer = _answer(self.host, self.access, self.repository, digest, size,
+                         json.dumps(doc).encode())
+        return PullResult(self.host.name, digest, int(answer["received"]),
+                          int(answer["resumed_from"]))
+
+
+@contextlib.asynccontextmanager
+async def blob_puller(host: Host, access: RegistryAccess,
+                      repository: str) -> AsyncIterator[BlobPuller]:
+    """A `blob-pulls` helper on `host` for `repository`, open while the context is: one
+    python start for every blob a staging pulls there. Leaving the context ends the helper's
+    stdin, and with it the helper, pulls in progress or not (a cancelled staging's pulls
+    keep their partial files for a resume, as a killed `blob-pull`'s do)."""
+    async with contextlib.AsyncExitStack() as stack:
+        async with asyncio.timeout(START_TIMEOUT):
+            stdout, stdin = await stack.enter_async_context(host.hold(
+                helper_argv("blob-pulls")))
+            stdin.write(_stdin(access, repository) + b"\n")
+            await stdin.drain()
+            first = await stdout.readline()
+        try:
+            ready = json.loads(first) if first else {}
+        except ValueError:
+            ready = {"error": f"unexpected answer {first[:200]!r}"}
+        if not isinstance(ready, dict) or ready.get("ready") is not True:
+            doc = ready if isinstance(ready, dict) else {}
+            code = doc.get("code")
+            raise _failure(host, access, repository, "", code if isinstance(code, int) else None,
+                           str(doc.get("error") or "the helper ended before it started"))
+        puller = BlobPuller(host, access, repository, stdin)
+        reading = asyncio.create_task(puller.read(stdout))
+        try:
+            yield puller
+        finally:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
 
 
 async def push_blob(host: Host, access: RegistryAccess, repository: str, path: str,
@@ -130,9 +257,11 @@ def transfer_timeout(size: int, bytes_per_second: float = 20 * 1024 * 1024) -> f
 
 
 __all__ = [
+    "BlobPuller",
     "PullResult",
     "PushResult",
     "RegistryTransferError",
+    "blob_puller",
     "pull_blob",
     "push_blob",
     "transfer_timeout",

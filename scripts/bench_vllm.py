@@ -31,13 +31,34 @@ GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures
                                 chunks once) and wire bytes (what the cold-host restore's
                                 staging sent to host-1: its veth's bytes transmitted, protocol
                                 included, the weights' payload as well as the images) of both,
-                                and kv_released_bytes from the manifest
-  link_floor                    the raw link floor: `scp` of a file as large as the wire bytes
-                                to host-1 (its seconds and bytes per second)
+                                and kv_released_bytes from the manifest. The kept capture
+                                is not published: its cold-host restore
+                                (restore_cold_host_kept_seconds) and wire bytes are the
+                                store's, to compare with restore_cold_host_store_*; the
+                                discard one's wire bytes here are the default path's
+  published                     `coldsnapd publish` of the (discard) capture to the cluster's
+                                registry (repository bench/vllm), as a user with a registry
+                                does: its pinned reference and seconds
+  link_floor                    the raw link floors of a file as large as the default path's
+                                wire bytes, to host-1, in the same run: `scp` from the control
+                                node and `curl` on host-1 of the same bytes as one blob from
+                                the registry (each's seconds and bytes per second under
+                                `tools`); `tool`, `seconds` and `bytes_per_second` are the
+                                faster one's, the floor the goal's bound uses
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
                                 there (its data_dir emptied, the committed capsule image
                                 removed; the base image stays, as the cold start had it) and,
-                                unless --keep-caches, the page cache dropped
+                                unless --keep-caches, the page cache dropped, on the default
+                                path: `--stage-from auto`, which takes the registry for a
+                                published artifact (restore_cold_host_source, from the
+                                receipt, must say `registry`, else the run fails).
+                                restore_cold_host_wire_bytes: what host-1's veth received
+                                meanwhile (the bridge carries the registry's HTTP to it as it
+                                does SSH: every byte that reached host-1, protocol included);
+                                ..._registry_sent_bytes: what the registry host sent
+  restore_cold_host_store_seconds the same restore from the control node's store
+                                (`--stage-from store`, over SSH), with its source and wire
+                                bytes, and ..._store_vs_cold_start
   restore_warm_host_seconds     the same restore again, every object staged, no unit running
   raw_criu_restore_seconds      by hand in the restored unit's own container, once its engine
                                 tree is killed: /dev/shm put back from the images and `criu
@@ -54,11 +75,11 @@ restore / (raw restore + one validation round trip) (goal <= 1.3), cold-host res
 start (goal < 1); and, without a target, the warm-host restore against the lazy raw restore
 through its first answer. `goals` holds issue 36's goals, each measured beside its goal and
 whether it is met: the images with discard at most the images without it less 0.9x the KV
-space; the cold-host restore within 1.2x of (wire bytes / the link floor) + raw CRIU restore
-+ one validation round trip; cold-host restore / cold start at most 0.15 for the tiny model
-(below 1 for the large one); cold start / warm-host restore at least 30. One JSON line on
-stdout, appended to bench-results/vllm.jsonl. The cluster is stopped and its state removed
-afterwards unless --keep.
+space; the (default path's) cold-host restore within 1.2x of (wire bytes / the best link
+floor, scp's or curl's) + raw CRIU restore + one validation round trip; cold-host restore
+/ cold start at most 0.15 for the tiny model (below 1 for the large one); cold start /
+warm-host restore at least 30. One JSON line on stdout, appended to bench-results/vllm.jsonl.
+The cluster is stopped and its state removed afterwards unless --keep.
 """
 
 from __future__ import annotations

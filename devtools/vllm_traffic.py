@@ -9,8 +9,9 @@ they run. That gauge counts the blocks running requests hold; a finished request
 freed with their data still in them (the prefix cache), so with one generated token per prompt
 it stays near 0 while the space fills: kv_fill_estimate (the prompts' tokens x a token's KV
 bytes / the KV space) is the figure that says how much of the space the traffic wrote. The
-pure parts (the default N, the KV usage in a /metrics answer, the issue's goal ratios) need no
-vLLM: tests/unit/test_bench_vllm.py.
+pure parts (the default N, the KV usage in a /metrics answer, the issue's goal ratios, whose
+wire bound takes the fastest of the raw floors measured on the same bytes) need no vLLM:
+tests/unit/test_bench_vllm.py.
 """
 
 from __future__ import annotations

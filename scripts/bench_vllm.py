@@ -47,8 +47,9 @@ GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures
                                 faster one's, the floor the goal's bound uses
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
                                 there (its data_dir emptied, the committed capsule image
-                                removed; the base image stays, as the cold start had it) and,
-                                unless --keep-caches, the page cache dropped, on the default
+                                removed, the control node's remembered CRIU probes forgotten;
+                                the base image stays, as the cold start had it) and, unless
+                                --keep-caches, the page cache dropped, on the default
                                 path: `--stage-from auto`, which takes the registry for a
                                 published artifact (restore_cold_host_source, from the
                                 receipt, must say `registry`, else the run fails).
@@ -437,6 +438,10 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
     def cold_restore(n: int, artifact: str, image_id: str, stage_from: str = "auto"
                      ) -> tuple[dict[str, Any], int, int]:
         b.make_cold([image_id])
+        # The control node's remembered CRIU probes (<store>/probes) forgotten too: else only
+        # the first cold-host restore of the run pays the probe, and the paths compared after
+        # it (registry, store) would not start alike.
+        shutil.rmtree(b.store / "probes", ignore_errors=True)
         if cold_caches:
             drop_caches()
         before, registry_before = host_tx_bytes(b, "host-1"), registry_sent_bytes()

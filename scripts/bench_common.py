@@ -9,6 +9,9 @@ import os
 import platform
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,3 +99,28 @@ def cluster_inventory(
             yield path
     except ClusterUnfit as exc:
         raise SystemExit(f"bench: {exc}") from None
+
+
+def push_blob(registry: str, repository: str, path: Path, digest: str, size: int) -> bool:
+    """`path` pushed as blob `digest` of `repository` on a plain-HTTP registry (the dev
+    cluster's), in one monolithic upload; False when the registry holds it already (a blob
+    there is kept, so a benchmark pushes its bytes once)."""
+    base = f"http://{registry}/v2/{repository}/blobs/"
+    head = urllib.request.Request(base + digest, method="HEAD")
+    try:
+        with urllib.request.urlopen(head, timeout=10):
+            return False
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+    post = urllib.request.Request(base + "uploads/", method="POST", data=b"")
+    with urllib.request.urlopen(post, timeout=30) as r:
+        location = r.headers["Location"]
+    url = urllib.parse.urljoin(base, location)
+    url += ("&" if "?" in url else "?") + f"digest={digest}"
+    with open(path, "rb") as f:
+        put = urllib.request.Request(url, method="PUT", data=f, headers={
+            "Content-Length": str(size), "Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(put, timeout=1800):
+            pass
+    return True

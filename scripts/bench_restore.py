@@ -195,6 +195,13 @@ class Bench:
              "-o", f"UserKnownHostsFile={h['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
              *sources, dest])
 
+    def ssh(self, host: str, command: str) -> None:
+        """`command` run on `host` over a fresh OpenSSH connection (in its namespace)."""
+        h = self.hosts[host]
+        run(["ssh", "-p", str(h.get("port", 22)), "-i", h["identity_file"],
+             "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={h['known_hosts']}",
+             "-o", "StrictHostKeyChecking=yes", self.remote(host, "").rstrip(":"), command])
+
     def remote(self, host: str, path: str) -> str:
         return f"{self.hosts[host].get('user', 'root')}@{self.hosts[host]['address']}:{path}"
 

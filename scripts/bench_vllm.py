@@ -31,13 +31,35 @@ GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures
                                 chunks once) and wire bytes (what the cold-host restore's
                                 staging sent to host-1: its veth's bytes transmitted, protocol
                                 included, the weights' payload as well as the images) of both,
-                                and kv_released_bytes from the manifest
-  link_floor                    the raw link floor: `scp` of a file as large as the wire bytes
-                                to host-1 (its seconds and bytes per second)
+                                and kv_released_bytes from the manifest. The kept capture
+                                is not published: its cold-host restore
+                                (restore_cold_host_kept_seconds) and wire bytes are the
+                                store's, to compare with restore_cold_host_store_*; the
+                                discard one's wire bytes here are the default path's
+  published                     `coldsnapd publish` of the (discard) capture to the cluster's
+                                registry (repository bench/vllm), as a user with a registry
+                                does: its pinned reference and seconds
+  link_floor                    the raw link floors of a file as large as the default path's
+                                wire bytes, to host-1, in the same run: `scp` from the control
+                                node and `curl` on host-1 of the same bytes as one blob from
+                                the registry (each's seconds and bytes per second under
+                                `tools`); `tool`, `seconds` and `bytes_per_second` are the
+                                faster one's, the floor the goal's bound uses
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
                                 there (its data_dir emptied, the committed capsule image
-                                removed; the base image stays, as the cold start had it) and,
-                                unless --keep-caches, the page cache dropped
+                                removed, the control node's remembered CRIU probes forgotten;
+                                the base image stays, as the cold start had it) and, unless
+                                --keep-caches, the page cache dropped, on the default
+                                path: `--stage-from auto`, which takes the registry for a
+                                published artifact (restore_cold_host_source, from the
+                                receipt, must say `registry`, else the run fails).
+                                restore_cold_host_wire_bytes: what host-1's veth received
+                                meanwhile (the bridge carries the registry's HTTP to it as it
+                                does SSH: every byte that reached host-1, protocol included);
+                                ..._registry_sent_bytes: what the registry host sent
+  restore_cold_host_store_seconds the same restore from the control node's store
+                                (`--stage-from store`, over SSH), with its source and wire
+                                bytes, and ..._store_vs_cold_start
   restore_warm_host_seconds     the same restore again, every object staged, no unit running
   raw_criu_restore_seconds      by hand in the restored unit's own container, once its engine
                                 tree is killed: /dev/shm put back from the images and `criu
@@ -54,16 +76,17 @@ restore / (raw restore + one validation round trip) (goal <= 1.3), cold-host res
 start (goal < 1); and, without a target, the warm-host restore against the lazy raw restore
 through its first answer. `goals` holds issue 36's goals, each measured beside its goal and
 whether it is met: the images with discard at most the images without it less 0.9x the KV
-space; the cold-host restore within 1.2x of (wire bytes / the link floor) + raw CRIU restore
-+ one validation round trip; cold-host restore / cold start at most 0.15 for the tiny model
-(below 1 for the large one); cold start / warm-host restore at least 30. One JSON line on
-stdout, appended to bench-results/vllm.jsonl. The cluster is stopped and its state removed
-afterwards unless --keep.
+space; the (default path's) cold-host restore within 1.2x of (wire bytes / the best link
+floor, scp's or curl's) + raw CRIU restore + one validation round trip; cold-host restore
+/ cold start at most 0.15 for the tiny model (below 1 for the large one); cold start /
+warm-host restore at least 30. One JSON line on stdout, appended to bench-results/vllm.jsonl.
+The cluster is stopped and its state removed afterwards unless --keep.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -79,15 +102,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_common import REPO, emit, log
+from bench_common import REPO, emit, log, push_blob
 from bench_restore import Bench, drop_caches, phases, span_max, timed
 
 from devtools.demo_common import VLLM_API_KEY, post
-from devtools.layout import HostNet, host_index
+from devtools.layout import HostNet, RegistryNet, host_index
 from devtools.vllm_traffic import (
     GIB,
     Goals,
     Traffic,
+    best_floor,
     default_traffic,
     goal_figures,
     model_kv_bytes_per_token,
@@ -100,6 +124,9 @@ RAW_WORK = "/var/lib/coldsnap/raw-bench"
 # The large model is built once (a minute of numpy) and kept outside the cluster's state,
 # which `dev-cluster down --purge` removes after every run.
 MODELS_DIR = REPO / ".cache" / "bench-vllm-models"
+# Where the bench publishes its capture on the cluster's registry, and the link floor's blob.
+REPOSITORY = "bench/vllm"
+FLOOR_REPOSITORY = "bench/vllm-floor"
 # Cold-host restore / cold start, per model: issue 36's goal for the tiny model, and "faster
 # than its cold start" for the large one.
 COLD_VS_COLD_START_MAX = {"tiny": 0.15, "large": 1.0}
@@ -228,9 +255,39 @@ def with_model(doc: dict[str, Any], model: str) -> Path:
 
 def host_tx_bytes(b: Bench, host: str) -> int:
     """Bytes the bridge sent to `host` so far: its veth's root end transmits everything that
-    reaches the host's namespace (staging's SSH streams, with their protocol)."""
+    reaches the host's namespace, from the control node (staging's SSH streams) and from the
+    registry host alike (a registry pull's HTTP crosses the bridge to the same veth), with
+    their protocol."""
     net = HostNet(host_index(host), int(NET_BASE))
     return int(Path(f"/sys/class/net/{net.veth_root}/statistics/tx_bytes").read_text())
+
+
+def registry_sent_bytes() -> int:
+    """Bytes the registry host sent so far: what its veth's root end received."""
+    veth = RegistryNet(int(NET_BASE)).veth_root
+    return int(Path(f"/sys/class/net/{veth}/statistics/rx_bytes").read_text())
+
+
+def publish(b: Bench, artifact: str) -> tuple[str, float]:
+    """`coldsnapd publish` of `artifact` to the cluster's registry (the inventory's), as a user
+    with a registry publishes a capture: the pinned reference and the seconds it took. The
+    store records the publication, so a restore's `--stage-from auto` pulls from there."""
+    registry = yaml.safe_load(b.inventory.read_text())["registry"]
+    t0 = time.perf_counter()
+    out = run([sys.executable, "-m", "coldsnap", "publish", "--artifact", artifact,
+               "--to", f"{registry}/{REPOSITORY}:{artifact}", "--inventory",
+               str(b.inventory), "--store", str(b.store)])
+    return out.strip().splitlines()[-1], time.perf_counter() - t0
+
+
+def staged_from(receipt: dict[str, Any]) -> str | None:
+    """Where a restore's staging took the objects from ("store" or "registry"): the source its
+    restore.verify-objects span records."""
+    for span in receipt["timing"]["spans"]:
+        if span["name"] == "restore.verify-objects":
+            source = (span.get("attributes") or {}).get("source")
+            return None if source is None else str(source)
+    return None
 
 
 def capture_after_traffic(b: Bench, request: Path, host: str, count: int
@@ -271,22 +328,62 @@ def the_manifest(b: Bench, artifact_path: Path) -> dict[str, Any]:
     return manifest
 
 
-def link_floor(b: Bench, host: str, size: int) -> float:
-    """Seconds `scp` takes to send a file of `size` bytes of random data to `host`: the raw
-    link floor of that many bytes (the file is written first, outside the timing)."""
+def link_floors(b: Bench, host: str, size: int) -> dict[str, float]:
+    """The raw link floors of `size` bytes to `host`, in seconds, by tool: `scp` of a file of
+    that many random bytes from the control node, and `curl` run on the host (over ssh, in its
+    namespace) fetching the same bytes as one blob from the cluster's registry (the way the
+    default path's pulls come), each with its connection setup. The file is written and pushed
+    first, outside the timing; nothing is checked or fsync'd."""
     src = b.work / "floor.bin"
+    h = hashlib.sha256()
     with src.open("wb") as f:
         left = size
         while left > 0:
-            n = min(left, 64 << 20)
-            f.write(os.urandom(n))
-            left -= n
+            data = os.urandom(min(left, 64 << 20))
+            h.update(data)
+            f.write(data)
+            left -= len(data)
+    digest = "sha256:" + h.hexdigest()
+    registry = yaml.safe_load(b.inventory.read_text())["registry"]
+    push_blob(registry, FLOOR_REPOSITORY, src, digest, size)
     dest = f"{b.hosts[host]['data_dir']}/bench-floor.bin"
+    url = f"http://{registry}/v2/{FLOOR_REPOSITORY}/blobs/{digest}"
     try:
-        return timed(lambda: b.scp(host, [str(src)], b.remote(host, dest)))
+        scp = timed(lambda: b.scp(host, [str(src)], b.remote(host, dest)))
+        Path(dest).unlink(missing_ok=True)
+        curl = timed(lambda: b.ssh(host, f"curl -sSf -o {dest} {url}"))
+        return {"scp": scp, "curl": curl}
     finally:
         src.unlink(missing_ok=True)
         Path(dest).unlink(missing_ok=True)
+
+
+def floor_figures(size: int, floors: dict[str, float]) -> dict[str, Any]:
+    """The line's link_floor: each tool's seconds and bytes per second for the same `size`
+    bytes, and the best of them (tool, seconds, bytes_per_second), which the goal's bound
+    uses (no vLLM needed: tests/unit/test_bench_vllm.py)."""
+    tool, seconds = best_floor(floors)
+    return {"tool": tool, "bytes": size, "seconds": round(seconds, 3),
+            "bytes_per_second": round(size / seconds),
+            "tools": {t: {"seconds": round(v, 3), "bytes_per_second": round(size / v)}
+                      for t, v in floors.items()}}
+
+
+def cold_host_paths(default: dict[str, Any], store: dict[str, Any], *, cold_s: float,
+                    wire: int, store_wire: int, registry_sent: int) -> dict[str, Any]:
+    """The two cold-host restores side by side: the default path's (`--stage-from auto`, the
+    registry pull of the published artifact) and the store's (`--stage-from store`), each with
+    its source, wire bytes and ratio to the cold start (no vLLM needed:
+    tests/unit/test_bench_vllm.py)."""
+    return {
+        "restore_cold_host_source": staged_from(default),
+        "restore_cold_host_wire_bytes": wire,
+        "restore_cold_host_registry_sent_bytes": registry_sent,
+        "restore_cold_host_store_seconds": round(store["duration_seconds"], 3),
+        "restore_cold_host_store_source": staged_from(store),
+        "restore_cold_host_store_wire_bytes": store_wire,
+        "restore_cold_host_store_vs_cold_start": round(store["duration_seconds"] / cold_s, 3),
+    }
 
 
 def measure(b: Bench, cold_caches: bool, model: str = "tiny",
@@ -325,25 +422,39 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
     kept_cap, kept_sent = capture_after_traffic(b, kept_request, "host-0", count)
     kept_manifest = the_manifest(b, b.work / "kept.json")
 
-    def restore(n: int, artifact: str = capture_id) -> dict[str, Any]:
+    log(f"publish {capture_id} to the cluster's registry")
+    published, publish_s = publish(b, capture_id)
+
+    def restore(n: int, artifact: str = capture_id, stage_from: str = "auto"
+                ) -> dict[str, Any]:
         moved = json.loads(json.dumps(doc))
         moved.update(operation="restore", id=f"{artifact}-restore-{n}", artifact=artifact)
         moved.pop("output")
         moved["launch"]["units"][0]["host"] = "host-1"
         path = b.work / f"restore-{n}.yaml"
         path.write_text(yaml.safe_dump(moved, sort_keys=False))
-        return b.coldsnapd("restore", "--request", str(path))
+        return b.coldsnapd("restore", "--request", str(path), "--stage-from", stage_from)
 
-    def cold_restore(n: int, artifact: str, image_id: str) -> tuple[dict[str, Any], int]:
+    def cold_restore(n: int, artifact: str, image_id: str, stage_from: str = "auto"
+                     ) -> tuple[dict[str, Any], int, int]:
         b.make_cold([image_id])
+        # The control node's remembered CRIU probes (<store>/probes) forgotten too: else only
+        # the first cold-host restore of the run pays the probe, and the paths compared after
+        # it (registry, store) would not start alike.
+        shutil.rmtree(b.store / "probes", ignore_errors=True)
         if cold_caches:
             drop_caches()
-        before = host_tx_bytes(b, "host-1")
-        receipt = restore(n, artifact)
-        return receipt, host_tx_bytes(b, "host-1") - before
+        before, registry_before = host_tx_bytes(b, "host-1"), registry_sent_bytes()
+        receipt = restore(n, artifact, stage_from)
+        return (receipt, host_tx_bytes(b, "host-1") - before,
+                registry_sent_bytes() - registry_before)
 
-    log("restore onto host-1, nothing of the artifact there")
-    cold, wire = cold_restore(1, capture_id, manifest["image_id"])
+    log("restore onto host-1, nothing of the artifact there (the default path: --stage-from "
+        "auto, the registry's)")
+    cold, wire, registry_sent = cold_restore(1, capture_id, manifest["image_id"])
+    if staged_from(cold) != "registry":
+        raise SystemExit(f"bench vllm: the default cold-host restore staged from "
+                         f"{staged_from(cold)!r}, not from {published}")
     log("restore onto host-1 again, everything staged, no unit running")
     b.remove_units("host-1")
     warm = restore(2)
@@ -354,10 +465,15 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
     raw_lazy, raw_lazy_answer = raw_restore_to_answer(b, "host-1", manifest, prompt, expected,
                                                       lazy=True)
     b.remove_units("host-1")
-    log(f"the link floor: scp of {wire} bytes to host-1")
-    floor_s = link_floor(b, "host-1", wire)
-    log("restore of the kept capture onto host-1, nothing of it there")
-    kept_cold, kept_wire = cold_restore(3, f"{capture_id}-kept", kept_manifest["image_id"])
+    log("restore onto host-1 from the store (--stage-from store), nothing of it there")
+    cold_store, store_wire, _ = cold_restore(4, capture_id, manifest["image_id"], "store")
+    b.remove_units("host-1")
+    log(f"the link floors: scp and curl (from the registry) of {wire} bytes to host-1")
+    floors = link_floors(b, "host-1", wire)
+    # Not published (its bytes would double the registry's share of the disk): from the store.
+    log("restore of the kept capture onto host-1 from the store, nothing of it there")
+    kept_cold, kept_wire, _ = cold_restore(3, f"{capture_id}-kept", kept_manifest["image_id"],
+                                           "store")
     b.make_cold([])
     figures = tp1_figures(Recorded(cold_s=cold_s, health_s=health_s, capture=cap, ready=ready,
                                    cold=cold, warm=warm, rtts=rtts, cold_caches=cold_caches),
@@ -367,23 +483,26 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
     goals = goal_figures(Goals(
         kv_space_bytes=kv_space, images_bytes=discard["with_discard"]["images_bytes"],
         images_kept_bytes=discard["without_discard"]["images_bytes"], wire_bytes=wire,
-        floor_bytes_per_second=wire / floor_s, raw_criu_seconds=raw,
+        floor_seconds=floors, raw_criu_seconds=raw,
         validation_seconds=figures["validation_round_trip_seconds"], cold_start_seconds=cold_s,
         restore_cold_seconds=cold["duration_seconds"],
         restore_warm_seconds=warm["duration_seconds"],
         cold_vs_cold_start_max=COLD_VS_COLD_START_MAX[model]))
     kept_capture = round(kept_cap["duration_seconds"], 3)
     return {**figures,
+            **cold_host_paths(cold, cold_store, cold_s=cold_s, wire=wire,
+                              store_wire=store_wire, registry_sent=registry_sent),
+            "published": {"ref": published, "seconds": round(publish_s, 3)},
             "kv_space_bytes": kv_space, "kv_bytes_per_token": per_token,
             "traffic": sent.figures(kv_space, per_token),
             "traffic_kept": kept_sent.figures(kv_space, per_token),
             "kv_discard": {**discard, "capture_kept_seconds": kept_capture,
                            "restore_cold_host_kept_seconds": round(
                                kept_cold["duration_seconds"], 3)},
-            "link_floor": {"tool": "scp", "bytes": wire, "seconds": round(floor_s, 3),
-                           "bytes_per_second": round(wire / floor_s)},
+            "link_floor": floor_figures(wire, floors),
             "goals": goals,
             "phases": {**figures["phases"], "capture_kept": phases(kept_cap),
+                       "restore_cold_store": phases(cold_store),
                        "restore_cold_kept": phases(kept_cold)}}
 
 

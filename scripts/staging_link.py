@@ -56,15 +56,12 @@ import shlex
 import statistics
 import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, cluster_inventory, emit, log, sized
+from bench_common import REPO, cluster_inventory, emit, log, push_blob, sized
 from bench_staging import make_source
 
 from coldsnap.capsule.images import CHUNK_BYTES
@@ -143,28 +140,10 @@ def _object(digest: str, size: int, owner: str) -> ArtifactObject:
 
 def push_blobs(registry: str, shapes: list[Shape]) -> None:
     """Every object as a blob of the bench repository (once: a blob there is kept)."""
-    base = f"http://{registry}/v2/{REPOSITORY}/blobs/"
     for shape in shapes:
         for path, obj in zip(shape.files, shape.objects, strict=True):
-            head = urllib.request.Request(base + obj.sha256, method="HEAD")
-            try:
-                with urllib.request.urlopen(head, timeout=10):
-                    continue
-            except urllib.error.HTTPError as exc:
-                if exc.code != 404:
-                    raise
-            post = urllib.request.Request(base + "uploads/", method="POST", data=b"")
-            with urllib.request.urlopen(post, timeout=30) as r:
-                location = r.headers["Location"]
-            url = urllib.parse.urljoin(base, location)
-            url += ("&" if "?" in url else "?") + f"digest={obj.sha256}"
-            with open(path, "rb") as f:
-                put = urllib.request.Request(url, method="PUT", data=f, headers={
-                    "Content-Length": str(obj.bytes),
-                    "Content-Type": "application/octet-stream"})
-                with urllib.request.urlopen(put, timeout=600):
-                    pass
-            log(f"pushed {obj.sha256[:19]} ({obj.bytes} bytes) to {registry}/{REPOSITORY}")
+            if push_blob(registry, REPOSITORY, path, obj.sha256, obj.bytes):
+                log(f"pushed {obj.sha256[:19]} ({obj.bytes} bytes) to {registry}/{REPOSITORY}")
 
 
 def ssh_argv(entry: HostEntry) -> list[str]:

@@ -15,7 +15,7 @@ import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncssh
 import structlog
@@ -47,6 +47,7 @@ from coldsnap.hosts.transfer.driver import fetch_file, put_file
 from coldsnap.hosts.transfer.streams import RemoteStream, exit_status
 
 log = structlog.get_logger("coldsnap.hosts")
+T = TypeVar("T")
 
 # The wrapper reports its PID (which `exec` hands on to the command) before anything else;
 # sshd makes every session its own process group, so killing "-PID" takes children too.
@@ -202,27 +203,41 @@ class SSHHost(CommandRunner):
     # ----------------------------------------------------------------- channels
 
     async def _open(self, command: str) -> RemoteStream:
-        """Open an exec channel. A dead connection found here is replaced once: the command
-        has not started, so trying again cannot run it twice (REOPEN_POLICY)."""
-        async for attempt in REOPEN_POLICY.retrying():
-            with attempt:
-                return await self._open_once(command)
-        raise AssertionError("unreachable")
-
-    async def _open_once(self, command: str) -> RemoteStream:
-        conn = await self.connection()
-        try:
+        """Open an exec channel (`_channel`: the command has not started, so opening it once
+        more on a fresh connection cannot run it twice)."""
+        async def session(conn: asyncssh.SSHClientConnection) -> RemoteStream:
             stdin, stdout, stderr = await conn.open_session(
                 command, encoding=None, window=self.settings.recv_window
             )
             return RemoteStream(stdin, stdout, stderr)
-        except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-            raise self._open_failed(exc, "host refused a channel") from None
+
+        return await self._channel(session, "host refused a channel")
+
+    async def _channel(self, opener: Callable[[asyncssh.SSHClientConnection], Awaitable[T]],
+                       refused: str, timeout: float | None = None) -> T:  # noqa: ASYNC109
+        """A channel `opener` opens on the connection, under `timeout` (None: unbounded).
+        One that found its connection dead is opened once more on a fresh connection
+        (REOPEN_POLICY): nothing went through it yet, and the fresh connection says what
+        is wrong with the host now (a changed host key, say) where the dead one only says
+        it closed. `refused`: what an error says before the host's reason."""
+        async for attempt in REOPEN_POLICY.retrying():
+            with attempt:
+                conn = await self.connection()
+                try:
+                    async with asyncio.timeout(timeout):
+                        return await opener(conn)
+                except TimeoutError:
+                    if timeout is None:  # not this bound's: the opener's own
+                        raise
+                    raise HostError(self.name, f"{refused}: no answer in {timeout:g} s"
+                                    ) from None
+                except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
+                    raise self._open_failed(exc, refused) from None
+        raise AssertionError("unreachable")
 
     def _open_failed(self, exc: asyncssh.Error | OSError, refused: str) -> HostError:
-        """A channel that could not be opened: the host's refusal (`refused`: what to say
-        of it), or `LostOnOpen` when the connection under it is gone (dropped here, so the
-        next open reconnects)."""
+        """A channel that could not be opened: the host's refusal, or `LostOnOpen` when the
+        connection under it is gone (dropped here, so the next open reconnects)."""
         # asyncssh fails a channel open that was pending when its connection died with
         # this reason; the connection is gone even if not marked closed yet.
         lost = (isinstance(exc, asyncssh.ChannelOpenError)
@@ -370,26 +385,6 @@ class SSHHost(CommandRunner):
         return await fetch_file(self, remote, local, progress=progress, expected=expected,
                                 size=size, max_bytes=max_bytes, beneath=beneath)
 
-    async def _open_stream(self, what: str, timeout: float,  # noqa: ASYNC109
-                           opener: Callable[[asyncssh.SSHClientConnection],
-                                            Awaitable[ByteStream]]) -> ByteStream:
-        """A forwarding channel (`opener` on the connection), under `timeout`. Like an exec
-        channel, one that found its connection dead is opened once more on a fresh one:
-        nothing went through it yet, and the fresh connection says what is wrong with the
-        host now (a changed host key, say) where the dead one only says it closed."""
-        async for attempt in REOPEN_POLICY.retrying():
-            with attempt:
-                conn = await self.connection()
-                try:
-                    async with asyncio.timeout(timeout):
-                        return await opener(conn)
-                except TimeoutError:
-                    raise HostError(self.name, f"cannot connect to {what}: no answer in "
-                                               f"{timeout:g} s") from None
-                except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-                    raise self._open_failed(exc, f"cannot connect to {what}") from None
-        raise AssertionError("unreachable")
-
     @asynccontextmanager
     async def open_unix(
         self, remote_path: str, *, timeout: float = 10.0  # noqa: ASYNC109
@@ -401,9 +396,9 @@ class SSHHost(CommandRunner):
         that connection open and unserved (asyncio drops it without closing it), and a
         Docker call on it would wait out its whole timeout. A channel ends with its
         connection."""
-        reader, writer = await self._open_stream(
-            f"{remote_path} on the host", timeout,
-            lambda conn: conn.open_unix_connection(remote_path, encoding=None))
+        reader, writer = await self._channel(
+            lambda conn: conn.open_unix_connection(remote_path, encoding=None),
+            f"cannot connect to {remote_path} on the host", timeout)
         try:
             yield reader, writer
         finally:
@@ -414,9 +409,9 @@ class SSHHost(CommandRunner):
         self, address: str, port: int, *, timeout: float = 10.0  # noqa: ASYNC109
     ) -> AsyncIterator[ByteStream]:
         """A direct-tcpip channel: sshd on the host connects to `address:port`."""
-        reader, writer = await self._open_stream(
-            f"{address}:{port} from the host", timeout,
-            lambda conn: conn.open_connection(address, port, encoding=None))
+        reader, writer = await self._channel(
+            lambda conn: conn.open_connection(address, port, encoding=None),
+            f"cannot connect to {address}:{port} from the host", timeout)
         try:
             yield reader, writer
         finally:

@@ -99,7 +99,12 @@ async def _run(host: Host, mode: str, access: RegistryAccess, repository: str, p
         detail = res.stderr.decode(errors="replace").strip()[-800:]
         raise _failure(host, access, repository, digest, res.exit_status,
                        detail or f"the helper exited {res.exit_status}")
-    return _answer(host, access, repository, digest, size, res.stdout)
+    try:
+        answer = json.loads(res.stdout)
+    except ValueError:
+        raise _failure(host, access, repository, digest, None,
+                       f"unexpected answer {res.stdout[:200]!r}") from None
+    return _answer(host, access, repository, digest, size, answer)
 
 
 def _failure(host: Host, access: RegistryAccess, repository: str, digest: str,
@@ -111,16 +116,12 @@ def _failure(host: Host, access: RegistryAccess, repository: str, digest: str,
 
 
 def _answer(host: Host, access: RegistryAccess, repository: str, digest: str, size: int,
-            text: bytes) -> dict[str, Any]:
-    """The helper's JSON answer for a blob of `size` bytes."""
-    try:
-        answer = json.loads(text)
-        if not isinstance(answer, dict) or answer.get("size") != size:
-            raise ValueError
-        return answer
-    except ValueError:
+            answer: Any) -> dict[str, Any]:
+    """The helper's answer (its JSON, parsed) for a blob of `size` bytes."""
+    if not isinstance(answer, dict) or answer.get("size") != size:
         raise _failure(host, access, repository, digest, None,
-                       f"unexpected answer {text[:200]!r}") from None
+                       f"unexpected answer {json.dumps(answer)[:200]!r}")
+    return answer
 
 
 async def pull_blob(host: Host, access: RegistryAccess, repository: str, digest: str,
@@ -201,8 +202,7 @@ class BlobPuller:
             code = doc.get("code")
             raise _failure(self.host, self.access, self.repository, digest,
                            code if isinstance(code, int) else None, str(doc["error"])[-800:])
-        answer = _answer(self.host, self.access, self.repository, digest, size,
-                         json.dumps(doc).encode())
+        answer = _answer(self.host, self.access, self.repository, digest, size, doc)
         return PullResult(self.host.name, digest, int(answer["received"]),
                           int(answer["resumed_from"]))
 

@@ -189,18 +189,20 @@ class Bench:
                                 "rmi", "-f", image], capture_output=True, timeout=TIMEOUT,
                                check=False)
 
-    def scp(self, host: str, sources: Sequence[str], dest: str) -> None:
+    def _openssh(self, host: str) -> list[str]:
+        """The OpenSSH client options that reach `host`: its key, strict known hosts."""
         h = self.hosts[host]
-        run(["scp", "-q", "-B", "-P", str(h.get("port", 22)), "-i", h["identity_file"],
-             "-o", f"UserKnownHostsFile={h['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
-             *sources, dest])
+        return ["-i", h["identity_file"], "-o", f"UserKnownHostsFile={h['known_hosts']}",
+                "-o", "StrictHostKeyChecking=yes"]
+
+    def scp(self, host: str, sources: Sequence[str], dest: str) -> None:
+        run(["scp", "-q", "-B", "-P", str(self.hosts[host].get("port", 22)),
+             *self._openssh(host), *sources, dest])
 
     def ssh(self, host: str, command: str) -> None:
         """`command` run on `host` over a fresh OpenSSH connection (in its namespace)."""
-        h = self.hosts[host]
-        run(["ssh", "-p", str(h.get("port", 22)), "-i", h["identity_file"],
-             "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={h['known_hosts']}",
-             "-o", "StrictHostKeyChecking=yes", self.remote(host, "").rstrip(":"), command])
+        run(["ssh", "-p", str(self.hosts[host].get("port", 22)), "-o", "BatchMode=yes",
+             *self._openssh(host), self.remote(host, "").rstrip(":"), command])
 
     def remote(self, host: str, path: str) -> str:
         return f"{self.hosts[host].get('user', 'root')}@{self.hosts[host]['address']}:{path}"

@@ -45,6 +45,11 @@ GiB of float32 weights, built once under .cache/bench-vllm-models/) and measures
                                 the registry (each's seconds and bytes per second under
                                 `tools`); `tool`, `seconds` and `bytes_per_second` are the
                                 faster one's, the floor the goal's bound uses
+  durable_floor                 the same curl followed by `sync` of the file on host-1: the
+                                bytes on its disk, as staging has them (fsync'd) before it
+                                publishes; the bound that floor gives (+ raw CRIU restore +
+                                one validation round trip) and the cold-host restore against
+                                it, beside the goal's (which takes the link floor alone)
   restore_cold_host_seconds     `coldsnapd restore` onto host-1 with nothing of the artifact
                                 there (its data_dir emptied, the committed capsule image
                                 removed, the control node's remembered CRIU probes forgotten;
@@ -328,12 +333,14 @@ def the_manifest(b: Bench, artifact_path: Path) -> dict[str, Any]:
     return manifest
 
 
-def link_floors(b: Bench, host: str, size: int) -> dict[str, float]:
+def link_floors(b: Bench, host: str, size: int) -> tuple[dict[str, float], float]:
     """The raw link floors of `size` bytes to `host`, in seconds, by tool: `scp` of a file of
     that many random bytes from the control node, and `curl` run on the host (over ssh, in its
     namespace) fetching the same bytes as one blob from the cluster's registry (the way the
     default path's pulls come), each with its connection setup. The file is written and pushed
-    first, outside the timing; nothing is checked or fsync'd."""
+    first, outside the timing; nothing is checked or fsync'd. Second: the durable floor, the
+    same curl followed by `sync` of the file (the bytes on the host's disk, as staging must
+    have them before it publishes)."""
     src = b.work / "floor.bin"
     h = hashlib.sha256()
     with src.open("wb") as f:
@@ -352,7 +359,9 @@ def link_floors(b: Bench, host: str, size: int) -> dict[str, float]:
         scp = timed(lambda: b.scp(host, [str(src)], b.remote(host, dest)))
         Path(dest).unlink(missing_ok=True)
         curl = timed(lambda: b.ssh(host, f"curl -sSf -o {dest} {url}"))
-        return {"scp": scp, "curl": curl}
+        Path(dest).unlink(missing_ok=True)
+        durable = timed(lambda: b.ssh(host, f"curl -sSf -o {dest} {url} && sync {dest}"))
+        return {"scp": scp, "curl": curl}, durable
     finally:
         src.unlink(missing_ok=True)
         Path(dest).unlink(missing_ok=True)
@@ -367,6 +376,17 @@ def floor_figures(size: int, floors: dict[str, float]) -> dict[str, Any]:
             "bytes_per_second": round(size / seconds),
             "tools": {t: {"seconds": round(v, 3), "bytes_per_second": round(size / v)}
                       for t, v in floors.items()}}
+
+
+def durable_figures(size: int, seconds: float, *, restore_cold_s: float, raw_criu_s: float,
+                    validation_s: float) -> dict[str, Any]:
+    """The durable floor (curl and `sync` of the same bytes on the host) and the cold-host
+    restore against the bound it gives: what the goal's bound is once the bytes must be on
+    the disk, as staging's fsync before publishing has them (no target of its own)."""
+    bound = seconds + raw_criu_s + validation_s
+    return {"tool": "curl+sync", "bytes": size, "seconds": round(seconds, 3),
+            "bytes_per_second": round(size / seconds), "bound_seconds": round(bound, 3),
+            "restore_cold_host_vs_bound": round(restore_cold_s / bound, 3)}
 
 
 def cold_host_paths(default: dict[str, Any], store: dict[str, Any], *, cold_s: float,
@@ -469,7 +489,7 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
     cold_store, store_wire, _ = cold_restore(4, capture_id, manifest["image_id"], "store")
     b.remove_units("host-1")
     log(f"the link floors: scp and curl (from the registry) of {wire} bytes to host-1")
-    floors = link_floors(b, "host-1", wire)
+    floors, durable = link_floors(b, "host-1", wire)
     # Not published (its bytes would double the registry's share of the disk): from the store.
     log("restore of the kept capture onto host-1 from the store, nothing of it there")
     kept_cold, kept_wire, _ = cold_restore(3, f"{capture_id}-kept", kept_manifest["image_id"],
@@ -500,6 +520,9 @@ def measure(b: Bench, cold_caches: bool, model: str = "tiny",
                            "restore_cold_host_kept_seconds": round(
                                kept_cold["duration_seconds"], 3)},
             "link_floor": floor_figures(wire, floors),
+            "durable_floor": durable_figures(
+                wire, durable, restore_cold_s=cold["duration_seconds"], raw_criu_s=raw,
+                validation_s=figures["validation_round_trip_seconds"]),
             "goals": goals,
             "phases": {**figures["phases"], "capture_kept": phases(kept_cap),
                        "restore_cold_store": phases(cold_store),

@@ -1,8 +1,9 @@
 """Where staging takes an object's bytes from: the control node's store (sent over the host's
 SSH link), or an OCI registry the artifact is published to (the host pulls it itself, by
 digest; the control node moves no object bytes). Either way the host's copy lands at the same
-path, verified against the object's digest and stamped, so the survey, the skip of what is
-held and the CRIU assembly around it stay the same.
+path, verified against the object's digest and stamped, so the survey and the skip of what is
+held stay the same; a CRIU image object from a registry goes straight into the image set being
+assembled instead (`Delivery.place`), its bytes written once.
 
 `--stage-from` (`StageFrom`) chooses: `store`, `registry`, or `auto` (the registry when the
 artifact records a publication, else the store). From a registry, the replay plans still come
@@ -27,6 +28,7 @@ StageFrom = Literal["auto", "store", "registry"]
 STAGE_FROM: tuple[StageFrom, ...] = ("auto", "store", "registry")
 
 Progress = Callable[[str], ProgressCallback | None] | None
+Copies = list[list[tuple[str, int, int, int]]]
 
 
 class Delivery(Protocol):
@@ -35,6 +37,14 @@ class Delivery(Protocol):
     async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
         """Bring the object's bytes to `remote` on the host, verified against its digest and
         published; returns the bytes that crossed to the host for it."""
+        ...
+
+    async def place(self, obj: ArtifactObject, part: str, copies: Copies,
+                    progress: Progress) -> int | None:
+        """Bring a CRIU image object's bytes straight into the files of the image set being
+        assembled in `part` on the host (`copies`: `CriuImageSet.copies`), verified against
+        its digest; the bytes that crossed, or None when this source cannot, and the object
+        goes through `deliver` and a staged file."""
         ...
 
 
@@ -125,8 +135,8 @@ class RegistrySource:
     repository: str
     kind: str = "registry"
     # One helper on the host runs a staging's pulls (`session`), and each pull still pays
-    # fixed costs the link idles through (its first request, the fsync and rename of a
-    # CRIU-sized chunk at its end): five at once keep the link busier than three
+    # fixed costs the link idles through (its first request, the fsync of a CRIU-sized
+    # chunk at its end): five at once keep the link busier than three
     # (`scripts/bench staging --link`, docs/hosts.md "Measured").
     in_flight: int = 5
     # Where the replay plans come from: the registry holds them redacted (their environment
@@ -174,6 +184,12 @@ class _StoreDelivery:
     async def deliver(self, remote: str, obj: ArtifactObject, progress: Progress) -> int:
         return await self.source.deliver(self.host, remote, obj, progress)
 
+    async def place(self, obj: ArtifactObject, part: str, copies: Copies,
+                    progress: Progress) -> int | None:
+        # Sent over SSH, an object lands in a staged file of its own (the put's far side
+        # verifies and publishes whole files): `place_object` copies it into the set.
+        return None
+
 
 @dataclass(frozen=True)
 class _RegistryDelivery:
@@ -190,6 +206,15 @@ class _RegistryDelivery:
                              f"opened for")
         pulled = await self.puller.pull(obj.sha256, obj.bytes, remote,
                                         timeout=transfer_timeout(obj.bytes))
+        return pulled.received
+
+    async def place(self, obj: ArtifactObject, part: str, copies: Copies,
+                    progress: Progress) -> int | None:
+        if self.puller is None or self.source.from_store(obj):
+            return None
+        pulled = await self.puller.place(obj.sha256, obj.bytes, part,
+                                         [[list(p) for p in copy] for copy in copies],
+                                         timeout=transfer_timeout(obj.bytes))
         return pulled.received
 
 
@@ -237,6 +262,7 @@ def choose_source(stage_from: StageFrom, store: LocalStore,
 
 __all__ = [
     "STAGE_FROM",
+    "Copies",
     "Delivery",
     "ObjectSource",
     "Progress",

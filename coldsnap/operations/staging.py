@@ -3,11 +3,14 @@
 The far side's copy is named by digest under `<data_dir>/objects/sha256/<hex>`; a copy that is
 already there and hashes right is not sent again.
 
-A unit's CRIU images (role `criu-image`) are reassembled on the host while they arrive: each
-object is placed into the image directory as soon as it has landed, while the next one is in
-flight, and once all are placed the directory is published under the image set's digest and
-the staged objects are dropped (their bytes live on in it). A host that holds the published
-directory already, verified, receives none of them.
+A unit's CRIU images (role `criu-image`) are reassembled on the host while they arrive. From a
+registry, each object is pulled straight into the image directory's files, verified as it
+arrives (`Delivery.place`): its bytes are written once. From the store (over SSH), each object
+lands as a staged file and is placed into the directory as soon as it has, while the next one
+is in flight; so is an object the host held staged already. Once all are placed the directory
+is published under the image set's digest and the staged objects are dropped (their bytes
+live on in it). A host that holds the published directory already, verified, receives none of
+them.
 """
 
 from __future__ import annotations
@@ -181,13 +184,24 @@ async def stage_host(
             await _send(data_dir, obj, delivery, progress, result, held)
 
     async def criu_object(obj: ArtifactObject, delivery: Delivery) -> None:
+        keys = [key for key, image_set in todo.items()
+                if any(o.sha256 == obj.sha256 for o in image_set.objects)]
+        if obj.sha256 not in held and len(keys) == 1:
+            # Straight into its set where the source can (a registry pull): its bytes are
+            # written once, not staged, read back, hashed again and copied.
+            async with sending:
+                moved = await delivery.place(obj, parts[keys[0]],
+                                             todo[keys[0]].copies(obj.sha256), progress)
+            if moved is not None:
+                result.sent_bytes += moved
+                result.sent.append(obj.sha256)
+                return
         async with sending:
             remote = await _send(data_dir, obj, delivery, progress, result, held)
         staged_criu.append(remote)
-        for key, image_set in todo.items():
-            if any(o.sha256 == obj.sha256 for o in image_set.objects):
-                async with placing:
-                    await place_object(host, parts[key], remote, image_set, obj.sha256)
+        for key in keys:
+            async with placing:
+                await place_object(host, parts[key], remote, todo[key], obj.sha256)
 
     to_send = holdings.to_send(objects, image_sets)
     if to_send:

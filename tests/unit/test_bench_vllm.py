@@ -269,6 +269,13 @@ def test_the_link_floor_records_every_tool_and_the_best(
                              "curl": {"seconds": 2.5, "bytes_per_second": 400}}}
 
 
+def test_the_durable_floor_gives_its_own_bound(benches: tuple[ModuleType, ...]) -> None:
+    vllm, _ = benches
+    got = vllm.durable_figures(1000, 4.0, restore_cold_s=9.0, raw_criu_s=0.5, validation_s=0.5)
+    assert got == {"tool": "curl+sync", "bytes": 1000, "seconds": 4.0, "bytes_per_second": 250,
+                   "bound_seconds": 5.0, "restore_cold_host_vs_bound": 1.8}
+
+
 def test_both_cold_host_restores_are_on_the_line_with_their_source(
         benches: tuple[ModuleType, ...]) -> None:
     vllm, _ = benches

@@ -31,6 +31,7 @@ from coldsnap.operations.hostset import HostSet
 from coldsnap.operations.push import Pusher
 from coldsnap.operations.restore import _stage
 from coldsnap.operations.sources import (
+    Copies,
     Delivery,
     Progress,
     Publication,
@@ -239,6 +240,10 @@ class _Counting:
         await asyncio.sleep(0.01)  # every delivery overlaps the others that may run
         self.running -= 1
         return obj.bytes
+
+    async def place(self, obj: ArtifactObject, part: str, copies: Copies,
+                    progress: Progress) -> int | None:
+        return None
 
 
 @pytest.mark.parametrize("in_flight", [1, 3, 5])

@@ -42,8 +42,10 @@ Modes:
                             published; JSON {"received", "resumed_from", "size"}
   blob-pulls                stdin: that request as one line, then one line per pull
                             {"id", "final", "digest", "size"}, each run as `blob-pull` runs
-                            it, beside the others; one JSON line per pull as it ends (see
-                            pulls.py); the end of stdin ends it, pulls in progress or not
+                            it, beside the others, or {"id", "place": {"root", "copies"},
+                            "digest", "size"}: a CRIU object straight into an assembly;
+                            one JSON line per pull as it ends (see pulls.py); the end of
+                            stdin ends it, pulls in progress or not
   blob-push PATH DIGEST SIZE    the same stdin: the file as a blob, unless the repository
                             holds it; JSON {"present", "sent", "size"} (see registry.py)
   seed SRC DST              copy the directory SRC into DST (no symlink followed); JSON

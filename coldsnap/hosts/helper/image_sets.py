@@ -183,46 +183,84 @@ def write_range(fds: dict[str, int], copy: list[Any], pos: int, data: Any) -> No
             os.pwrite(fds[name], data[lo - pos:hi - pos], file_off + lo - obj_off)
 
 
+class BadPieces(Exception):
+    """The copies of an object that do not tile it from offset 0, or that name a file
+    outside the set's directory."""
+
+
+class Placer:
+    """Writes one object's bytes, in order, where each of its copies goes in ROOT's files:
+    `copies` as for `place`. A block of zeros is left a hole: ROOT is a set directory made
+    for this assembly, so a hole reads back as zeros (`finish` gives each file its size),
+    and the pages of zeros CRIU dumped take neither the disk's writes nor its room."""
+
+    def __init__(self, root: str, copies: Any) -> None:
+        self.copies = copies
+        self.fds: dict[str, int] = {}
+        self.size = 0
+        self.pos = 0
+        try:
+            for copy in copies:
+                at = 0
+                for name, _file_off, obj_off, length in copy:
+                    if obj_off != at or os.sep in name or name.startswith("."):
+                        raise BadPieces(f"bad piece {name!r} at {obj_off}")
+                    at += length
+                    if name not in self.fds:
+                        self.fds[name] = os.open(os.path.join(root, name),
+                                                 os.O_WRONLY | os.O_CREAT, 0o600)
+                self.size = at
+        except (TypeError, ValueError) as e:
+            self.close()
+            raise BadPieces(f"pieces are [name, file_offset, object_offset, length]: {e}"
+                            ) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, block: Any, k: int, zeros: bytes) -> None:
+        """The next `k` bytes of the object, the start of `block` (a full bytearray of
+        len(zeros) bytes compares without a copy)."""
+        data = memoryview(block)[:k]
+        if (block != zeros) if k == len(zeros) else (bytes(data) != zeros[:k]):
+            for copy in self.copies:
+                write_range(self.fds, copy, self.pos, data)
+        self.pos += k
+
+    def flush(self, least: int) -> None:
+        """fdatasync the files that a piece of at least `least` bytes went to."""
+        for name in {p[0] for copy in self.copies for p in copy if p[3] >= least}:
+            os.fdatasync(self.fds[name])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 def place(root: str, obj: str, hexd: str) -> None:
-    copies = json.load(sys.stdin)
+    try:
+        placer = Placer(root, json.load(sys.stdin))
+    except BadPieces as e:
+        die(EXIT_USAGE, str(e))
     h = hashlib.sha256()
-    fds: dict[str, int] = {}
     buf = bytearray(CH)
     zeros = bytes(CH)
     mv = memoryview(buf)
-    size = 0
     try:
-        for copy in copies:
-            at = 0
-            for name, _file_off, obj_off, length in copy:
-                if obj_off != at or os.sep in name or name.startswith("."):
-                    die(EXIT_USAGE, f"bad piece {name!r} at {obj_off}")
-                at += length
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT,
-                                        0o600)
-            size = at
-        pos = 0
         with open(obj, "rb") as f:
             while True:
                 k = f.readinto(mv)
                 if not k:
                     break
-                if pos + k > size:
+                if placer.pos + k > placer.size:
                     die(EXIT_MISMATCH, f"{obj} is longer than its pieces")
                 h.update(mv[:k])
-                # A block of zeros is left a hole in a set directory made for this
-                # assembly (it reads back as zeros; finish gives each file its size): the
-                # pages of zeros CRIU dumped take neither the disk's writes nor its room.
-                if (buf != zeros) if k == CH else (bytes(mv[:k]) != zeros[:k]):
-                    for copy in copies:
-                        write_range(fds, copy, pos, mv[:k])
-                pos += k
-        if pos != size:
+                placer.write(buf, k, zeros)
+        if placer.pos != placer.size:
             die(EXIT_MISMATCH, f"{obj} is shorter than its pieces")
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        placer.close()
     if h.hexdigest() != hexd:
         die(EXIT_MISMATCH, f"{obj} hashes to sha256:{h.hexdigest()}, not sha256:{hexd}")
 

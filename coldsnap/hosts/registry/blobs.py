@@ -176,13 +176,30 @@ class BlobPuller:
                    timeout: float) -> PullResult:  # noqa: ASYNC109
         """As `pull_blob`; past `timeout` seconds CommandTimeout (the caller's staging then
         ends, and the helper with it: its partial file stays for a resume)."""
+        answer = await self._ask({"final": final_path}, digest, size, timeout)
+        return PullResult(self.host.name, digest, int(answer["received"]),
+                          int(answer["resumed_from"]))
+
+    async def place(self, digest: str, size: int, root: str, copies: list[Any], *,
+                    timeout: float) -> PullResult:  # noqa: ASYNC109
+        """The blob (a CRIU image object) pulled straight into the files of the image set
+        being assembled in `root` on the host, each of `copies` (`CriuImageSet.copies`)
+        written where it goes, verified against `digest` as it arrives; no staged file of
+        its own, so nothing of it stays for a resume. Raises as `pull` does."""
+        answer = await self._ask({"place": {"root": root, "copies": copies}}, digest, size,
+                                 timeout)
+        return PullResult(self.host.name, digest, int(answer["received"]), 0)
+
+    async def _ask(self, where: dict[str, Any], digest: str, size: int,
+                   timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+        """One pull by the helper, `where` saying where its bytes go; its answer, checked."""
         check_digest(digest)
         if self._gone is not None:
             raise _failure(self.host, self.access, self.repository, digest, None, self._gone)
         ident = next(self._ids)
         answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[ident] = answered
-        job = {"id": ident, "final": final_path, "digest": digest, "size": size}
+        job = {"id": ident, **where, "digest": digest, "size": size}
         try:
             async with asyncio.timeout(timeout):
                 try:
@@ -202,9 +219,7 @@ class BlobPuller:
             code = doc.get("code")
             raise _failure(self.host, self.access, self.repository, digest,
                            code if isinstance(code, int) else None, str(doc["error"])[-800:])
-        answer = _answer(self.host, self.access, self.repository, digest, size, doc)
-        return PullResult(self.host.name, digest, int(answer["received"]),
-                          int(answer["resumed_from"]))
+        return _answer(self.host, self.access, self.repository, digest, size, doc)
 
 
 @contextlib.asynccontextmanager

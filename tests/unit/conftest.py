@@ -12,8 +12,8 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from coldsnap.formats.artifact import (
 from coldsnap.formats.canonical import digest
 from coldsnap.formats.errors import RequestInvalid, ValidationIssue
 from coldsnap.formats.request import load_request, parse_request
+from coldsnap.hosts.base import CommandResult, HeldProcess
+from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.store import LocalStore, StoredArtifact
 from devtools.registry_server import RegistryServer, start_registry
@@ -325,3 +327,32 @@ def serve_registry(tmp_path: Path) -> Iterator[PlainRegistry]:
         if proc.poll() is None:
             served.stop()
         log.close()
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
+    """A fresh plain-HTTP docker-registry of the test's own (`serve_registry`)."""
+    with serve_registry(tmp_path) as served:
+        yield served
+
+
+class ModeNotingHost(LocalHost):
+    """A LocalHost that notes the helper mode of every python3 it starts (`modes`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.modes: list[str] = []
+
+    def _note(self, argv: Sequence[str]) -> None:
+        if argv[:2] == ["python3", "-c"]:
+            self.modes.append(argv[3])
+
+    async def run(self, argv: Sequence[str], **kwargs: Any) -> CommandResult:
+        self._note(list(argv))
+        return await super().run(argv, **kwargs)
+
+    @asynccontextmanager
+    async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:
+        self._note(list(argv))
+        async with super().hold(argv) as held:
+            yield held

@@ -12,7 +12,7 @@ import hashlib
 import http.server
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,46 +20,18 @@ from typing import Any
 import pytest
 
 from coldsnap.capsule.images import image_set_dir, partial_set_dir
-from coldsnap.hosts.base import CommandResult, HeldProcess
 from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError, blob_puller
 from coldsnap.operations.push import Pusher
 from coldsnap.operations.sources import RegistrySource
 from coldsnap.operations.staging import objects_dir, stage_host
-from tests.unit.conftest import PlainRegistry, serve_registry
+from tests.unit.conftest import ModeNotingHost, PlainRegistry
 from tests.unit.test_criu_image_objects import packed, store_with
 from tests.unit.test_registry_staging import _wanted
 
 REPO = "coldsnap/placed"
 
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
-    with serve_registry(tmp_path) as served:
-        yield served
-
-
-class _Modes(LocalHost):
-    """A LocalHost that notes the helper mode of every python3 it starts."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.modes: list[str] = []
-
-    def _note(self, argv: Sequence[str]) -> None:
-        if argv[:2] == ["python3", "-c"]:
-            self.modes.append(argv[3])
-
-    async def run(self, argv: Sequence[str], **kwargs: Any) -> CommandResult:
-        self._note(list(argv))
-        return await super().run(argv, **kwargs)
-
-    @asynccontextmanager
-    async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:
-        self._note(list(argv))
-        async with super().hold(argv) as held:
-            yield held
 
 
 class _Blobs(http.server.BaseHTTPRequestHandler):
@@ -106,7 +78,7 @@ async def test_criu_objects_from_a_registry_are_pulled_straight_into_their_set(
     source = RegistrySource(access, REPO)
     await Pusher(access, REPO).push_all(LocalHost("capture"), [_wanted(p) for p in paths])
     _, objects = store_with(tmp_path / "list", paths)
-    host, data_dir = _Modes("host-1"), str(tmp_path / "host")
+    host, data_dir = ModeNotingHost("host-1"), str(tmp_path / "host")
 
     staged = await stage_host(host, data_dir, objects, source, image_sets=[image_set],
                               operation_id="op-1")

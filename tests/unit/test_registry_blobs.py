@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,9 @@ from coldsnap.hosts.local import LocalHost
 from coldsnap.hosts.registry.access import RegistryAccess
 from coldsnap.hosts.registry.blobs import RegistryTransferError, pull_blob, push_blob
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
-from tests.unit.conftest import PlainRegistry, serve_registry
+from tests.unit.conftest import PlainRegistry
 
 REPO = "coldsnap/test"
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
-    with serve_registry(tmp_path) as served:
-        yield served
 
 
 def stdin_for(address: str) -> bytes:

@@ -18,15 +18,14 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coldsnap.formats.artifact import ArtifactObject, payload_path
-from coldsnap.hosts.base import CommandResult, CommandTimeout, HeldProcess
+from coldsnap.hosts.base import CommandTimeout
 from coldsnap.hosts.helper import helper_argv
 from coldsnap.hosts.helper.common import CH
 from coldsnap.hosts.helper.stamps import STAMP_ATTR
@@ -36,37 +35,10 @@ from coldsnap.hosts.registry.blobs import RegistryTransferError, blob_puller, pu
 from coldsnap.hosts.transfer.protocol import PART_SUFFIX
 from coldsnap.operations.sources import RegistrySource
 from coldsnap.operations.staging import remote_object_path, stage_host
-from tests.unit.conftest import PlainRegistry, serve_registry
+from tests.unit.conftest import ModeNotingHost, PlainRegistry
 
 REPO = "coldsnap/pulls"
 
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
-    with serve_registry(tmp_path) as served:
-        yield served
-
-
-class _Starts(LocalHost):
-    """A LocalHost that notes the helper mode of every python3 it starts."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.modes: list[str] = []
-
-    def _note(self, argv: Sequence[str]) -> None:
-        if argv[:2] == ["python3", "-c"]:
-            self.modes.append(argv[3])
-
-    async def run(self, argv: Sequence[str], **kwargs: Any) -> CommandResult:
-        self._note(list(argv))
-        return await super().run(argv, **kwargs)
-
-    @asynccontextmanager
-    async def hold(self, argv: Sequence[str]) -> AsyncIterator[HeldProcess]:
-        self._note(list(argv))
-        async with super().hold(argv) as held:
-            yield held
 
 
 async def _pushed(access: RegistryAccess, tmp_path: Path, sizes: list[int],
@@ -87,7 +59,7 @@ async def test_a_staging_of_several_objects_starts_one_helper(registry: PlainReg
                                                               tmp_path: Path) -> None:
     access = RegistryAccess(registry.address, insecure=True)
     objects = await _pushed(access, tmp_path, [CH + 1, 5000, 70_000, 1, 2 * CH, 300])
-    host, data_dir = _Starts("host-0"), str(tmp_path / "host")
+    host, data_dir = ModeNotingHost("host-0"), str(tmp_path / "host")
     staged = await stage_host(host, data_dir, objects, RegistrySource(access, REPO))
     assert sorted(staged.sent) == sorted(o.sha256 for o in objects)
     assert staged.sent_bytes == sum(o.bytes for o in objects)

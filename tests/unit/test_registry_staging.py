@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,16 +43,10 @@ from coldsnap.operations.sources import (
 )
 from coldsnap.operations.staging import remote_object_path, stage_host, survey_host
 from coldsnap.store import LocalStore
-from tests.unit.conftest import PlainRegistry, serve_registry
+from tests.unit.conftest import PlainRegistry
 from tests.unit.test_criu_image_objects import packed, store_with
 
 REPO = "coldsnap/staging"
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[PlainRegistry]:
-    with serve_registry(tmp_path) as served:
-        yield served
 
 
 def _wanted(path: Path) -> Wanted:

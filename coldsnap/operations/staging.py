@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Coroutine, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 from coldsnap.capsule.holdings import survey
 from coldsnap.capsule.images import (
@@ -114,6 +115,31 @@ async def _send(data_dir: str, obj: ArtifactObject, delivery: Delivery,
     return remote
 
 
+async def _place_directly(obj: ArtifactObject, image_set: CriuImageSet, part: str,
+                          delivery: Delivery,
+                          progress: Callable[[str], ProgressCallback | None] | None,
+                          result: HostStaging) -> bool:
+    """Bring a CRIU object straight into the one set being assembled in `part` where the
+    source can (a registry pull): its bytes are written once, not staged, read back, hashed
+    again and copied. False when the source cannot, and nothing was done."""
+    moved = await delivery.place(obj, part, image_set.copies(obj.sha256), progress)
+    if moved is None:
+        return False
+    result.sent_bytes += moved
+    result.sent.append(obj.sha256)
+    return True
+
+
+async def _side_by_side(work: list[Coroutine[Any, Any, None]]) -> None:
+    """Run `work` concurrently; the first failure cancels the rest and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for coro in work:
+                group.create_task(coro)
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None
+
+
 @dataclass(frozen=True)
 class HostHoldings:
     """What a host holds already: the digests of its staged objects that are intact, and the
@@ -187,15 +213,10 @@ async def stage_host(
         keys = [key for key, image_set in todo.items()
                 if any(o.sha256 == obj.sha256 for o in image_set.objects)]
         if obj.sha256 not in held and len(keys) == 1:
-            # Straight into its set where the source can (a registry pull): its bytes are
-            # written once, not staged, read back, hashed again and copied.
             async with sending:
-                moved = await delivery.place(obj, parts[keys[0]],
-                                             todo[keys[0]].copies(obj.sha256), progress)
-            if moved is not None:
-                result.sent_bytes += moved
-                result.sent.append(obj.sha256)
-                return
+                if await _place_directly(obj, todo[keys[0]], parts[keys[0]], delivery,
+                                         progress, result):
+                    return
         async with sending:
             remote = await _send(data_dir, obj, delivery, progress, result, held)
         staged_criu.append(remote)
@@ -220,17 +241,12 @@ async def stage_host(
         async with source.session(host, to_send) as delivery:
             for batch in ([o for o in ordered if not source.after_the_rest(o)],
                           [o for o in ordered if source.after_the_rest(o)]):
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        for obj in batch:
-                            if obj.role != ROLE_CRIU_IMAGE:
-                                group.create_task(plain_object(obj, delivery))
-                            elif obj.sha256 in wanted:
-                                group.create_task(criu_object(obj, delivery))
-                            else:
-                                result.skipped.append(obj.sha256)  # its set is there
-                except BaseExceptionGroup as group_error:
-                    raise group_error.exceptions[0] from None
+                there = [o.sha256 for o in batch
+                         if o.role == ROLE_CRIU_IMAGE and o.sha256 not in wanted]
+                result.skipped += there  # their sets are published there
+                await _side_by_side([
+                    (criu_object if o.role == ROLE_CRIU_IMAGE else plain_object)(o, delivery)
+                    for o in batch if o.role != ROLE_CRIU_IMAGE or o.sha256 in wanted])
         for key, image_set in todo.items():
             await finish_assembly(host, parts.pop(key), data_dir, image_set)
     except BaseException:

@@ -212,8 +212,7 @@ class _RegistryDelivery:
                     progress: Progress) -> int | None:
         if self.puller is None or self.source.from_store(obj):
             return None
-        pulled = await self.puller.place(obj.sha256, obj.bytes, part,
-                                         [[list(p) for p in copy] for copy in copies],
+        pulled = await self.puller.place(obj.sha256, obj.bytes, part, copies,
                                          timeout=transfer_timeout(obj.bytes))
         return pulled.received
 
